@@ -1,0 +1,286 @@
+//! The OpenAI chat/completions dialect.
+//!
+//! A chunk carries tokens when one of its choices has a non-empty `delta.content`,
+//! `delta.reasoning_content` / `delta.reasoning`, `delta.refusal`, tool-call name or
+//! arguments (chat), or `text` (completions); each such choice counts one token. A role-only
+//! or empty delta carries none. `usage.completion_tokens` is exact and cumulative (vLLM's
+//! `continuous_usage_stats` sends it on every chunk), so the last one seen is the total.
+//! A top-level `error` object is an in-band error.
+//!
+//! Chunks are read with typed serde visitors that count instead of collecting, so a chunk
+//! is parsed without building a `serde_json::Value` or allocating per choice.
+
+use std::fmt;
+
+use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde::Deserialize;
+
+use super::Facts;
+use crate::sse::Event;
+
+/// Facts of one SSE event.
+pub fn event(event: &Event<'_>) -> Facts {
+    let data = event.data;
+    if data == b"[DONE]" {
+        return Facts {
+            finished: true,
+            ..Facts::default()
+        };
+    }
+    match serde_json::from_slice::<Chunk>(data) {
+        Ok(chunk) => chunk.facts(),
+        Err(_) => Facts {
+            unparsed: true,
+            ..Facts::default()
+        },
+    }
+}
+
+/// Facts of a whole non-streaming JSON response.
+pub fn body(body: &[u8]) -> Facts {
+    event(&Event {
+        name: b"",
+        data: body,
+    })
+}
+
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct Chunk {
+    choices: Choices,
+    usage: Option<Usage>,
+    error: Option<IgnoredAny>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct Usage {
+    completion_tokens: Option<u64>,
+}
+
+impl Chunk {
+    fn facts(&self) -> Facts {
+        Facts {
+            tokens: self.choices.tokens,
+            exact_total: self.usage.as_ref().and_then(|u| u.completion_tokens),
+            finished: self.choices.finished,
+            error: self.error.is_some(),
+            unparsed: false,
+        }
+    }
+}
+
+/// The sum over a `choices` array, read element by element without collecting.
+#[derive(Default)]
+struct Choices {
+    tokens: u32,
+    finished: bool,
+}
+
+impl<'de> Deserialize<'de> for Choices {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Choices;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("an array of choices")
+            }
+            fn visit_unit<E>(self) -> Result<Choices, E> {
+                Ok(Choices::default())
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Choices, A::Error> {
+                let mut sum = Choices::default();
+                while let Some(choice) = seq.next_element::<Choice>()? {
+                    sum.tokens += u32::from(choice.carries_tokens());
+                    sum.finished |= choice.finish_reason.is_some();
+                }
+                Ok(sum)
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct Choice {
+    delta: Option<Delta>,
+    /// The message of a non-streaming chat response; its content is not counted (usage is).
+    text: NonEmpty,
+    finish_reason: Option<IgnoredAny>,
+}
+
+impl Choice {
+    fn carries_tokens(&self) -> bool {
+        self.text.0 || self.delta.as_ref().is_some_and(Delta::carries_tokens)
+    }
+}
+
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct Delta {
+    content: NonEmpty,
+    reasoning_content: NonEmpty,
+    reasoning: NonEmpty,
+    refusal: NonEmpty,
+    tool_calls: ToolCalls,
+}
+
+impl Delta {
+    fn carries_tokens(&self) -> bool {
+        self.content.0 || self.reasoning_content.0 || self.reasoning.0 || self.refusal.0 || self.tool_calls.0
+    }
+}
+
+/// Whether any tool-call delta carries a name or argument text.
+#[derive(Default)]
+struct ToolCalls(bool);
+
+impl<'de> Deserialize<'de> for ToolCalls {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize, Default)]
+        #[serde(default)]
+        struct Call {
+            function: Option<Function>,
+        }
+        #[derive(Deserialize, Default)]
+        #[serde(default)]
+        struct Function {
+            name: NonEmpty,
+            arguments: NonEmpty,
+        }
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = ToolCalls;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("an array of tool calls")
+            }
+            fn visit_unit<E>(self) -> Result<ToolCalls, E> {
+                Ok(ToolCalls(false))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<ToolCalls, A::Error> {
+                let mut any = false;
+                while let Some(call) = seq.next_element::<Call>()? {
+                    any |= call
+                        .function
+                        .is_some_and(|f| f.name.0 || f.arguments.0);
+                }
+                Ok(ToolCalls(any))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// Whether a value is a non-empty string (or a non-empty array or object of content parts).
+/// Reads the value without keeping it.
+#[derive(Default)]
+struct NonEmpty(bool);
+
+impl<'de> Deserialize<'de> for NonEmpty {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = NonEmpty;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("any value")
+            }
+            fn visit_str<E: de::Error>(self, s: &str) -> Result<NonEmpty, E> {
+                Ok(NonEmpty(!s.is_empty()))
+            }
+            fn visit_unit<E>(self) -> Result<NonEmpty, E> {
+                Ok(NonEmpty(false))
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<NonEmpty, E> {
+                Ok(NonEmpty(false))
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<NonEmpty, E> {
+                Ok(NonEmpty(false))
+            }
+            fn visit_u64<E>(self, _: u64) -> Result<NonEmpty, E> {
+                Ok(NonEmpty(false))
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<NonEmpty, E> {
+                Ok(NonEmpty(false))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<NonEmpty, A::Error> {
+                let mut any = false;
+                while seq.next_element::<IgnoredAny>()?.is_some() {
+                    any = true;
+                }
+                Ok(NonEmpty(any))
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<NonEmpty, A::Error> {
+                let mut any = false;
+                while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {
+                    any = true;
+                }
+                Ok(NonEmpty(any))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn facts(data: &str) -> Facts {
+        event(&Event {
+            name: b"",
+            data: data.as_bytes(),
+        })
+    }
+
+    #[test]
+    fn role_only_and_empty_deltas_carry_no_token() {
+        let f = facts(r#"{"id":"x","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}"#);
+        assert_eq!(f, Facts::default());
+        let f = facts(r#"{"choices":[{"index":0,"delta":{},"finish_reason":null}]}"#);
+        assert_eq!(f.tokens, 0);
+    }
+
+    #[test]
+    fn token_bearing_fields() {
+        for delta in [
+            r#"{"content":"Hi"}"#,
+            r#"{"content":"\n"}"#,
+            r#"{"reasoning_content":"think"}"#,
+            r#"{"reasoning":"think"}"#,
+            r#"{"refusal":"no"}"#,
+            r#"{"tool_calls":[{"index":0,"function":{"arguments":"{\"a\""}}]}"#,
+            r#"{"tool_calls":[{"index":0,"id":"c1","type":"function","function":{"name":"f","arguments":""}}]}"#,
+        ] {
+            let f = facts(&format!(r#"{{"choices":[{{"index":0,"delta":{delta}}}]}}"#));
+            assert_eq!(f.tokens, 1, "{delta}");
+        }
+        let f = facts(r#"{"choices":[{"index":0,"text":"Hello","finish_reason":null}]}"#);
+        assert_eq!(f.tokens, 1);
+        let f = facts(r#"{"choices":[{"index":0,"delta":{"content":"a"}},{"index":1,"delta":{"content":"b"}}]}"#);
+        assert_eq!(f.tokens, 2, "one token per choice (n > 1)");
+    }
+
+    #[test]
+    fn usage_finish_error_done() {
+        let f = facts(r#"{"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":128,"total_tokens":137}}"#);
+        assert_eq!(f.exact_total, Some(128));
+        assert_eq!(f.tokens, 0);
+        let f = facts(r#"{"choices":[{"index":0,"delta":{"content":"x"},"finish_reason":"stop"}],"usage":null}"#);
+        assert!(f.finished);
+        assert_eq!(f.exact_total, None);
+        let f = facts(r#"{"error":{"message":"overloaded","type":"server_error"}}"#);
+        assert!(f.error);
+        assert!(facts("[DONE]").finished);
+        assert!(facts(r#"{"choices":[{"delta":{"content":"x"#).unparsed);
+        assert!(facts("not json").unparsed);
+    }
+
+    #[test]
+    fn non_streaming_body() {
+        let f = body(br#"{"id":"c","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"Hello there"},"finish_reason":"stop"}],"usage":{"prompt_tokens":5,"completion_tokens":2,"total_tokens":7}}"#);
+        assert_eq!(f.exact_total, Some(2));
+        assert!(f.finished);
+        assert_eq!(f.tokens, 0);
+    }
+}

@@ -1,0 +1,479 @@
+//! The meter: per-request records and per-upstream sliding windows.
+//!
+//! Time enters every method as an argument ([`Nanos`] since the meter's [`Clock`] origin),
+//! so the window and curve maths are tested with plain numbers. The service takes one
+//! timestamp per upstream body fragment and hands the meter what the dialect found in it.
+//!
+//! Each upstream has one [`UpstreamMeter`]; its lock is taken once per token-bearing
+//! fragment of that upstream (never a lock shared by all upstreams) and by the admin API
+//! when it reads a [`stats::UpstreamStats`] snapshot.
+
+mod stats;
+mod window;
+
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+pub use stats::{CurvePoint, Percentiles, UpstreamStats};
+use window::Windows;
+
+/// Nanoseconds since a [`Clock`]'s origin.
+pub type Nanos = u64;
+
+/// A monotonic clock whose readings are [`Nanos`] since it was made.
+#[derive(Debug, Clone, Copy)]
+pub struct Clock {
+    origin: Instant,
+}
+
+// === impl Clock ===
+
+impl Clock {
+    pub fn new() -> Self {
+        Clock {
+            origin: Instant::now(),
+        }
+    }
+
+    pub fn now(&self) -> Nanos {
+        u64::try_from(self.origin.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
+}
+
+impl Default for Clock {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// How a request ended; the `status` label of `tokentap_requests_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// A complete response (2xx/3xx; a stream that reached its terminal event).
+    Ok,
+    /// The upstream answered 4xx: the request was refused, the backend did its job.
+    ClientError,
+    /// The upstream answered 5xx.
+    ServerError,
+    /// The client went away before the response ended.
+    Aborted,
+    /// The upstream could not be reached, or failed (reset, timeout) mid-response.
+    UpstreamError,
+    /// A stream that ended without its terminal event (finish reason or `[DONE]`).
+    Truncated,
+    /// The stream reported an error in-band (`{"error":…}` event).
+    StreamError,
+}
+
+// === impl Outcome ===
+
+impl Outcome {
+    pub const ALL: [Outcome; 7] = [
+        Outcome::Ok,
+        Outcome::ClientError,
+        Outcome::ServerError,
+        Outcome::Aborted,
+        Outcome::UpstreamError,
+        Outcome::Truncated,
+        Outcome::StreamError,
+    ];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Outcome::Ok => "ok",
+            Outcome::ClientError => "4xx",
+            Outcome::ServerError => "5xx",
+            Outcome::Aborted => "aborted",
+            Outcome::UpstreamError => "upstream_error",
+            Outcome::Truncated => "truncated",
+            Outcome::StreamError => "stream_error",
+        }
+    }
+
+    /// Errors are the backend's failures; a refused request or a client that left is not one.
+    pub fn is_error(self) -> bool {
+        matches!(
+            self,
+            Outcome::ServerError | Outcome::UpstreamError | Outcome::Truncated | Outcome::StreamError
+        )
+    }
+
+    /// The outcome of a response that arrived whole with this HTTP status.
+    pub fn from_status(status: u16) -> Outcome {
+        match status {
+            500.. => Outcome::ServerError,
+            400..=499 => Outcome::ClientError,
+            _ => Outcome::Ok,
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// Prometheus histogram handles an upstream's records feed (no-ops in unit tests).
+#[derive(Clone)]
+pub struct Histograms {
+    pub ttft: metrics::Histogram,
+    pub tpot: metrics::Histogram,
+    pub itl: metrics::Histogram,
+}
+
+impl Histograms {
+    pub fn noop() -> Self {
+        Histograms {
+            ttft: metrics::Histogram::noop(),
+            tpot: metrics::Histogram::noop(),
+            itl: metrics::Histogram::noop(),
+        }
+    }
+}
+
+/// The live figures of one upstream.
+pub struct UpstreamMeter {
+    name: Arc<str>,
+    clock: Clock,
+    inner: Mutex<Windows>,
+    hist: Histograms,
+}
+
+// === impl UpstreamMeter ===
+
+impl UpstreamMeter {
+    /// A meter whose sliding window is `window` long, starting at `now`.
+    pub fn new(name: &str, window: Duration, clock: Clock, hist: Histograms) -> Arc<Self> {
+        let now = clock.now();
+        Arc::new(UpstreamMeter {
+            name: name.into(),
+            clock,
+            inner: Mutex::new(Windows::new(window, now)),
+            hist,
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn clock(&self) -> Clock {
+        self.clock
+    }
+
+    /// A generation request was sent to this upstream at `now`, its client's request having
+    /// started at `t0`. It counts as in flight until the returned record is finished or
+    /// dropped.
+    pub fn begin(self: &Arc<Self>, t0: Nanos, now: Nanos) -> Stream {
+        let key = self.lock().begin(t0, now);
+        Stream {
+            meter: Arc::clone(self),
+            key,
+            t0,
+            first: None,
+            last: 0,
+            tokens: 0,
+            exact: None,
+            done: false,
+        }
+    }
+
+    /// Counts a request that is not generation traffic (forwarded, not metered).
+    pub fn count_plain(&self, outcome: Outcome) {
+        self.lock().count(outcome);
+    }
+
+    /// Counts events skipped as unparsable or oversized.
+    pub fn count_unparsed(&self, events: u64) {
+        if events > 0 {
+            self.lock().unparsed(events);
+        }
+    }
+
+    /// The figures at `now`.
+    pub fn stats(&self, now: Nanos) -> UpstreamStats {
+        self.lock().stats(&self.name, now)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Windows> {
+        // A panic elsewhere cannot leave the windows half-updated in a way that matters more
+        // than losing every figure, so a poisoned lock is used as is.
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// One metered request: its in-flight slot and its record. Finish it with
+/// [`Stream::finish`]; dropped unfinished (a panic, a path that forgot), it ends as
+/// [`Outcome::Aborted`], so the slot is never leaked.
+pub struct Stream {
+    meter: Arc<UpstreamMeter>,
+    key: usize,
+    t0: Nanos,
+    first: Option<Nanos>,
+    last: Nanos,
+    tokens: u64,
+    exact: Option<u64>,
+    done: bool,
+}
+
+// === impl Stream ===
+
+impl Stream {
+    /// A fragment carrying `n` tokens arrived at `now`.
+    pub fn tokens(&mut self, now: Nanos, n: u32) {
+        if n == 0 || self.done {
+            return;
+        }
+        let gap = self.meter.lock().tokens(self.key, now, n);
+        match gap {
+            None => {
+                self.first = Some(now);
+                self.meter.hist.ttft.record(secs(now.saturating_sub(self.t0)));
+            }
+            Some(gap) => {
+                let per_token = secs(gap) / f64::from(n);
+                for _ in 0..n {
+                    self.meter.hist.itl.record(per_token);
+                }
+            }
+        }
+        self.last = now;
+        self.tokens += u64::from(n);
+    }
+
+    /// The stream reported an exact output-token count (cumulative: the last one wins).
+    pub fn exact_total(&mut self, total: u64) {
+        self.exact = Some(total);
+    }
+
+    /// Tokens counted so far (the exact count once one arrived).
+    pub fn output_tokens(&self) -> u64 {
+        self.exact.unwrap_or(self.tokens)
+    }
+
+    pub fn first_token_at(&self) -> Option<Nanos> {
+        self.first
+    }
+
+    /// The response ended at `now`.
+    pub fn finish(mut self, now: Nanos, outcome: Outcome) {
+        self.end(now, outcome);
+    }
+
+    fn end(&mut self, now: Nanos, outcome: Outcome) {
+        if self.done {
+            return;
+        }
+        self.done = true;
+        let total = self.output_tokens();
+        self.meter
+            .lock()
+            .finish(self.key, now, outcome, self.tokens, self.exact);
+        if let Some(first) = self.first {
+            if total >= 2 && self.last > first {
+                self.meter
+                    .hist
+                    .tpot
+                    .record(secs(self.last - first) / (total - 1) as f64);
+            }
+        }
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        if !self.done {
+            let now = self.meter.clock.now();
+            self.end(now, Outcome::Aborted);
+        }
+    }
+}
+
+fn secs(ns: Nanos) -> f64 {
+    ns as f64 / 1e9
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: Nanos = 1_000_000;
+    const S: Nanos = 1_000 * MS;
+
+    fn meter(window_secs: u64) -> Arc<UpstreamMeter> {
+        UpstreamMeter::new(
+            "u",
+            Duration::from_secs(window_secs),
+            Clock::new(),
+            Histograms::noop(),
+        )
+    }
+
+    /// `streams` requests decoding one token every `tpot` from `start` until `end`.
+    fn steady(m: &Arc<UpstreamMeter>, streams: usize, tpot: Nanos, start: Nanos, end: Nanos) -> Vec<Stream> {
+        let mut s: Vec<Stream> = (0..streams).map(|_| m.begin(start, start)).collect();
+        let mut t = start + tpot;
+        while t <= end {
+            for st in &mut s {
+                st.tokens(t, 1);
+            }
+            t += tpot;
+        }
+        s
+    }
+
+    fn close(a: Option<f64>, b: f64, tol: f64) -> bool {
+        a.is_some_and(|a| (a - b).abs() <= tol * b)
+    }
+
+    #[test]
+    fn no_data_is_null() {
+        let st = meter(10).stats(5 * S);
+        assert_eq!(st.system_tps, None);
+        assert_eq!(st.single_stream_tps, None);
+        assert_eq!(st.concurrency, None);
+        assert_eq!(st.tpot_ms, Percentiles::default());
+        assert_eq!(st.counts_exact, None);
+        assert!(st.curve.is_empty());
+        let json = serde_json::to_string(&st).unwrap_or_default();
+        assert!(json.contains(r#""system_tps":null"#), "{json}");
+    }
+
+    #[test]
+    fn steady_streams_give_exact_rates() {
+        let m = meter(10);
+        let _s = steady(&m, 4, 20 * MS, 0, 30 * S);
+        let st = m.stats(30 * S);
+        assert!(close(st.system_tps, 200.0, 0.01), "{:?}", st.system_tps);
+        assert!(close(st.single_stream_tps, 50.0, 0.001), "{:?}", st.single_stream_tps);
+        assert!(close(st.concurrency, 4.0, 0.001), "{:?}", st.concurrency);
+        assert!(close(st.tpot_ms.p50, 20.0, 0.001));
+        assert!(close(st.itl_ms.p50, 20.0, 0.01), "{:?}", st.itl_ms);
+        assert_eq!(st.in_flight, 4);
+        assert_eq!(st.curve.len(), 1);
+        assert_eq!(st.curve[0].concurrency, 4);
+        assert!(close(st.curve[0].system_tps, 200.0, 0.01));
+        assert!(close(st.curve[0].tpot_ms_p50, 20.0, 0.01));
+    }
+
+    #[test]
+    fn young_proxy_divides_by_its_age() {
+        let m = meter(10);
+        let _s = steady(&m, 1, 10 * MS, 0, 2 * S);
+        let st = m.stats(2 * S);
+        assert!(close(st.system_tps, 100.0, 0.01), "{:?}", st.system_tps);
+    }
+
+    #[test]
+    fn exact_total_replaces_the_estimate() {
+        let m = meter(10);
+        let mut s = m.begin(0, 0);
+        for i in 1..=10 {
+            s.tokens(i * 10 * MS, 1);
+        }
+        s.exact_total(12);
+        s.exact_total(15); // cumulative usage: the last one wins
+        s.finish(110 * MS, Outcome::Ok);
+        let st = m.stats(S);
+        assert_eq!(st.output_tokens_total, 15);
+        assert_eq!(st.counts_exact, Some(true));
+        // 15 tokens over the window's 1 s of life.
+        assert!(close(st.system_tps, 15.0, 0.001), "{:?}", st.system_tps);
+        // TPOT uses the exact count: 90 ms over 14 gaps.
+        assert!(close(st.tpot_ms.p50, 90.0 / 14.0, 0.001), "{:?}", st.tpot_ms);
+
+        let mut s = m.begin(S, S);
+        s.tokens(S + MS, 1);
+        s.finish(S + 2 * MS, Outcome::Ok);
+        let st = m.stats(2 * S);
+        assert_eq!(st.output_tokens_total, 16);
+        assert_eq!(st.counts_exact, Some(false));
+    }
+
+    #[test]
+    fn ttft_and_non_streaming() {
+        let m = meter(10);
+        let mut s = m.begin(0, MS);
+        s.tokens(50 * MS, 1);
+        s.tokens(70 * MS, 1);
+        s.finish(80 * MS, Outcome::Ok);
+        let mut n = m.begin(0, 0);
+        n.exact_total(100);
+        n.finish(400 * MS, Outcome::Ok);
+        let st = m.stats(S);
+        assert!(close(st.ttft_ms.p50, 50.0, 0.001), "{:?}", st.ttft_ms);
+        assert_eq!(st.e2e_ms.p90, Some(400.0));
+        assert_eq!(st.output_tokens_total, 102);
+    }
+
+    #[test]
+    fn curve_buckets_by_concurrency() {
+        let m = meter(10);
+        let s1 = steady(&m, 1, 20 * MS, 0, 20 * S);
+        for s in s1 {
+            s.finish(20 * S, Outcome::Ok);
+        }
+        let _s16 = steady(&m, 16, 22 * MS, 20 * S, 40 * S);
+        let st = m.stats(40 * S);
+        let at = |c| st.curve.iter().find(|p| p.concurrency == c).cloned();
+        let one = at(1).expect("bucket 1");
+        let sixteen = at(16).expect("bucket 16");
+        assert!(close(one.tpot_ms_p50, 20.0, 0.01));
+        assert!(close(one.system_tps, 50.0, 0.01), "{:?}", one.system_tps);
+        assert!(close(sixteen.tpot_ms_p90, 22.0, 0.01));
+        assert!(close(sixteen.single_stream_tps, 1000.0 / 22.0, 0.01));
+        assert!(close(sixteen.system_tps, 16.0 * 1000.0 / 22.0, 0.01), "{:?}", sixteen.system_tps);
+        // The live window only sees the 16-stream phase.
+        assert!(close(st.concurrency, 16.0, 0.001));
+    }
+
+    #[test]
+    fn window_slides_and_forgets() {
+        let m = meter(10);
+        for s in steady(&m, 2, 20 * MS, 0, 5 * S) {
+            s.finish(5 * S, Outcome::Ok);
+        }
+        let st = m.stats(30 * S);
+        assert_eq!(st.system_tps, Some(0.0));
+        assert_eq!(st.single_stream_tps, None);
+        assert_eq!(st.concurrency, Some(0.0));
+        assert_eq!(st.in_flight, 0);
+        assert_eq!(st.requests_total, 2);
+        assert_eq!(m.lock().records_held(), 0, "finished records leave with the window");
+    }
+
+    #[test]
+    fn dropped_stream_is_aborted_and_frees_its_slot() {
+        let m = meter(10);
+        {
+            let mut s = m.begin(0, 0);
+            s.tokens(MS, 1);
+        }
+        let st = m.stats(S);
+        assert_eq!(st.in_flight, 0);
+        assert_eq!(st.requests_by_status.get("aborted"), Some(&1));
+        assert_eq!(st.errors_total, 0);
+    }
+
+    #[test]
+    fn multi_token_events_spread_the_gap() {
+        let m = meter(10);
+        let mut s = m.begin(0, 0);
+        for i in 1..=50 {
+            s.tokens(i * 80 * MS, 4);
+        }
+        let st = m.stats(4 * S);
+        assert!(close(st.itl_ms.p50, 20.0, 0.01), "{:?}", st.itl_ms);
+    }
+
+    #[test]
+    fn out_of_order_timestamps_are_clamped() {
+        let m = meter(10);
+        let mut a = m.begin(0, 0);
+        a.tokens(2 * S, 1);
+        let mut b = m.begin(0, 0);
+        b.tokens(S, 1); // taken before a's, locked after
+        a.finish(3 * S, Outcome::Ok);
+        b.finish(3 * S, Outcome::Ok);
+        assert_eq!(m.stats(4 * S).in_flight, 0);
+    }
+}

@@ -1,0 +1,92 @@
+//! The figures the admin API reports (DESIGN §5): a snapshot of one upstream's windows.
+//! Figures without data are `None` (JSON `null`), never 0 and never NaN.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+/// p50/p90/p99 of a set of samples, in milliseconds.
+#[derive(Debug, Clone, Copy, Default, Serialize, PartialEq)]
+pub struct Percentiles {
+    pub p50: Option<f64>,
+    pub p90: Option<f64>,
+    pub p99: Option<f64>,
+}
+
+// === impl Percentiles ===
+
+impl Percentiles {
+    /// Nearest-rank percentiles of `samples` (sorted in place).
+    pub fn of(samples: &mut [f64]) -> Percentiles {
+        samples.sort_unstable_by(f64::total_cmp);
+        Percentiles {
+            p50: nearest_rank(samples, 50.0),
+            p90: nearest_rank(samples, 90.0),
+            p99: nearest_rank(samples, 99.0),
+        }
+    }
+}
+
+/// The nearest-rank percentile `p` of sorted samples.
+pub fn nearest_rank(sorted: &[f64], p: f64) -> Option<f64> {
+    if sorted.is_empty() {
+        return None;
+    }
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    Some(sorted[rank.clamp(1, sorted.len()) - 1])
+}
+
+/// One point of the concurrency→TPOT curve: the tokens that arrived while the upstream had
+/// between `concurrency / 2 + 1` and `concurrency` requests in flight, since the proxy started.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct CurvePoint {
+    pub concurrency: u64,
+    pub tpot_ms_p50: Option<f64>,
+    pub tpot_ms_p90: Option<f64>,
+    pub single_stream_tps: Option<f64>,
+    pub system_tps: Option<f64>,
+    /// Per-token gaps measured in this bucket.
+    pub samples: u64,
+}
+
+/// Everything `/stats` reports of one upstream.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct UpstreamStats {
+    pub name: String,
+    pub in_flight: u64,
+    /// Requests waiting for a concurrency slot (caps arrive with the limiter).
+    pub queued: u64,
+    /// The concurrency cap in force, `null` when there is none.
+    pub limit: Option<u64>,
+    pub requests_total: u64,
+    pub errors_total: u64,
+    /// Output tokens of finished requests (exact counts where the stream gave one).
+    pub output_tokens_total: u64,
+    /// Whether every finished generation was counted exactly; `null` before the first.
+    pub counts_exact: Option<bool>,
+    pub requests_by_status: BTreeMap<&'static str, u64>,
+    pub unparsed_events_total: u64,
+    pub system_tps: Option<f64>,
+    pub single_stream_tps: Option<f64>,
+    pub concurrency: Option<f64>,
+    pub ttft_ms: Percentiles,
+    pub tpot_ms: Percentiles,
+    pub itl_ms: Percentiles,
+    /// End-to-end latency of requests that finished in the window (non-streaming included).
+    pub e2e_ms: Percentiles,
+    pub curve: Vec<CurvePoint>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nearest_rank_percentiles() {
+        let mut v: Vec<f64> = (1..=100).map(f64::from).collect();
+        let p = Percentiles::of(&mut v);
+        assert_eq!((p.p50, p.p90, p.p99), (Some(50.0), Some(90.0), Some(99.0)));
+        assert_eq!(Percentiles::of(&mut []), Percentiles::default());
+        assert_eq!(nearest_rank(&[7.0], 99.0), Some(7.0));
+    }
+}

@@ -28,14 +28,14 @@
 //! - [`sim`], [`load`], [`demo`]: a simulated batching backend, a load generator and the
 //!   embedded demo; they stand apart from the proxy like a real backend and client.
 
-//pub mod admin;
-//pub mod config;
-//pub mod demo;
+pub mod admin;
+pub mod config;
+pub mod demo;
 pub mod dialect;
-//pub mod load;
+pub mod load;
 pub mod meter;
-//pub mod routing;
-//pub mod server;
-//pub mod service;
-//pub mod sim;
+pub mod routing;
+pub mod server;
+pub mod service;
+pub mod sim;
 pub mod sse;

@@ -260,7 +260,10 @@ mod tests {
             let (f, v) = match line.iter().position(|&b| b == b':') {
                 Some(p) => {
                     let v = &line[p + 1..];
-                    (line[..p].to_vec(), v.strip_prefix(b" ").unwrap_or(v).to_vec())
+                    (
+                        line[..p].to_vec(),
+                        v.strip_prefix(b" ").unwrap_or(v).to_vec(),
+                    )
                 }
                 None => (line.clone(), Vec::new()),
             };

@@ -128,7 +128,11 @@ struct Delta {
 
 impl Delta {
     fn carries_tokens(&self) -> bool {
-        self.content.0 || self.reasoning_content.0 || self.reasoning.0 || self.refusal.0 || self.tool_calls.0
+        self.content.0
+            || self.reasoning_content.0
+            || self.reasoning.0
+            || self.refusal.0
+            || self.tool_calls.0
     }
 }
 
@@ -161,9 +165,7 @@ impl<'de> Deserialize<'de> for ToolCalls {
             fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<ToolCalls, A::Error> {
                 let mut any = false;
                 while let Some(call) = seq.next_element::<Call>()? {
-                    any |= call
-                        .function
-                        .is_some_and(|f| f.name.0 || f.arguments.0);
+                    any |= call.function.is_some_and(|f| f.name.0 || f.arguments.0);
                 }
                 Ok(ToolCalls(any))
             }
@@ -235,7 +237,9 @@ mod tests {
 
     #[test]
     fn role_only_and_empty_deltas_carry_no_token() {
-        let f = facts(r#"{"id":"x","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}"#);
+        let f = facts(
+            r#"{"id":"x","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}"#,
+        );
         assert_eq!(f, Facts::default());
         let f = facts(r#"{"choices":[{"index":0,"delta":{},"finish_reason":null}]}"#);
         assert_eq!(f.tokens, 0);
@@ -257,16 +261,22 @@ mod tests {
         }
         let f = facts(r#"{"choices":[{"index":0,"text":"Hello","finish_reason":null}]}"#);
         assert_eq!(f.tokens, 1);
-        let f = facts(r#"{"choices":[{"index":0,"delta":{"content":"a"}},{"index":1,"delta":{"content":"b"}}]}"#);
+        let f = facts(
+            r#"{"choices":[{"index":0,"delta":{"content":"a"}},{"index":1,"delta":{"content":"b"}}]}"#,
+        );
         assert_eq!(f.tokens, 2, "one token per choice (n > 1)");
     }
 
     #[test]
     fn usage_finish_error_done() {
-        let f = facts(r#"{"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":128,"total_tokens":137}}"#);
+        let f = facts(
+            r#"{"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":128,"total_tokens":137}}"#,
+        );
         assert_eq!(f.exact_total, Some(128));
         assert_eq!(f.tokens, 0);
-        let f = facts(r#"{"choices":[{"index":0,"delta":{"content":"x"},"finish_reason":"stop"}],"usage":null}"#);
+        let f = facts(
+            r#"{"choices":[{"index":0,"delta":{"content":"x"},"finish_reason":"stop"}],"usage":null}"#,
+        );
         assert!(f.finished);
         assert_eq!(f.exact_total, None);
         let f = facts(r#"{"error":{"message":"overloaded","type":"server_error"}}"#);

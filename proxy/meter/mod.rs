@@ -94,7 +94,10 @@ impl Outcome {
     pub fn is_error(self) -> bool {
         matches!(
             self,
-            Outcome::ServerError | Outcome::UpstreamError | Outcome::Truncated | Outcome::StreamError
+            Outcome::ServerError
+                | Outcome::UpstreamError
+                | Outcome::Truncated
+                | Outcome::StreamError
         )
     }
 
@@ -227,7 +230,10 @@ impl Stream {
         match gap {
             None => {
                 self.first = Some(now);
-                self.meter.hist.ttft.record(secs(now.saturating_sub(self.t0)));
+                self.meter
+                    .hist
+                    .ttft
+                    .record(secs(now.saturating_sub(self.t0)));
             }
             Some(gap) => {
                 let per_token = secs(gap) / f64::from(n);
@@ -309,7 +315,13 @@ mod tests {
     }
 
     /// `streams` requests decoding one token every `tpot` from `start` until `end`.
-    fn steady(m: &Arc<UpstreamMeter>, streams: usize, tpot: Nanos, start: Nanos, end: Nanos) -> Vec<Stream> {
+    fn steady(
+        m: &Arc<UpstreamMeter>,
+        streams: usize,
+        tpot: Nanos,
+        start: Nanos,
+        end: Nanos,
+    ) -> Vec<Stream> {
         let mut s: Vec<Stream> = (0..streams).map(|_| m.begin(start, start)).collect();
         let mut t = start + tpot;
         while t <= end {
@@ -344,7 +356,11 @@ mod tests {
         let _s = steady(&m, 4, 20 * MS, 0, 30 * S);
         let st = m.stats(30 * S);
         assert!(close(st.system_tps, 200.0, 0.01), "{:?}", st.system_tps);
-        assert!(close(st.single_stream_tps, 50.0, 0.001), "{:?}", st.single_stream_tps);
+        assert!(
+            close(st.single_stream_tps, 50.0, 0.001),
+            "{:?}",
+            st.single_stream_tps
+        );
         assert!(close(st.concurrency, 4.0, 0.001), "{:?}", st.concurrency);
         assert!(close(st.tpot_ms.p50, 20.0, 0.001));
         assert!(close(st.itl_ms.p50, 20.0, 0.01), "{:?}", st.itl_ms);
@@ -379,7 +395,11 @@ mod tests {
         // 15 tokens over the window's 1 s of life.
         assert!(close(st.system_tps, 15.0, 0.001), "{:?}", st.system_tps);
         // TPOT uses the exact count: 90 ms over 14 gaps.
-        assert!(close(st.tpot_ms.p50, 90.0 / 14.0, 0.001), "{:?}", st.tpot_ms);
+        assert!(
+            close(st.tpot_ms.p50, 90.0 / 14.0, 0.001),
+            "{:?}",
+            st.tpot_ms
+        );
 
         let mut s = m.begin(S, S);
         s.tokens(S + MS, 1);
@@ -421,7 +441,11 @@ mod tests {
         assert!(close(one.system_tps, 50.0, 0.01), "{:?}", one.system_tps);
         assert!(close(sixteen.tpot_ms_p90, 22.0, 0.01));
         assert!(close(sixteen.single_stream_tps, 1000.0 / 22.0, 0.01));
-        assert!(close(sixteen.system_tps, 16.0 * 1000.0 / 22.0, 0.01), "{:?}", sixteen.system_tps);
+        assert!(
+            close(sixteen.system_tps, 16.0 * 1000.0 / 22.0, 0.01),
+            "{:?}",
+            sixteen.system_tps
+        );
         // The live window only sees the 16-stream phase.
         assert!(close(st.concurrency, 16.0, 0.001));
     }
@@ -438,7 +462,11 @@ mod tests {
         assert_eq!(st.concurrency, Some(0.0));
         assert_eq!(st.in_flight, 0);
         assert_eq!(st.requests_total, 2);
-        assert_eq!(m.lock().records_held(), 0, "finished records leave with the window");
+        assert_eq!(
+            m.lock().records_held(),
+            0,
+            "finished records leave with the window"
+        );
     }
 
     #[test]

@@ -88,7 +88,8 @@ pub(super) struct Windows {
 
 fn histogram() -> Histogram<u32> {
     // The bounds are constants that hdrhistogram accepts; the fallback is unreachable.
-    Histogram::new_with_bounds(1, HIST_MAX_US, 2).unwrap_or_else(|_| Histogram::new(2).unwrap_or_else(|_| unreachable!()))
+    Histogram::new_with_bounds(1, HIST_MAX_US, 2)
+        .unwrap_or_else(|_| Histogram::new(2).unwrap_or_else(|_| unreachable!()))
 }
 
 fn bucket(concurrency: u64) -> usize {
@@ -180,10 +181,7 @@ impl Windows {
             let per_token_us = gap as f64 / 1e3 / f64::from(n);
             let v = (per_token_us.round() as u64).clamp(1, HIST_MAX_US);
             let _ = slot.itl.record_n(v, n);
-            let _ = curve
-                .gaps
-                .get_or_insert_with(histogram)
-                .record_n(v, n);
+            let _ = curve.gaps.get_or_insert_with(histogram).record_n(v, n);
             curve.gap_sum_us += per_token_us * f64::from(n);
         }
         gap
@@ -314,7 +312,12 @@ impl Windows {
             .filter(|(_, b)| b.tokens > 0)
             .map(|(i, b)| {
                 let samples = b.gaps.as_ref().map_or(0, Histogram::len);
-                let q = |p: f64| b.gaps.as_ref().filter(|h| h.len() > 0).map(|h| h.value_at_quantile(p) as f64 / 1e3);
+                let q = |p: f64| {
+                    b.gaps
+                        .as_ref()
+                        .filter(|h| h.len() > 0)
+                        .map(|h| h.value_at_quantile(p) as f64 / 1e3)
+                };
                 let mean_ms = (samples > 0).then(|| b.gap_sum_us / samples as f64 / 1e3);
                 CurvePoint {
                     concurrency: 1 << i,
@@ -329,6 +332,7 @@ impl Windows {
     }
 
     /// Records held: in flight, or finished inside the window.
+    #[cfg(test)]
     pub(super) fn records_held(&self) -> usize {
         self.records.len()
     }
@@ -383,7 +387,11 @@ impl Windows {
 /// unless it had at least two events there.
 fn window_tpot(rec: &Record, oldest: u64, newest: u64) -> Option<f64> {
     let (mut first, mut last, mut tokens, mut events) = (u64::MAX, 0, 0u64, 0u32);
-    for s in rec.segments.iter().filter(|s| s.events > 0 && s.epoch >= oldest && s.epoch <= newest) {
+    for s in rec
+        .segments
+        .iter()
+        .filter(|s| s.events > 0 && s.epoch >= oldest && s.epoch <= newest)
+    {
         first = first.min(s.first);
         last = last.max(s.last);
         tokens += s.tokens;

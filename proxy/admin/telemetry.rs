@@ -1,0 +1,172 @@
+//! Prometheus exposition through the `metrics` crate. Every metric is described here; names
+//! are `tokentap_<thing>_<unit>`, labels are bounded (upstream name, outcome, curve bucket).
+//!
+//! The recorder is local to one proxy (not the process-global one), so several proxies in
+//! one process — tests, the demo — never mix their figures. Counters and gauges are set from
+//! the meter's snapshot at scrape time; the histograms are fed by the meter as requests run.
+
+use metrics::{
+    counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram, Unit,
+};
+use metrics_exporter_prometheus::{
+    Matcher, PrometheusBuilder, PrometheusHandle, PrometheusRecorder,
+};
+
+use crate::meter::{Histograms, Outcome, UpstreamStats};
+
+/// Histogram buckets for latencies, seconds: 1 ms to 5 min.
+const LATENCY_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
+];
+
+pub struct Telemetry {
+    recorder: PrometheusRecorder,
+    handle: PrometheusHandle,
+}
+
+// === impl Telemetry ===
+
+impl Telemetry {
+    pub fn new() -> Self {
+        let builder = PrometheusBuilder::new();
+        let builder = match builder
+            .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), LATENCY_BUCKETS)
+        {
+            Ok(b) => b,
+            // Only an empty bucket list is refused; ours is a non-empty constant.
+            Err(_) => PrometheusBuilder::new(),
+        };
+        let recorder = builder.build_recorder();
+        let handle = recorder.handle();
+        metrics::with_local_recorder(&recorder, describe);
+        Telemetry { recorder, handle }
+    }
+
+    /// The histogram handles an upstream's meter records into.
+    pub fn histograms(&self, upstream: &str) -> Histograms {
+        let name = upstream.to_owned();
+        metrics::with_local_recorder(&self.recorder, || Histograms {
+            ttft: histogram!("tokentap_ttft_seconds", "upstream" => name.clone()),
+            tpot: histogram!("tokentap_tpot_seconds", "upstream" => name.clone()),
+            itl: histogram!("tokentap_itl_seconds", "upstream" => name.clone()),
+        })
+    }
+
+    /// The exposition text, after setting counters and gauges from `stats`.
+    pub fn render(&self, stats: &[UpstreamStats]) -> String {
+        metrics::with_local_recorder(&self.recorder, || {
+            for s in stats {
+                let up = s.name.clone();
+                for o in Outcome::ALL {
+                    let n = s.requests_by_status.get(o.label()).copied().unwrap_or(0);
+                    counter!("tokentap_requests_total", "upstream" => up.clone(), "status" => o.label()).absolute(n);
+                }
+                counter!("tokentap_errors_total", "upstream" => up.clone())
+                    .absolute(s.errors_total);
+                counter!("tokentap_output_tokens_total", "upstream" => up.clone())
+                    .absolute(s.output_tokens_total);
+                counter!("tokentap_unparsed_events_total", "upstream" => up.clone())
+                    .absolute(s.unparsed_events_total);
+                gauge!("tokentap_in_flight_requests", "upstream" => up.clone())
+                    .set(s.in_flight as f64);
+                let or_nan = |v: Option<f64>| v.unwrap_or(f64::NAN);
+                gauge!("tokentap_system_tokens_per_second", "upstream" => up.clone())
+                    .set(or_nan(s.system_tps));
+                gauge!("tokentap_single_stream_tokens_per_second", "upstream" => up.clone())
+                    .set(or_nan(s.single_stream_tps));
+                gauge!("tokentap_concurrency", "upstream" => up.clone()).set(or_nan(s.concurrency));
+                let exact = s.counts_exact.map(|e| if e { 1.0 } else { 0.0 });
+                gauge!("tokentap_counts_exact", "upstream" => up.clone()).set(or_nan(exact));
+                for p in &s.curve {
+                    let c = p.concurrency.to_string();
+                    gauge!("tokentap_curve_tpot_p50_seconds", "upstream" => up.clone(), "concurrency" => c.clone())
+                        .set(or_nan(p.tpot_ms_p50.map(|v| v / 1e3)));
+                    gauge!("tokentap_curve_tpot_p90_seconds", "upstream" => up.clone(), "concurrency" => c.clone())
+                        .set(or_nan(p.tpot_ms_p90.map(|v| v / 1e3)));
+                    gauge!("tokentap_curve_system_tokens_per_second", "upstream" => up.clone(), "concurrency" => c)
+                        .set(or_nan(p.system_tps));
+                }
+            }
+        });
+        self.handle.render()
+    }
+
+    /// Drains histogram samples into their buckets; call every few seconds so memory stays
+    /// bounded between scrapes.
+    pub fn upkeep(&self) {
+        self.handle.run_upkeep();
+    }
+}
+
+impl Default for Telemetry {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+fn describe() {
+    describe_counter!("tokentap_requests_total", "Requests by upstream and outcome (ok, 4xx, 5xx, aborted, upstream_error, truncated, stream_error).");
+    describe_counter!(
+        "tokentap_errors_total",
+        "Requests the upstream failed: 5xx, upstream_error, truncated, stream_error."
+    );
+    describe_counter!(
+        "tokentap_output_tokens_total",
+        Unit::Count,
+        "Output tokens of finished requests; exact where the stream reported a count."
+    );
+    describe_counter!(
+        "tokentap_unparsed_events_total",
+        "Stream events that could not be metered (broken JSON, over the size bound)."
+    );
+    describe_gauge!(
+        "tokentap_in_flight_requests",
+        "Generation requests in flight at the upstream."
+    );
+    describe_gauge!(
+        "tokentap_system_tokens_per_second",
+        "All output tokens of the upstream over the sliding window, per second."
+    );
+    describe_gauge!(
+        "tokentap_single_stream_tokens_per_second",
+        "1000 / mean TPOT (ms) of requests with two or more token events in the window."
+    );
+    describe_gauge!(
+        "tokentap_concurrency",
+        "Time-weighted mean of in-flight requests over the window."
+    );
+    describe_gauge!(
+        "tokentap_counts_exact",
+        "1 when every finished generation was counted exactly, 0 when some rest on estimates."
+    );
+    describe_gauge!(
+        "tokentap_curve_tpot_p50_seconds",
+        Unit::Seconds,
+        "Per-token gap p50 by the concurrency bucket the tokens arrived at, since start."
+    );
+    describe_gauge!(
+        "tokentap_curve_tpot_p90_seconds",
+        Unit::Seconds,
+        "Per-token gap p90 by concurrency bucket, since start."
+    );
+    describe_gauge!(
+        "tokentap_curve_system_tokens_per_second",
+        "Tokens per second while the upstream was in the concurrency bucket, since start."
+    );
+    describe_histogram!(
+        "tokentap_ttft_seconds",
+        Unit::Seconds,
+        "Time to first token."
+    );
+    describe_histogram!(
+        "tokentap_tpot_seconds",
+        Unit::Seconds,
+        "Time per output token of finished requests: (t_last - t_first) / (N - 1)."
+    );
+    describe_histogram!(
+        "tokentap_itl_seconds",
+        Unit::Seconds,
+        "Inter-token latency: the gap between token events divided by the tokens of the later one."
+    );
+}

@@ -1,0 +1,276 @@
+//! The config file as written: every struct rejects unknown keys, every field documents
+//! its default.
+
+use std::time::Duration;
+
+use http::header::HeaderName;
+use indexmap::IndexMap;
+use serde::Deserialize;
+
+use super::{socket_addr, upstream_url, Config, Listen, Problem, Problems, Route, Upstream};
+use super::{DEFAULT_CONNECT_TIMEOUT_MS, DEFAULT_READ_TIMEOUT_SECS};
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    #[serde(default)]
+    pub listen: ListenFile,
+    #[serde(default)]
+    pub metrics: MetricsFile,
+    #[serde(default)]
+    pub server: ServerFile,
+    #[serde(default)]
+    pub upstream: Vec<UpstreamFile>,
+    #[serde(default)]
+    pub route: Vec<RouteFile>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ListenFile {
+    /// Where clients connect. Default `127.0.0.1:8080`.
+    pub proxy: String,
+    /// The admin API (/stats, /metrics, /healthz). Default `127.0.0.1:9090`: loopback, since
+    /// it is unauthenticated.
+    pub admin: String,
+}
+
+impl Default for ListenFile {
+    fn default() -> Self {
+        ListenFile {
+            proxy: "127.0.0.1:8080".into(),
+            admin: "127.0.0.1:9090".into(),
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricsFile {
+    /// The sliding window of the live figures, seconds. Default 10.
+    pub window_secs: u64,
+    /// Largest SSE event metered, bytes; larger ones are forwarded and counted as unparsed.
+    /// Default 1 MiB.
+    pub max_event_bytes: usize,
+}
+
+impl Default for MetricsFile {
+    fn default() -> Self {
+        MetricsFile {
+            window_secs: 10,
+            max_event_bytes: 1 << 20,
+        }
+    }
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerFile {
+    /// Worker threads of the proxy. Default: the machine's cores.
+    pub threads: Option<usize>,
+    /// How long SIGTERM lets running streams finish, seconds. Default 30.
+    pub grace_period_secs: Option<u64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UpstreamFile {
+    /// Unique name: the `upstream` label everywhere.
+    pub name: String,
+    /// `http://host:port` or `https://host[:port]`; no path.
+    pub url: String,
+    /// Static concurrency cap. Default: none.
+    #[serde(default)]
+    pub max_concurrency: Option<u64>,
+    /// TCP (and TLS) connect timeout, ms. Default 5000.
+    #[serde(default)]
+    pub connect_timeout_ms: Option<u64>,
+    /// Longest silence between two reads of a response, seconds. Default 300: prefill of a
+    /// long prompt on a busy server can take minutes.
+    #[serde(default)]
+    pub read_timeout_secs: Option<u64>,
+    /// Longest wait to write a request to the upstream, seconds. Default 60.
+    #[serde(default)]
+    pub write_timeout_secs: Option<u64>,
+    /// How long an idle keep-alive connection to the upstream is kept, seconds. Default 60.
+    #[serde(default)]
+    pub idle_timeout_secs: Option<u64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteFile {
+    /// Requests whose path starts with this. Default `/`.
+    #[serde(default = "slash")]
+    pub path_prefix: String,
+    /// Headers the request must carry with these exact values. Default: none.
+    #[serde(default)]
+    pub headers: IndexMap<String, String>,
+    /// Upstream name → integer weight.
+    pub split: IndexMap<String, u32>,
+    /// `header:NAME`: the same header value always lands on the same upstream.
+    #[serde(default)]
+    pub sticky: Option<String>,
+}
+
+fn slash() -> String {
+    "/".into()
+}
+
+// === impl FileConfig ===
+
+impl FileConfig {
+    /// Checks everything and builds the runtime config, or returns every problem found.
+    pub fn validate(self) -> Result<Config, Vec<Problem>> {
+        let mut p = Problems::default();
+        let proxy = socket_addr(&self.listen.proxy).map_err(|e| p.add("listen.proxy", e));
+        let admin = socket_addr(&self.listen.admin).map_err(|e| p.add("listen.admin", e));
+        if !(1..=3600).contains(&self.metrics.window_secs) {
+            p.add("metrics.window_secs", "must be between 1 and 3600");
+        }
+        if self.metrics.max_event_bytes < 1024 {
+            p.add("metrics.max_event_bytes", "must be at least 1024");
+        }
+        if self.server.threads == Some(0) {
+            p.add("server.threads", "must be at least 1");
+        }
+        if self.upstream.is_empty() {
+            p.add("upstream", "at least one [[upstream]] is required");
+        }
+
+        let mut upstreams = Vec::new();
+        for (i, u) in self.upstream.iter().enumerate() {
+            let at = |f: &str| format!("upstream[{i}].{f}");
+            if u.name.is_empty() {
+                p.add(at("name"), "must not be empty");
+            } else if let Some(j) = self.upstream[..i].iter().position(|o| o.name == u.name) {
+                p.add(
+                    at("name"),
+                    format!("`{}` is already the name of upstream[{j}]", u.name),
+                );
+            }
+            if u.max_concurrency == Some(0) {
+                p.add(at("max_concurrency"), "must be at least 1");
+            }
+            let positive = |p: &mut Problems, f: &str, v: Option<u64>, default: u64| {
+                if v == Some(0) {
+                    p.add(at(f), "must be greater than 0");
+                }
+                v.unwrap_or(default)
+            };
+            let connect = positive(
+                &mut p,
+                "connect_timeout_ms",
+                u.connect_timeout_ms,
+                DEFAULT_CONNECT_TIMEOUT_MS,
+            );
+            let read = positive(
+                &mut p,
+                "read_timeout_secs",
+                u.read_timeout_secs,
+                DEFAULT_READ_TIMEOUT_SECS,
+            );
+            let write = positive(&mut p, "write_timeout_secs", u.write_timeout_secs, 60);
+            let idle = positive(&mut p, "idle_timeout_secs", u.idle_timeout_secs, 60);
+            match upstream_url(&u.url) {
+                Ok((tls, host_header, sni, addr)) => upstreams.push(Upstream {
+                    name: u.name.clone(),
+                    url: u.url.clone(),
+                    addr,
+                    tls,
+                    host_header,
+                    sni,
+                    connect_timeout: Duration::from_millis(connect),
+                    read_timeout: Duration::from_secs(read),
+                    write_timeout: Duration::from_secs(write),
+                    idle_timeout: Duration::from_secs(idle),
+                    max_concurrency: u.max_concurrency,
+                }),
+                Err(e) => p.add(at("url"), e),
+            }
+        }
+
+        let index = |name: &str| self.upstream.iter().position(|u| u.name == name);
+        let mut routes = Vec::new();
+        for (i, r) in self.route.iter().enumerate() {
+            let at = |f: &str| format!("route[{i}].{f}");
+            if !r.path_prefix.starts_with('/') {
+                p.add(at("path_prefix"), "must start with `/`");
+            }
+            let mut headers = Vec::new();
+            for (name, value) in &r.headers {
+                match HeaderName::from_bytes(name.as_bytes()) {
+                    Ok(h) => headers.push((h, value.clone())),
+                    Err(_) => p.add(at(&format!("headers.{name}")), "not a valid header name"),
+                }
+            }
+            if r.split.is_empty() {
+                p.add(at("split"), "names no upstream");
+            }
+            let mut split = Vec::new();
+            for (name, &weight) in &r.split {
+                match index(name) {
+                    Some(u) => split.push((u, weight)),
+                    None => p.add(at(&format!("split.{name}")), "unknown upstream"),
+                }
+            }
+            if !r.split.is_empty() && r.split.values().map(|&w| u64::from(w)).sum::<u64>() == 0 {
+                p.add(at("split"), "total weight is 0");
+            }
+            let sticky = match r.sticky.as_deref() {
+                None => None,
+                Some(s) => match s
+                    .strip_prefix("header:")
+                    .map(|h| HeaderName::from_bytes(h.trim().as_bytes()))
+                {
+                    Some(Ok(h)) => Some(h),
+                    _ => {
+                        p.add(at("sticky"), format!("must be `header:NAME`, not `{s}`"));
+                        None
+                    }
+                },
+            };
+            routes.push(Route {
+                path_prefix: r.path_prefix.clone(),
+                headers,
+                split,
+                sticky,
+            });
+        }
+        if routes.is_empty() && self.upstream.len() > 1 {
+            p.add(
+                "route",
+                "with more than one upstream, a [[route]] must say which gets what",
+            );
+        }
+        if routes.is_empty() {
+            routes.push(Route {
+                path_prefix: "/".into(),
+                headers: Vec::new(),
+                split: vec![(0, 1)],
+                sticky: None,
+            });
+        }
+
+        let threads = self
+            .server
+            .threads
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, usize::from));
+        let grace = self.server.grace_period_secs.unwrap_or(30);
+        let window = Duration::from_secs(self.metrics.window_secs);
+        let max_event_bytes = self.metrics.max_event_bytes;
+        p.into_result(move || Config {
+            listen: Listen {
+                // Both are Ok here: an Err added a problem.
+                proxy: proxy.unwrap_or_else(|_| unreachable!()),
+                admin: admin.unwrap_or_else(|_| unreachable!()),
+            },
+            window,
+            max_event_bytes,
+            threads,
+            grace_period: Duration::from_secs(grace),
+            upstreams,
+            routes,
+        })
+    }
+}

@@ -1,0 +1,324 @@
+//! Configuration: the TOML file's structs (unknown keys are errors), validated into the
+//! runtime [`Config`] the proxy runs on. Validation reports every problem at once, each
+//! with its dotted path (`route[1].split.vllm-b: unknown upstream`).
+
+mod file;
+
+use std::fmt;
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::path::Path;
+use std::time::Duration;
+
+use http::header::HeaderName;
+use http::Uri;
+
+pub use file::FileConfig;
+
+/// A validated configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub listen: Listen,
+    /// The sliding window of the live figures.
+    pub window: Duration,
+    /// Events larger than this are forwarded but not metered.
+    pub max_event_bytes: usize,
+    /// Worker threads of the proxy service.
+    pub threads: usize,
+    /// How long a graceful shutdown (SIGTERM) lets streams run on.
+    pub grace_period: Duration,
+    pub upstreams: Vec<Upstream>,
+    /// Routes in file order; first match wins. Never empty: a config with one upstream and
+    /// no route gets one route for `/` to it.
+    pub routes: Vec<Route>,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct Listen {
+    pub proxy: SocketAddr,
+    pub admin: SocketAddr,
+}
+
+#[derive(Debug, Clone)]
+pub struct Upstream {
+    pub name: String,
+    pub url: String,
+    /// Resolved once, when the config is loaded.
+    pub addr: SocketAddr,
+    pub tls: bool,
+    /// `host[:port]` of the URL: sent as `Host`.
+    pub host_header: String,
+    /// The URL's host: sent as TLS SNI.
+    pub sni: String,
+    pub connect_timeout: Duration,
+    /// The longest silence tolerated between two reads of a response.
+    pub read_timeout: Duration,
+    pub write_timeout: Duration,
+    /// How long an idle pooled connection is kept.
+    pub idle_timeout: Duration,
+    /// A static concurrency cap (parsed; enforced once the limiter lands).
+    pub max_concurrency: Option<u64>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Route {
+    pub path_prefix: String,
+    /// Headers that must be present with these exact values.
+    pub headers: Vec<(HeaderName, String)>,
+    /// (upstream index, weight), weights > 0 in total.
+    pub split: Vec<(usize, u32)>,
+    /// Requests carrying this header keep to one upstream per header value.
+    pub sticky: Option<HeaderName>,
+}
+
+/// One problem found in a config file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    pub path: String,
+    pub message: String,
+}
+
+/// Everything wrong with a config file.
+#[derive(Debug, thiserror::Error)]
+pub struct ConfigError {
+    pub source_name: String,
+    pub problems: Vec<Problem>,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let n = self.problems.len();
+        writeln!(
+            f,
+            "{}: {n} problem{}",
+            self.source_name,
+            if n == 1 { "" } else { "s" }
+        )?;
+        for p in &self.problems {
+            if p.path.is_empty() {
+                writeln!(f, "  {}", p.message)?;
+            } else {
+                writeln!(f, "  {}: {}", p.path, p.message)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Default timeouts suited to LLM traffic: minutes-long generations are normal, and a
+/// backend may think (prefill, queueing) for a long time before the first byte.
+pub const DEFAULT_READ_TIMEOUT_SECS: u64 = 300;
+pub const DEFAULT_CONNECT_TIMEOUT_MS: u64 = 5_000;
+
+// === impl Config ===
+
+impl Config {
+    /// Reads and validates a config file.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let name = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+            source_name: name.clone(),
+            problems: vec![Problem {
+                path: String::new(),
+                message: format!("cannot read: {e}"),
+            }],
+        })?;
+        Config::parse(&text, &name)
+    }
+
+    /// Parses and validates config text; `source_name` names it in errors.
+    pub fn parse(text: &str, source_name: &str) -> Result<Config, ConfigError> {
+        let file: FileConfig = toml::from_str(text).map_err(|e| ConfigError {
+            source_name: source_name.to_owned(),
+            problems: vec![Problem {
+                path: String::new(),
+                message: e.to_string().trim_end().to_owned(),
+            }],
+        })?;
+        file.validate().map_err(|problems| ConfigError {
+            source_name: source_name.to_owned(),
+            problems,
+        })
+    }
+
+    pub fn upstream_index(&self, name: &str) -> Option<usize> {
+        self.upstreams.iter().position(|u| u.name == name)
+    }
+
+    /// Things that are valid but worth a word at startup and in `tokentap check`.
+    pub fn warnings(&self) -> Vec<String> {
+        self.upstreams
+            .iter()
+            .enumerate()
+            .filter(|(_, u)| u.max_concurrency.is_some())
+            .map(|(i, u)| {
+                format!(
+                    "upstream[{i}].max_concurrency: parsed for {}, but caps are not enforced yet (issue #5)",
+                    u.name
+                )
+            })
+            .collect()
+    }
+}
+
+/// Collects problems during validation.
+#[derive(Default)]
+pub(crate) struct Problems(Vec<Problem>);
+
+impl Problems {
+    pub(crate) fn add(&mut self, path: impl Into<String>, message: impl Into<String>) {
+        self.0.push(Problem {
+            path: path.into(),
+            message: message.into(),
+        });
+    }
+
+    pub(crate) fn into_result<T>(self, ok: impl FnOnce() -> T) -> Result<T, Vec<Problem>> {
+        if self.0.is_empty() {
+            Ok(ok())
+        } else {
+            Err(self.0)
+        }
+    }
+}
+
+pub(crate) fn socket_addr(s: &str) -> Result<SocketAddr, String> {
+    s.parse()
+        .map_err(|_| format!("`{s}` is not an address like 127.0.0.1:8080"))
+}
+
+/// An upstream URL's parts: (tls, host header, sni, resolved address).
+pub(crate) fn upstream_url(url: &str) -> Result<(bool, String, String, SocketAddr), String> {
+    let uri: Uri = url
+        .parse()
+        .map_err(|e| format!("`{url}` is not a URL: {e}"))?;
+    let tls = match uri.scheme_str() {
+        Some("http") => false,
+        Some("https") => true,
+        Some(other) => return Err(format!("scheme `{other}` is not http or https")),
+        None => return Err(format!("`{url}` has no scheme (http:// or https://)")),
+    };
+    let host = uri
+        .host()
+        .filter(|h| !h.is_empty())
+        .ok_or_else(|| format!("`{url}` has no host"))?;
+    if !matches!(uri.path(), "" | "/") || uri.query().is_some() {
+        return Err(format!(
+            "`{url}` has a path; give scheme, host and port only (request paths pass through unchanged)"
+        ));
+    }
+    let port = uri.port_u16().unwrap_or(if tls { 443 } else { 80 });
+    let bare = host.trim_start_matches('[').trim_end_matches(']');
+    let addr = (bare, port)
+        .to_socket_addrs()
+        .map_err(|e| format!("cannot resolve `{host}`: {e}"))?
+        .next()
+        .ok_or_else(|| format!("`{host}` resolves to no address"))?;
+    let host_header = match uri.port_u16() {
+        Some(p) => format!("{host}:{p}"),
+        None => host.to_owned(),
+    };
+    Ok((tls, host_header, bare.to_owned(), addr))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn problems(text: &str) -> Vec<String> {
+        match Config::parse(text, "t.toml") {
+            Ok(_) => vec![],
+            Err(e) => e
+                .problems
+                .into_iter()
+                .map(|p| format!("{}: {}", p.path, p.message))
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn minimal_config_gets_defaults_and_an_implicit_route() {
+        let c = Config::parse(
+            "[[upstream]]\nname = \"a\"\nurl = \"http://127.0.0.1:8000\"\n",
+            "t",
+        )
+        .expect("valid");
+        assert_eq!(c.listen.proxy.to_string(), "127.0.0.1:8080");
+        assert_eq!(c.listen.admin.to_string(), "127.0.0.1:9090");
+        assert_eq!(c.window, Duration::from_secs(10));
+        assert_eq!(c.routes.len(), 1);
+        assert_eq!(c.routes[0].split, vec![(0, 1)]);
+        assert_eq!(c.upstreams[0].host_header, "127.0.0.1:8000");
+        assert_eq!(
+            c.upstreams[0].read_timeout,
+            Duration::from_secs(DEFAULT_READ_TIMEOUT_SECS)
+        );
+    }
+
+    #[test]
+    fn https_upstream_sends_its_host_as_sni() {
+        let (tls, host, sni, _) = upstream_url("https://localhost").expect("valid");
+        assert!(tls);
+        assert_eq!((host.as_str(), sni.as_str()), ("localhost", "localhost"));
+        let (_, _, _, addr) = upstream_url("https://localhost").expect("valid");
+        assert_eq!(addr.port(), 443);
+    }
+
+    #[test]
+    fn every_problem_is_reported_with_its_path() {
+        let p = problems(
+            r#"
+[listen]
+proxy = "nowhere"
+[metrics]
+window_secs = 0
+[[upstream]]
+name = "a"
+url = "ftp://127.0.0.1:1"
+[[upstream]]
+name = "a"
+url = "http://127.0.0.1:2/v1"
+[[route]]
+path_prefix = "/"
+split = { "a" = 0, "ghost" = 5 }
+sticky = "cookie:x"
+[[route]]
+path_prefix = "v1"
+split = { "a" = 0 }
+"#,
+        );
+        let want = [
+            "listen.proxy: `nowhere` is not an address like 127.0.0.1:8080",
+            "metrics.window_secs: must be between 1 and 3600",
+            "upstream[0].url: scheme `ftp` is not http or https",
+            "upstream[1].name: `a` is already the name of upstream[0]",
+            "upstream[1].url: `http://127.0.0.1:2/v1` has a path",
+            "route[0].split.ghost: unknown upstream",
+            "route[0].sticky: must be `header:NAME`",
+            "route[1].path_prefix: must start with `/`",
+            "route[1].split: total weight is 0",
+        ];
+        for w in want {
+            assert!(
+                p.iter().any(|x| x.starts_with(w)),
+                "missing {w:?} in {p:#?}"
+            );
+        }
+    }
+
+    #[test]
+    fn unknown_keys_are_errors() {
+        let p = problems("[[upstream]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"\nweight = 3\n");
+        assert_eq!(p.len(), 1);
+        assert!(p[0].contains("unknown field `weight`"), "{p:?}");
+        assert!(p[0].contains("line 4"), "{p:?}");
+    }
+
+    #[test]
+    fn several_upstreams_need_a_route() {
+        let p = problems(
+            "[[upstream]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"\n[[upstream]]\nname = \"b\"\nurl = \"http://127.0.0.1:2\"\n",
+        );
+        assert!(p.iter().any(|x| x.starts_with("route: ")), "{p:?}");
+        assert!(!problems("").is_empty(), "no upstream at all is an error");
+    }
+}

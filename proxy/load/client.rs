@@ -1,0 +1,309 @@
+//! Sending requests and reading their streams, with the phase's shared tallies.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::client::conn::http1::SendRequest;
+use hyper::Request;
+use hyper_util::rt::TokioIo;
+use indicatif::{ProgressBar, ProgressStyle};
+use rand::Rng;
+use serde_json::Value;
+use tokio::net::TcpStream;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+use super::report::{PhaseReport, Quantiles};
+use super::Mode;
+use crate::sse::SseParser;
+
+/// Where and what to send.
+#[derive(Debug)]
+pub struct Target {
+    pub addr: SocketAddr,
+    pub host: String,
+    pub path: String,
+    pub headers: Vec<(String, String)>,
+    pub body: Bytes,
+}
+
+type Sender = SendRequest<Full<Bytes>>;
+
+/// The measured window of a phase and what landed in it.
+struct Phase {
+    window_start: Instant,
+    window_end: Instant,
+    window_tokens: AtomicU64,
+    tally: Mutex<Tally>,
+}
+
+#[derive(Default)]
+struct Tally {
+    ttft: Vec<f64>,
+    tpot: Vec<f64>,
+    itl: Vec<f64>,
+    requests: u64,
+    output_tokens: u64,
+    errors: BTreeMap<String, u64>,
+}
+
+impl Phase {
+    fn inside(&self, t: Instant) -> bool {
+        t >= self.window_start && t <= self.window_end
+    }
+
+    fn tally(&self) -> std::sync::MutexGuard<'_, Tally> {
+        self.tally.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn error(&self, kind: String) {
+        if Instant::now() <= self.window_end {
+            *self.tally().errors.entry(kind).or_insert(0) += 1;
+        }
+    }
+}
+
+pub async fn run_phase(
+    target: &Arc<Target>,
+    mode: Mode,
+    warmup: Duration,
+    duration: Duration,
+    progress: bool,
+) -> PhaseReport {
+    let start = Instant::now();
+    let phase = Arc::new(Phase {
+        window_start: start + warmup,
+        window_end: start + warmup + duration,
+        window_tokens: AtomicU64::new(0),
+        tally: Mutex::new(Tally::default()),
+    });
+    let bar = progress_bar(progress, warmup + duration, mode);
+    let mut tasks = JoinSet::new();
+    match mode {
+        Mode::Closed { concurrency } => {
+            for _ in 0..concurrency {
+                tasks.spawn(worker(Arc::clone(target), Arc::clone(&phase)));
+            }
+        }
+        Mode::Open { rate } => {
+            tasks.spawn(arrivals(Arc::clone(target), Arc::clone(&phase), rate));
+        }
+    }
+    let mut tick = tokio::time::interval(Duration::from_millis(250));
+    while Instant::now() < phase.window_end {
+        tick.tick().await;
+        bar.set_position(start.elapsed().as_millis() as u64);
+        bar.set_message(format!("{} done", phase.tally().requests));
+    }
+    tasks.shutdown().await;
+    bar.finish_and_clear();
+
+    let mut t = std::mem::take(&mut *phase.tally());
+    let secs = duration.as_secs_f64();
+    let tpot = Quantiles::of(std::mem::take(&mut t.tpot));
+    PhaseReport {
+        concurrency: match mode {
+            Mode::Closed { concurrency } => Some(concurrency),
+            Mode::Open { .. } => None,
+        },
+        rate: match mode {
+            Mode::Open { rate } => Some(rate),
+            Mode::Closed { .. } => None,
+        },
+        duration_secs: secs,
+        requests: t.requests,
+        errors: t.errors,
+        ttft_ms: Quantiles::of(t.ttft),
+        single_stream_tps: tpot.mean.filter(|m| *m > 0.0).map(|m| 1000.0 / m),
+        tpot_ms: tpot,
+        itl_ms: Quantiles::of(t.itl),
+        system_tps: Some(phase.window_tokens.load(Relaxed) as f64 / secs),
+        output_tokens: t.output_tokens,
+    }
+}
+
+fn progress_bar(show: bool, total: Duration, mode: Mode) -> ProgressBar {
+    if !show {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(total.as_millis() as u64);
+    let label = match mode {
+        Mode::Closed { concurrency } => format!("c={concurrency}"),
+        Mode::Open { rate } => format!("rate={rate}/s"),
+    };
+    if let Ok(style) =
+        ProgressStyle::with_template(&format!("{label:>10} [{{bar:30}}] {{elapsed:>4}} {{msg}}"))
+    {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar
+}
+
+/// A closed-loop worker: one keep-alive connection, one request after another.
+async fn worker(target: Arc<Target>, phase: Arc<Phase>) {
+    let mut sender: Option<Sender> = None;
+    while Instant::now() < phase.window_end {
+        let s = match sender.as_mut() {
+            Some(s) => s,
+            None => match connect(target.addr).await {
+                Ok(s) => sender.insert(s),
+                Err(kind) => {
+                    phase.error(kind.into());
+                    // Back off: a refused connection would otherwise spin.
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+        };
+        match one(s, &target, &phase).await {
+            Ok(()) => {}
+            Err(kind) => {
+                phase.error(kind);
+                sender = None;
+            }
+        }
+    }
+}
+
+/// Open loop: Poisson arrivals, each request on its own connection.
+async fn arrivals(target: Arc<Target>, phase: Arc<Phase>, rate: f64) {
+    let mut inflight = JoinSet::new();
+    let mut next = Instant::now();
+    while next < phase.window_end {
+        tokio::time::sleep_until(next).await;
+        let (t, p) = (Arc::clone(&target), Arc::clone(&phase));
+        inflight.spawn(async move {
+            match connect(t.addr).await {
+                Ok(mut s) => {
+                    if let Err(kind) = one(&mut s, &t, &p).await {
+                        p.error(kind);
+                    }
+                }
+                Err(kind) => p.error(kind.into()),
+            }
+        });
+        while inflight.try_join_next().is_some() {}
+        let u: f64 = rand::thread_rng().gen_range(f64::EPSILON..1.0);
+        next += Duration::from_secs_f64(-u.ln() / rate);
+    }
+    while inflight.join_next().await.is_some() {}
+}
+
+async fn connect(addr: SocketAddr) -> Result<Sender, &'static str> {
+    let stream = TcpStream::connect(addr).await.map_err(|_| "connect")?;
+    let _ = stream.set_nodelay(true);
+    let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .map_err(|_| "connect")?;
+    tokio::spawn(conn);
+    Ok(sender)
+}
+
+/// One streamed request; `Err` names the kind of failure.
+async fn one(sender: &mut Sender, target: &Target, phase: &Phase) -> Result<(), String> {
+    let mut req = Request::post(target.path.as_str())
+        .header(hyper::header::HOST, target.host.as_str())
+        .header(hyper::header::CONTENT_TYPE, "application/json")
+        .header(hyper::header::ACCEPT, "text/event-stream");
+    for (k, v) in &target.headers {
+        req = req.header(k.as_str(), v.as_str());
+    }
+    let req = req
+        .body(Full::new(target.body.clone()))
+        .map_err(|_| "bad_header".to_owned())?;
+    sender
+        .ready()
+        .await
+        .map_err(|_| "connection_closed".to_owned())?;
+    let start = Instant::now();
+    let resp = sender
+        .send_request(req)
+        .await
+        .map_err(|_| "send".to_owned())?;
+    let status = resp.status();
+    let mut body = resp.into_body();
+    if !status.is_success() {
+        while let Some(Ok(_)) = body.frame().await {}
+        return Err(format!("http_{}", status.as_u16()));
+    }
+
+    let mut parser = SseParser::new(1 << 20);
+    let (mut first, mut last) = (None::<Instant>, start);
+    let (mut tokens, mut exact, mut done) = (0u64, None::<u64>, false);
+    let mut itl = Vec::new();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|_| "read".to_owned())?;
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        let now = Instant::now();
+        let mut n = 0u64;
+        parser.push(&data, |ev| {
+            if ev.data == b"[DONE]" {
+                done = true;
+                return;
+            }
+            let Ok(v) = serde_json::from_slice::<Value>(ev.data) else {
+                return;
+            };
+            if let Some(c) = v
+                .pointer("/usage/completion_tokens")
+                .and_then(Value::as_u64)
+            {
+                exact = Some(c);
+            }
+            for choice in v
+                .get("choices")
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten()
+            {
+                let text = choice
+                    .pointer("/delta/content")
+                    .or_else(|| choice.get("text"))
+                    .and_then(Value::as_str);
+                n += u64::from(text.is_some_and(|t| !t.is_empty()));
+            }
+        });
+        if n == 0 {
+            continue;
+        }
+        if phase.inside(now) {
+            phase.window_tokens.fetch_add(n, Relaxed);
+            if first.is_some() {
+                itl.push(now.duration_since(last).as_secs_f64() * 1e3 / n as f64);
+            }
+        }
+        first.get_or_insert(now);
+        last = now;
+        tokens += n;
+    }
+    if !done {
+        return Err("ended_early".into());
+    }
+    let end = Instant::now();
+    let total = exact.unwrap_or(tokens);
+    let mut t = phase.tally();
+    t.itl.extend(itl);
+    if let Some(first) = first {
+        if phase.inside(start) {
+            t.ttft.push(first.duration_since(start).as_secs_f64() * 1e3);
+        }
+        if phase.inside(end) {
+            t.requests += 1;
+            t.output_tokens += total;
+            if total >= 2 && last > first {
+                t.tpot
+                    .push(last.duration_since(first).as_secs_f64() * 1e3 / (total - 1) as f64);
+            }
+        }
+    } else if phase.inside(end) {
+        t.requests += 1;
+    }
+    Ok(())
+}

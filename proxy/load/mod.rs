@@ -1,0 +1,171 @@
+//! `tokentap load`: a load generator that measures from the client side.
+//!
+//! Closed loop (`--concurrency 1,16,64`: one phase per level, each worker on its own
+//! keep-alive connection sending the next request when the last one ends) or open loop
+//! (`--rate R`: Poisson arrivals). Per phase: TTFT, TPOT (vLLM's definition, from requests
+//! that finished inside the measured window), ITL, single-stream T/s (1000 / mean TPOT) and
+//! system T/s (tokens that arrived inside the measured window / its length), errors by kind.
+//!
+//! It stands apart from the proxy like any client: it reads the stream with its own JSON
+//! handling and shares only the SSE framing helper.
+
+mod client;
+mod report;
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context as _};
+use bytes::Bytes;
+use clap::Args;
+
+pub use client::Target;
+pub use report::{table as report_table, PhaseReport};
+
+#[derive(Debug, Clone, Args)]
+pub struct LoadArgs {
+    /// Base URL of the server (or of tokentap in front of it); http only.
+    #[arg(long, default_value = "http://127.0.0.1:8080")]
+    pub url: String,
+    /// Request path.
+    #[arg(long, default_value = "/v1/chat/completions")]
+    pub path: String,
+    /// Closed-loop concurrency levels: one phase per level.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    pub concurrency: Vec<usize>,
+    /// Open loop instead: Poisson arrivals at this many requests per second.
+    #[arg(long, conflicts_with = "concurrency")]
+    pub rate: Option<f64>,
+    /// Measured seconds per phase.
+    #[arg(long, default_value_t = 30.0)]
+    pub duration: f64,
+    /// Seconds of load before each phase's measurement starts.
+    #[arg(long, default_value_t = 5.0)]
+    pub warmup: f64,
+    /// `max_tokens` of each request.
+    #[arg(long, default_value_t = 128)]
+    pub max_tokens: u64,
+    /// Ask for the usage chunk (`stream_options.include_usage`): exact token counts.
+    #[arg(long)]
+    pub include_usage: bool,
+    /// Extra request header, `K:V` (repeatable), e.g. `--header "Authorization: Bearer sk-…"`.
+    #[arg(long = "header", value_name = "K:V")]
+    pub headers: Vec<String>,
+    /// The model name sent.
+    #[arg(long, default_value = "tokentap-sim")]
+    pub model: String,
+    /// The prompt sent.
+    #[arg(
+        long,
+        default_value = "Tell me a long story about a lighthouse keeper."
+    )]
+    pub prompt: String,
+    /// One JSON object per phase on stdout instead of the table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl LoadArgs {
+    /// The request target these arguments describe.
+    pub fn target(&self) -> anyhow::Result<Arc<Target>> {
+        let uri: http::Uri = self
+            .url
+            .parse()
+            .with_context(|| format!("`{}` is not a URL", self.url))?;
+        if uri.scheme_str() != Some("http") {
+            bail!("`{}`: the load generator speaks plain http only", self.url);
+        }
+        let host = uri.host().context("the URL has no host")?;
+        let port = uri.port_u16().unwrap_or(80);
+        let addr: SocketAddr = (host.trim_start_matches('[').trim_end_matches(']'), port)
+            .to_socket_addrs()
+            .with_context(|| format!("cannot resolve {host}"))?
+            .next()
+            .context("the host resolves to no address")?;
+        let mut headers = Vec::new();
+        for h in &self.headers {
+            let (k, v) = h
+                .split_once(':')
+                .with_context(|| format!("`{h}` is not K:V"))?;
+            headers.push((k.trim().to_owned(), v.trim().to_owned()));
+        }
+        let chat = !self.path.ends_with("/completions") || self.path.ends_with("/chat/completions");
+        let mut body = if chat {
+            serde_json::json!({"model": self.model, "messages": [{"role": "user", "content": self.prompt}],
+                               "max_tokens": self.max_tokens, "stream": true})
+        } else {
+            serde_json::json!({"model": self.model, "prompt": self.prompt, "max_tokens": self.max_tokens, "stream": true})
+        };
+        if self.include_usage {
+            body["stream_options"] = serde_json::json!({"include_usage": true});
+        }
+        Ok(Arc::new(Target {
+            addr,
+            host: match uri.port_u16() {
+                Some(p) => format!("{host}:{p}"),
+                None => host.to_owned(),
+            },
+            path: self.path.clone(),
+            headers,
+            body: Bytes::from(body.to_string()),
+        }))
+    }
+}
+
+/// How a phase drives load.
+#[derive(Debug, Clone, Copy)]
+pub enum Mode {
+    Closed { concurrency: usize },
+    Open { rate: f64 },
+}
+
+/// Runs one phase: `warmup` of load, then `duration` measured.
+pub async fn phase(
+    target: &Arc<Target>,
+    mode: Mode,
+    warmup: Duration,
+    duration: Duration,
+    progress: bool,
+) -> PhaseReport {
+    client::run_phase(target, mode, warmup, duration, progress).await
+}
+
+/// `tokentap load`.
+pub fn run_blocking(args: LoadArgs) -> anyhow::Result<()> {
+    let target = args.target()?;
+    if !(args.duration > 0.0) || args.warmup < 0.0 {
+        bail!("--duration must be > 0 and --warmup ≥ 0");
+    }
+    let modes: Vec<Mode> = match args.rate {
+        Some(rate) if rate > 0.0 => vec![Mode::Open { rate }],
+        Some(_) => bail!("--rate must be > 0"),
+        None if args.concurrency.iter().any(|&c| c == 0) => {
+            bail!("--concurrency levels must be ≥ 1")
+        }
+        None => args
+            .concurrency
+            .iter()
+            .map(|&c| Mode::Closed { concurrency: c })
+            .collect(),
+    };
+    let rt = tokio::runtime::Runtime::new()?;
+    let warmup = Duration::from_secs_f64(args.warmup);
+    let duration = Duration::from_secs_f64(args.duration);
+    let mut reports = Vec::new();
+    rt.block_on(async {
+        for mode in modes {
+            let r = phase(&target, mode, warmup, duration, !args.json).await;
+            if args.json {
+                println!("{}", serde_json::to_string(&r).unwrap_or_default());
+            } else {
+                eprintln!("{}", r.one_line());
+            }
+            reports.push(r);
+        }
+    });
+    if !args.json {
+        println!("{}", report::table(&reports));
+    }
+    Ok(())
+}

@@ -1,0 +1,175 @@
+//! Upstream choice: the first matching route, then its split — smooth weighted round-robin
+//! (no A,A,A,B bursts), or a sticky key hashed into [0, 1) when the route names one and the
+//! request carries it. The sticky choice is a pure function of (key, weights).
+
+use std::sync::{Mutex, PoisonError};
+
+use http::HeaderMap;
+
+use crate::config::Route;
+
+/// The routes of one config, with their round-robin state.
+pub struct Router {
+    routes: Vec<(Route, Mutex<SmoothWrr>)>,
+}
+
+/// A routing decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Choice {
+    pub route: usize,
+    pub upstream: usize,
+}
+
+// === impl Router ===
+
+impl Router {
+    pub fn new(routes: &[Route]) -> Self {
+        Router {
+            routes: routes
+                .iter()
+                .map(|r| {
+                    let weights = r.split.iter().map(|&(_, w)| w).collect();
+                    (r.clone(), Mutex::new(SmoothWrr::new(weights)))
+                })
+                .collect(),
+        }
+    }
+
+    /// The upstream for a request, or `None` when no route matches.
+    pub fn choose(&self, path: &str, headers: &HeaderMap) -> Option<Choice> {
+        let (route, (r, wrr)) = self
+            .routes
+            .iter()
+            .enumerate()
+            .find(|(_, (r, _))| matches(r, path, headers))?;
+        let key = r
+            .sticky
+            .as_ref()
+            .and_then(|h| headers.get(h))
+            .map(|v| v.as_bytes());
+        let arm = match key {
+            Some(key) => sticky_arm(key, &r.split),
+            None => wrr.lock().unwrap_or_else(PoisonError::into_inner).next(),
+        };
+        Some(Choice {
+            route,
+            upstream: r.split[arm].0,
+        })
+    }
+}
+
+fn matches(route: &Route, path: &str, headers: &HeaderMap) -> bool {
+    path.starts_with(&route.path_prefix)
+        && route.headers.iter().all(|(name, want)| {
+            headers
+                .get(name)
+                .is_some_and(|v| v.as_bytes() == want.as_bytes())
+        })
+}
+
+/// The arm a sticky key lands on: its hash in [0, 1) against the cumulative weights.
+pub fn sticky_arm(key: &[u8], split: &[(usize, u32)]) -> usize {
+    let total: u64 = split.iter().map(|&(_, w)| u64::from(w)).sum();
+    // Divide by 2^64, not u64::MAX, so the point is strictly below 1.
+    let point = (hash(key) as f64 / 18_446_744_073_709_551_616.0) * total as f64;
+    let mut acc = 0u64;
+    for (i, &(_, w)) in split.iter().enumerate() {
+        acc += u64::from(w);
+        if point < acc as f64 {
+            return i;
+        }
+    }
+    split.len() - 1
+}
+
+/// FNV-1a, finished with the splitmix64 mixer so short keys spread over the high bits too.
+/// Stable across builds and restarts, unlike std's `DefaultHasher`.
+fn hash(key: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in key {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h ^= h >> 30;
+    h = h.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    h ^= h >> 27;
+    h = h.wrapping_mul(0x94d0_49bb_1331_11eb);
+    h ^ (h >> 31)
+}
+
+/// nginx's smooth weighted round-robin: every pick adds each weight to its arm's credit,
+/// takes the arm with the most credit and charges it the total.
+pub struct SmoothWrr {
+    weights: Vec<i64>,
+    credit: Vec<i64>,
+    total: i64,
+}
+
+// === impl SmoothWrr ===
+
+impl SmoothWrr {
+    pub fn new(weights: Vec<u32>) -> Self {
+        let weights: Vec<i64> = weights.into_iter().map(i64::from).collect();
+        SmoothWrr {
+            total: weights.iter().sum(),
+            credit: vec![0; weights.len()],
+            weights,
+        }
+    }
+
+    /// The next arm.
+    pub fn next(&mut self) -> usize {
+        let mut best = 0;
+        for i in 0..self.weights.len() {
+            self.credit[i] += self.weights[i];
+            if self.credit[i] > self.credit[best] {
+                best = i;
+            }
+        }
+        self.credit[best] -= self.total;
+        best
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn smooth_wrr_spreads_picks() {
+        let mut w = SmoothWrr::new(vec![5, 1, 1]);
+        let picks: Vec<usize> = (0..7).map(|_| w.next()).collect();
+        assert_eq!(picks, vec![0, 0, 1, 0, 2, 0, 0]);
+        let mut w = SmoothWrr::new(vec![1, 1]);
+        let picks: Vec<usize> = (0..4).map(|_| w.next()).collect();
+        assert_eq!(picks, vec![0, 1, 0, 1]);
+        let mut w = SmoothWrr::new(vec![0, 3]);
+        assert!(
+            (0..5).all(|_| w.next() == 1),
+            "a zero weight is never picked"
+        );
+    }
+
+    #[test]
+    fn split_shares_match_weights() {
+        let mut w = SmoothWrr::new(vec![90, 10]);
+        let mut n = [0u32; 2];
+        for _ in 0..10_000 {
+            n[w.next()] += 1;
+        }
+        assert_eq!(n, [9_000, 1_000]);
+    }
+
+    #[test]
+    fn sticky_keys_are_stable_and_follow_weights() {
+        let split = [(0, 70), (1, 30)];
+        let mut n = [0u32; 2];
+        for k in 0..1_000 {
+            let key = format!("user-{k}");
+            let arm = sticky_arm(key.as_bytes(), &split);
+            assert_eq!(arm, sticky_arm(key.as_bytes(), &split));
+            n[arm] += 1;
+        }
+        assert!((650..=750).contains(&n[0]), "{n:?}");
+    }
+}

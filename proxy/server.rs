@@ -1,0 +1,188 @@
+//! Assembles the pingora server from a [`Config`]: the proxy service, the admin service and
+//! the telemetry upkeep task, all sharing one [`Shared`].
+
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use pingora::prelude::*;
+use pingora::server::configuration::ServerConf;
+use pingora::server::{RunArgs, ShutdownSignal, ShutdownSignalWatch, ShutdownWatch};
+use pingora::services::background::{background_service, BackgroundService};
+use pingora::services::listening::Service;
+use tokio::sync::Notify;
+
+use crate::admin::telemetry::Telemetry;
+use crate::admin::Admin;
+use crate::config::{Config, Upstream};
+use crate::meter::{Clock, UpstreamMeter};
+use crate::routing::Router;
+use crate::service::TokenTap;
+
+/// What the proxy, the admin API and the background tasks share.
+pub struct Shared {
+    pub config: Config,
+    pub clock: Clock,
+    /// One per upstream, in config order.
+    pub meters: Vec<Arc<UpstreamMeter>>,
+    /// Prebuilt peers, one per upstream, cloned per request.
+    pub peers: Vec<HttpPeer>,
+    pub router: Router,
+    pub telemetry: Telemetry,
+}
+
+// === impl Shared ===
+
+impl Shared {
+    pub fn new(config: Config) -> Arc<Shared> {
+        let clock = Clock::new();
+        let telemetry = Telemetry::new();
+        let meters = config
+            .upstreams
+            .iter()
+            .map(|u| {
+                UpstreamMeter::new(&u.name, config.window, clock, telemetry.histograms(&u.name))
+            })
+            .collect();
+        Arc::new(Shared {
+            peers: config.upstreams.iter().map(peer).collect(),
+            router: Router::new(&config.routes),
+            clock,
+            meters,
+            telemetry,
+            config,
+        })
+    }
+}
+
+fn peer(u: &Upstream) -> HttpPeer {
+    let mut p = HttpPeer::new(u.addr, u.tls, u.sni.clone());
+    p.options.connection_timeout = Some(u.connect_timeout);
+    p.options.total_connection_timeout = Some(u.connect_timeout * 2);
+    p.options.read_timeout = Some(u.read_timeout);
+    p.options.write_timeout = Some(u.write_timeout);
+    p.options.idle_timeout = Some(u.idle_timeout);
+    p
+}
+
+/// The pingora server for `config`, not yet running.
+pub fn build(config: Config) -> (Server, Arc<Shared>) {
+    let conf = ServerConf {
+        threads: config.threads,
+        grace_period_seconds: Some(config.grace_period.as_secs()),
+        graceful_shutdown_timeout_seconds: Some(5),
+        // Connect failures are retried once; a request is never replayed after it was sent.
+        max_retries: 1,
+        ..ServerConf::default()
+    };
+    let mut server = Server::new_with_opt_and_conf(None, conf);
+    let shared = Shared::new(config);
+
+    let mut proxy = pingora::proxy::http_proxy_service(
+        &server.configuration,
+        TokenTap::new(Arc::clone(&shared)),
+    );
+    proxy.add_tcp(&shared.config.listen.proxy.to_string());
+    let mut admin = Service::new("tokentap admin".to_owned(), Admin::new(Arc::clone(&shared)));
+    admin.threads = Some(1);
+    admin.add_tcp(&shared.config.listen.admin.to_string());
+    let upkeep = background_service("telemetry upkeep", Upkeep(Arc::clone(&shared)));
+
+    server.add_service(proxy);
+    server.add_service(admin);
+    server.add_service(upkeep);
+    (server, shared)
+}
+
+/// Drains histogram samples every few seconds.
+struct Upkeep(Arc<Shared>);
+
+#[async_trait]
+impl BackgroundService for Upkeep {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        let mut tick = tokio::time::interval(Duration::from_secs(5));
+        loop {
+            tokio::select! {
+                _ = tick.tick() => self.0.telemetry.upkeep(),
+                _ = shutdown.changed() => return,
+            }
+        }
+    }
+}
+
+/// A server running on its own thread, stopped by [`Running::stop`]: for the demo and tests.
+pub struct Running {
+    pub shared: Arc<Shared>,
+    stop: Arc<Notify>,
+    thread: Option<JoinHandle<()>>,
+}
+
+struct NotifyShutdown(Arc<Notify>);
+
+#[async_trait]
+impl ShutdownSignalWatch for NotifyShutdown {
+    async fn recv(&self) -> ShutdownSignal {
+        self.0.notified().await;
+        ShutdownSignal::FastShutdown
+    }
+}
+
+// === impl Running ===
+
+impl Running {
+    /// Starts `config` in this process. Returns once the server thread is started; the
+    /// listeners accept shortly after (see [`Running::wait_ready`]).
+    pub fn start(config: Config) -> Running {
+        let (server, shared) = build(config);
+        let stop = Arc::new(Notify::new());
+        let signal = NotifyShutdown(Arc::clone(&stop));
+        let thread = std::thread::Builder::new()
+            .name("tokentap-server".into())
+            .spawn(move || {
+                server.run(RunArgs {
+                    shutdown_signal: Box::new(signal),
+                })
+            })
+            .ok();
+        Running {
+            shared,
+            stop,
+            thread,
+        }
+    }
+
+    /// Waits until both listeners accept connections (pingora binds them asynchronously).
+    pub async fn wait_ready(&self, timeout: Duration) -> std::io::Result<()> {
+        let listen = self.shared.config.listen;
+        let deadline = tokio::time::Instant::now() + timeout;
+        for addr in [listen.proxy, listen.admin] {
+            loop {
+                match tokio::net::TcpStream::connect(addr).await {
+                    Ok(_) => break,
+                    Err(e) if tokio::time::Instant::now() >= deadline => return Err(e),
+                    Err(_) => tokio::time::sleep(Duration::from_millis(5)).await,
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Shuts the server down and waits for its thread.
+    pub fn stop(mut self) {
+        self.shutdown();
+    }
+
+    fn shutdown(&mut self) {
+        self.stop.notify_one();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}

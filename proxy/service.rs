@@ -1,0 +1,247 @@
+//! `impl ProxyHttp`: each phase a few lines that call routing, framing, dialect and meter.
+//!
+//! The body filter only observes: it never holds, delays or rewrites a fragment, so the
+//! client sees each upstream fragment the moment pingora has it.
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use http::header::{CONTENT_ENCODING, CONTENT_TYPE, HOST};
+use pingora::http::{RequestHeader, ResponseHeader};
+use pingora::prelude::*;
+use pingora::proxy::{ProxyHttp, Session};
+use pingora::ErrorSource;
+
+use crate::dialect::{Dialect, Facts};
+use crate::meter::{Nanos, Outcome, Stream};
+use crate::routing::Choice;
+use crate::server::Shared;
+use crate::sse::SseParser;
+
+/// The response header naming the upstream that served a request.
+pub const UPSTREAM_HEADER: &str = "x-tokentap-upstream";
+/// Non-streaming bodies larger than this are forwarded but not read for `usage`.
+const MAX_JSON_BODY: usize = 4 << 20;
+
+/// The proxy.
+pub struct TokenTap {
+    shared: Arc<Shared>,
+}
+
+/// Per-request state.
+pub struct Ctx {
+    t0: Nanos,
+    dialect: Option<Dialect>,
+    choice: Option<Choice>,
+    /// The metered request: in flight until finished (or dropped, which finishes it).
+    stream: Option<Stream>,
+    body: Body,
+    facts: Facts,
+    unparsed: u64,
+    status: u16,
+}
+
+/// How the response body is read for metering.
+enum Body {
+    /// Not metered (not generation traffic, an error status, an encoded body…).
+    Ignore,
+    Sse(SseParser),
+    /// A non-streaming JSON response, copied (bounded) to read its `usage` at the end.
+    Json(Vec<u8>),
+}
+
+// === impl TokenTap ===
+
+impl TokenTap {
+    pub fn new(shared: Arc<Shared>) -> Self {
+        TokenTap { shared }
+    }
+
+    fn now(&self) -> Nanos {
+        self.shared.clock.now()
+    }
+
+    /// Feeds one response fragment to the framing and the dialect.
+    fn observe(&self, ctx: &mut Ctx, now: Nanos, chunk: &[u8]) {
+        let Some(dialect) = ctx.dialect else { return };
+        let mut facts = Facts::default();
+        match &mut ctx.body {
+            Body::Ignore => return,
+            Body::Sse(parser) => parser.push(chunk, |ev| facts.merge(dialect.event(&ev))),
+            Body::Json(buf) => {
+                if buf.len() + chunk.len() > MAX_JSON_BODY {
+                    ctx.body = Body::Ignore;
+                    ctx.unparsed += 1;
+                } else {
+                    buf.extend_from_slice(chunk);
+                }
+                return;
+            }
+        }
+        ctx.unparsed += u64::from(facts.unparsed);
+        if let Some(stream) = ctx.stream.as_mut() {
+            stream.tokens(now, facts.tokens);
+            if let Some(total) = facts.exact_total {
+                stream.exact_total(total);
+            }
+        }
+        ctx.facts.merge(Facts { tokens: 0, ..facts });
+    }
+
+    /// The response body ended normally.
+    fn body_end(&self, ctx: &mut Ctx) {
+        let Some(dialect) = ctx.dialect else { return };
+        match &ctx.body {
+            Body::Json(buf) => {
+                let facts = dialect.body(buf);
+                ctx.unparsed += u64::from(facts.unparsed);
+                if let (Some(stream), Some(total)) = (ctx.stream.as_mut(), facts.exact_total) {
+                    stream.exact_total(total);
+                }
+                ctx.facts.merge(facts);
+            }
+            Body::Sse(parser) => {
+                ctx.unparsed += parser.oversized_events();
+            }
+            Body::Ignore => {}
+        }
+    }
+
+    fn outcome(ctx: &Ctx, e: Option<&pingora::Error>) -> Outcome {
+        if let Some(e) = e {
+            return match e.esource() {
+                ErrorSource::Downstream => Outcome::Aborted,
+                _ => Outcome::UpstreamError,
+            };
+        }
+        match Outcome::from_status(ctx.status) {
+            Outcome::Ok if ctx.facts.error => Outcome::StreamError,
+            Outcome::Ok if matches!(ctx.body, Body::Sse(_)) && !ctx.facts.finished => {
+                Outcome::Truncated
+            }
+            other => other,
+        }
+    }
+}
+
+#[async_trait]
+impl ProxyHttp for TokenTap {
+    type CTX = Ctx;
+
+    fn new_ctx(&self) -> Ctx {
+        Ctx {
+            t0: self.now(),
+            dialect: None,
+            choice: None,
+            stream: None,
+            body: Body::Ignore,
+            facts: Facts::default(),
+            unparsed: 0,
+            status: 0,
+        }
+    }
+
+    async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
+        ctx.t0 = self.now();
+        let req = session.req_header();
+        if req.method == http::Method::POST {
+            ctx.dialect = Dialect::from_path(req.uri.path());
+        }
+        Ok(false)
+    }
+
+    async fn upstream_peer(&self, session: &mut Session, ctx: &mut Ctx) -> Result<Box<HttpPeer>> {
+        let choice = match ctx.choice {
+            Some(c) => c,
+            None => {
+                let req = session.req_header();
+                let c = self
+                    .shared
+                    .router
+                    .choose(req.uri.path(), &req.headers)
+                    .ok_or_else(|| Error::explain(HTTPStatus(404), "no route matches"))?;
+                ctx.choice = Some(c);
+                c
+            }
+        };
+        if ctx.dialect.is_some() && ctx.stream.is_none() {
+            let meter = &self.shared.meters[choice.upstream];
+            ctx.stream = Some(meter.begin(ctx.t0, self.now()));
+        }
+        Ok(Box::new(self.shared.peers[choice.upstream].clone()))
+    }
+
+    async fn upstream_request_filter(
+        &self,
+        _session: &mut Session,
+        req: &mut RequestHeader,
+        ctx: &mut Ctx,
+    ) -> Result<()> {
+        if let Some(c) = ctx.choice {
+            let host = &self.shared.config.upstreams[c.upstream].host_header;
+            req.insert_header(HOST, host.as_str())?;
+        }
+        Ok(())
+    }
+
+    async fn response_filter(
+        &self,
+        _session: &mut Session,
+        resp: &mut ResponseHeader,
+        ctx: &mut Ctx,
+    ) -> Result<()> {
+        ctx.status = resp.status.as_u16();
+        if let Some(c) = ctx.choice {
+            let name = &self.shared.config.upstreams[c.upstream].name;
+            resp.insert_header(UPSTREAM_HEADER, name.as_str())?;
+        }
+        let encoded = resp
+            .headers
+            .get(CONTENT_ENCODING)
+            .is_some_and(|v| !v.as_bytes().eq_ignore_ascii_case(b"identity"));
+        let content_type = resp
+            .headers
+            .get(CONTENT_TYPE)
+            .map(|v| v.as_bytes().to_ascii_lowercase())
+            .unwrap_or_default();
+        ctx.body = if ctx.dialect.is_none() || !resp.status.is_success() || encoded {
+            Body::Ignore
+        } else if memchr::memmem::find(&content_type, b"text/event-stream").is_some() {
+            Body::Sse(SseParser::new(self.shared.config.max_event_bytes))
+        } else if memchr::memmem::find(&content_type, b"json").is_some() {
+            Body::Json(Vec::new())
+        } else {
+            Body::Ignore
+        };
+        Ok(())
+    }
+
+    fn upstream_response_body_filter(
+        &self,
+        _session: &mut Session,
+        body: &mut Option<Bytes>,
+        end_of_stream: bool,
+        ctx: &mut Ctx,
+    ) -> Result<Option<std::time::Duration>> {
+        if let Some(chunk) = body.as_ref() {
+            let now = self.now();
+            self.observe(ctx, now, chunk);
+        }
+        if end_of_stream {
+            self.body_end(ctx);
+        }
+        Ok(None)
+    }
+
+    async fn logging(&self, _session: &mut Session, e: Option<&pingora::Error>, ctx: &mut Ctx) {
+        let Some(choice) = ctx.choice else { return };
+        let outcome = Self::outcome(ctx, e);
+        let meter = &self.shared.meters[choice.upstream];
+        meter.count_unparsed(ctx.unparsed);
+        match ctx.stream.take() {
+            Some(stream) => stream.finish(self.now(), outcome),
+            None => meter.count_plain(outcome),
+        }
+    }
+}

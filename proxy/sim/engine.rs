@@ -1,0 +1,216 @@
+//! The batching engine: one task that owns the batch and runs decode steps.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::Serialize;
+use tokio::sync::{mpsc, Notify};
+use tokio::time::Instant;
+
+use super::SimArgs;
+
+/// A generation request handed to the engine.
+pub struct Job {
+    pub max_tokens: u64,
+    pub prompt_tokens: u64,
+    /// Where the engine sends each event's tokens; dropped receiver = client gone.
+    pub out: mpsc::UnboundedSender<Emit>,
+}
+
+/// One event's worth of output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Emit {
+    pub tokens: u64,
+    /// The request's last event: it reached `max_tokens`.
+    pub last: bool,
+}
+
+/// The engine's own figures (`GET /sim/stats`).
+#[derive(Debug, Default, Serialize)]
+pub struct SimStats {
+    pub decoding: u64,
+    pub prefilling: u64,
+    pub waiting: u64,
+    /// The most requests ever prefilling or decoding at once.
+    pub peak_batch: u64,
+    pub completed: u64,
+    /// Requests whose client went away before the end.
+    pub aborted: u64,
+    pub tokens: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    decoding: AtomicU64,
+    prefilling: AtomicU64,
+    waiting: AtomicU64,
+    peak_batch: AtomicU64,
+    completed: AtomicU64,
+    aborted: AtomicU64,
+    tokens: AtomicU64,
+}
+
+pub struct Engine {
+    pub args: SimArgs,
+    jobs: mpsc::UnboundedSender<Job>,
+    counters: Counters,
+    stop: Notify,
+}
+
+struct Active {
+    job: Job,
+    produced: u64,
+}
+
+// === impl Engine ===
+
+impl Engine {
+    /// Starts the engine task on the current runtime.
+    pub fn start(args: SimArgs) -> Arc<Engine> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let engine = Arc::new(Engine {
+            args,
+            jobs: tx,
+            counters: Counters::default(),
+            stop: Notify::new(),
+        });
+        let e = Arc::clone(&engine);
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = e.run(rx) => {}
+                _ = e.stop.notified() => {}
+            }
+        });
+        engine
+    }
+
+    pub fn shutdown(&self) {
+        self.stop.notify_one();
+    }
+
+    /// Queues a request; `false` if the engine has stopped.
+    pub fn submit(&self, job: Job) -> bool {
+        self.jobs.send(job).is_ok()
+    }
+
+    pub fn stats(&self) -> SimStats {
+        let c = &self.counters;
+        SimStats {
+            decoding: c.decoding.load(Relaxed),
+            prefilling: c.prefilling.load(Relaxed),
+            waiting: c.waiting.load(Relaxed),
+            peak_batch: c.peak_batch.load(Relaxed),
+            completed: c.completed.load(Relaxed),
+            aborted: c.aborted.load(Relaxed),
+            tokens: c.tokens.load(Relaxed),
+        }
+    }
+
+    fn prefill_time(&self, job: &Job) -> Duration {
+        let ms = self.args.ttft_ms + self.args.prefill_ms_per_token * job.prompt_tokens as f64;
+        Duration::from_secs_f64(ms.max(0.0) / 1e3)
+    }
+
+    async fn run(&self, mut rx: mpsc::UnboundedReceiver<Job>) {
+        let max_batch = self.args.max_batch.unwrap_or(usize::MAX);
+        let mut waiting: VecDeque<Job> = VecDeque::new();
+        let mut prefilling: Vec<(Instant, Job)> = Vec::new();
+        let mut decoding: Vec<Active> = Vec::new();
+        let mut step_start = Instant::now();
+        loop {
+            while let Ok(job) = rx.try_recv() {
+                waiting.push_back(job);
+            }
+            let now = Instant::now();
+            while prefilling.len() + decoding.len() < max_batch {
+                let Some(job) = waiting.pop_front() else {
+                    break;
+                };
+                if job.out.is_closed() {
+                    self.counters.aborted.fetch_add(1, Relaxed);
+                    continue;
+                }
+                prefilling.push((now + self.prefill_time(&job), job));
+            }
+            // Prefill ends with the first token, then the request joins the decode batch.
+            let mut i = 0;
+            while i < prefilling.len() {
+                if prefilling[i].0 <= now {
+                    let (_, job) = prefilling.swap_remove(i);
+                    let mut active = Active { job, produced: 0 };
+                    if self.emit(&mut active) {
+                        decoding.push(active);
+                    }
+                } else {
+                    i += 1;
+                }
+            }
+            self.publish(&waiting, &prefilling, &decoding);
+
+            if decoding.is_empty() {
+                let next_prefill = prefilling.iter().map(|(t, _)| *t).min();
+                tokio::select! {
+                    job = rx.recv() => match job {
+                        Some(job) => waiting.push_back(job),
+                        None => return,
+                    },
+                    _ = sleep_until_opt(next_prefill) => {}
+                }
+                step_start = Instant::now();
+                continue;
+            }
+
+            let step =
+                Duration::from_secs_f64(self.args.tpot_curve.tpot_ms(decoding.len() as f64) / 1e3);
+            let deadline = step_start + step;
+            tokio::time::sleep_until(deadline).await;
+            decoding.retain_mut(|a| self.emit(a));
+            // Absolute deadlines: the next step starts when this one was due, unless the
+            // engine fell a whole step behind (then it does not try to catch up in a burst).
+            let now = Instant::now();
+            step_start = if now.duration_since(deadline) > step {
+                now
+            } else {
+                deadline
+            };
+        }
+    }
+
+    /// Sends a request its next event; `false` when it is done or its client is gone.
+    fn emit(&self, a: &mut Active) -> bool {
+        let k = self
+            .args
+            .tokens_per_chunk
+            .max(1)
+            .min(a.job.max_tokens - a.produced);
+        a.produced += k;
+        let last = a.produced >= a.job.max_tokens;
+        if a.job.out.send(Emit { tokens: k, last }).is_err() {
+            self.counters.aborted.fetch_add(1, Relaxed);
+            return false;
+        }
+        self.counters.tokens.fetch_add(k, Relaxed);
+        if last {
+            self.counters.completed.fetch_add(1, Relaxed);
+        }
+        !last
+    }
+
+    fn publish(&self, waiting: &VecDeque<Job>, prefilling: &[(Instant, Job)], decoding: &[Active]) {
+        let c = &self.counters;
+        c.waiting.store(waiting.len() as u64, Relaxed);
+        c.prefilling.store(prefilling.len() as u64, Relaxed);
+        c.decoding.store(decoding.len() as u64, Relaxed);
+        c.peak_batch
+            .fetch_max((prefilling.len() + decoding.len()) as u64, Relaxed);
+    }
+}
+
+async fn sleep_until_opt(t: Option<Instant>) {
+    match t {
+        Some(t) => tokio::time::sleep_until(t).await,
+        None => std::future::pending().await,
+    }
+}

@@ -1,0 +1,250 @@
+//! The simulator's HTTP face: OpenAI's `/v1/chat/completions`, `/v1/completions`,
+//! `/v1/models`, plus `GET /sim/stats`.
+
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use hyper::body::{Body, Frame, Incoming};
+use hyper::service::service_fn;
+use hyper::{Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+
+use super::engine::{Emit, Engine, Job};
+use super::UsageMode;
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// Accepts connections until the task is aborted.
+pub async fn serve(listener: TcpListener, engine: Arc<Engine>) {
+    loop {
+        let Ok((stream, _)) = listener.accept().await else {
+            continue;
+        };
+        let _ = stream.set_nodelay(true);
+        let engine = Arc::clone(&engine);
+        tokio::spawn(async move {
+            let svc = service_fn(move |req| handle(Arc::clone(&engine), req));
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), svc)
+                .await;
+        });
+    }
+}
+
+/// A response body: either whole, or events as the engine produces them.
+pub enum SimBody {
+    Full(Option<Bytes>),
+    Stream(mpsc::UnboundedReceiver<Bytes>),
+}
+
+impl Body for SimBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        match self.get_mut() {
+            SimBody::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
+            SimBody::Stream(rx) => rx.poll_recv(cx).map(|o| o.map(|b| Ok(Frame::data(b)))),
+        }
+    }
+}
+
+fn json_response(status: StatusCode, v: &Value) -> Response<SimBody> {
+    let mut r = Response::new(SimBody::Full(Some(Bytes::from(v.to_string()))));
+    *r.status_mut() = status;
+    r.headers_mut().insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static("application/json"),
+    );
+    r
+}
+
+fn error(status: StatusCode, message: &str) -> Response<SimBody> {
+    json_response(
+        status,
+        &json!({"error": {"message": message, "type": "invalid_request_error", "code": null}}),
+    )
+}
+
+async fn handle(
+    engine: Arc<Engine>,
+    req: Request<Incoming>,
+) -> Result<Response<SimBody>, Infallible> {
+    let path = req.uri().path().to_owned();
+    let method = req.method().clone();
+    let resp = match (method.as_str(), path.as_str()) {
+        ("GET", "/v1/models") => json_response(
+            StatusCode::OK,
+            &json!({"object": "list", "data": [{"id": engine.args.model, "object": "model", "owned_by": "tokentap-sim"}]}),
+        ),
+        ("GET", "/sim/stats") => json_response(StatusCode::OK, &json!(engine.stats())),
+        ("POST", "/v1/chat/completions") => generate(engine, req, true).await,
+        ("POST", "/v1/completions") => generate(engine, req, false).await,
+        _ => error(
+            StatusCode::NOT_FOUND,
+            &format!("no route for {method} {path}"),
+        ),
+    };
+    Ok(resp)
+}
+
+async fn generate(engine: Arc<Engine>, req: Request<Incoming>, chat: bool) -> Response<SimBody> {
+    let Ok(body) = req.into_body().collect().await else {
+        return error(StatusCode::BAD_REQUEST, "could not read the request body");
+    };
+    let body = body.to_bytes();
+    let Ok(v) = serde_json::from_slice::<Value>(&body) else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "the request body is not valid JSON",
+        );
+    };
+    let args = &engine.args;
+    let max_tokens = v
+        .get("max_tokens")
+        .or_else(|| v.get("max_completion_tokens"))
+        .and_then(Value::as_u64)
+        .unwrap_or(args.max_tokens)
+        .max(1);
+    let stream = v.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    let asked_usage = v
+        .pointer("/stream_options/include_usage")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    let usage = match args.usage {
+        UsageMode::Auto => asked_usage,
+        UsageMode::Always => true,
+        UsageMode::Never => false,
+    };
+    let prompt_tokens = (body.len() as u64 / 4).max(1);
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    if !engine.submit(Job {
+        max_tokens,
+        prompt_tokens,
+        out: tx,
+    }) {
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the simulator is shutting down",
+        );
+    }
+    let fmt = Format {
+        id: format!("cmpl-sim-{}", NEXT_ID.fetch_add(1, Relaxed)),
+        model: args.model.clone(),
+        chat,
+        created: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
+    };
+    if !stream {
+        let mut produced = 0;
+        while let Some(Emit { tokens, last }) = rx.recv().await {
+            produced += tokens;
+            if last {
+                break;
+            }
+        }
+        return json_response(StatusCode::OK, &fmt.whole(produced, prompt_tokens));
+    }
+
+    let (out_tx, out_rx) = mpsc::unbounded_channel();
+    if chat {
+        let _ = out_tx.send(fmt.event(&fmt.role_chunk()));
+    }
+    tokio::spawn(async move {
+        let mut produced = 0;
+        while let Some(Emit { tokens, last }) = rx.recv().await {
+            produced += tokens;
+            if out_tx
+                .send(fmt.event(&fmt.token_chunk(tokens, last)))
+                .is_err()
+            {
+                return; // client gone: dropping `rx` tells the engine
+            }
+            if last {
+                if usage {
+                    let _ = out_tx.send(fmt.event(&fmt.usage_chunk(produced, prompt_tokens)));
+                }
+                let _ = out_tx.send(Bytes::from_static(b"data: [DONE]\n\n"));
+                return;
+            }
+        }
+    });
+    let mut r = Response::new(SimBody::Stream(out_rx));
+    let h = r.headers_mut();
+    h.insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static("text/event-stream"),
+    );
+    h.insert(
+        hyper::header::CACHE_CONTROL,
+        hyper::header::HeaderValue::from_static("no-cache"),
+    );
+    r
+}
+
+/// Renders OpenAI-shaped chunks.
+struct Format {
+    id: String,
+    model: String,
+    chat: bool,
+    created: u64,
+}
+
+impl Format {
+    fn event(&self, v: &Value) -> Bytes {
+        Bytes::from(format!("data: {v}\n\n"))
+    }
+
+    fn object(&self) -> &'static str {
+        if self.chat {
+            "chat.completion.chunk"
+        } else {
+            "text_completion"
+        }
+    }
+
+    fn role_chunk(&self) -> Value {
+        json!({"id": self.id, "object": self.object(), "created": self.created, "model": self.model,
+               "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]})
+    }
+
+    fn token_chunk(&self, tokens: u64, last: bool) -> Value {
+        let text = " tok".repeat(tokens as usize);
+        let finish = if last { json!("length") } else { Value::Null };
+        let choice = if self.chat {
+            json!({"index": 0, "delta": {"content": text}, "logprobs": null, "finish_reason": finish})
+        } else {
+            json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish})
+        };
+        json!({"id": self.id, "object": self.object(), "created": self.created, "model": self.model, "choices": [choice]})
+    }
+
+    fn usage_chunk(&self, completion: u64, prompt: u64) -> Value {
+        json!({"id": self.id, "object": self.object(), "created": self.created, "model": self.model, "choices": [],
+               "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}})
+    }
+
+    fn whole(&self, completion: u64, prompt: u64) -> Value {
+        let text = " tok".repeat(completion as usize);
+        let choice = if self.chat {
+            json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"})
+        } else {
+            json!({"index": 0, "text": text, "finish_reason": "length"})
+        };
+        json!({"id": self.id, "object": if self.chat {"chat.completion"} else {"text_completion"},
+               "created": self.created, "model": self.model, "choices": [choice],
+               "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}})
+    }
+}

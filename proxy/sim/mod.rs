@@ -1,0 +1,119 @@
+//! `tokentap sim`: a simulated continuously batching LLM backend, OpenAI-compatible.
+//!
+//! One decode step lasts `tpot(b)`, b being the requests decoding at that moment, from a
+//! piecewise-linear curve; every decoding request receives `tokens_per_chunk` tokens per
+//! step as one SSE event. A new request waits `ttft_ms` (+ a per-prompt-token cost) of
+//! prefill, then joins the batch at the next step. Steps are scheduled against absolute
+//! deadlines, so the rate does not drift; a client that goes away stops being generated for.
+//!
+//! It stands apart from the proxy, like a real backend: it shares only plain helpers.
+
+mod curve;
+mod engine;
+mod http;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use clap::{Args, ValueEnum};
+
+pub use curve::Curve;
+pub use engine::{Engine, SimStats};
+
+/// When to send the usage chunk at the end of a stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum UsageMode {
+    /// When the request asks (`stream_options.include_usage`), like OpenAI.
+    Auto,
+    Always,
+    Never,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct SimArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:8000")]
+    pub listen: SocketAddr,
+    /// Decode step time (ms) by batch size, piecewise-linear through these points
+    /// (DESIGN §1's reference shape by default).
+    #[arg(long, default_value = "1:20,16:22,64:26,128:36")]
+    pub tpot_curve: Curve,
+    /// Prefill time before the first token, ms.
+    #[arg(long, default_value_t = 50.0)]
+    pub ttft_ms: f64,
+    /// Extra prefill time per prompt token (estimated as 4 bytes of prompt each), ms.
+    #[arg(long, default_value_t = 0.0)]
+    pub prefill_ms_per_token: f64,
+    /// Requests beyond this many (prefilling or decoding) wait in a queue. Default: no limit.
+    #[arg(long)]
+    pub max_batch: Option<usize>,
+    /// Output tokens when the request gives no `max_tokens`.
+    #[arg(long, default_value_t = 128)]
+    pub max_tokens: u64,
+    /// Tokens carried by each streamed event.
+    #[arg(long, default_value_t = 1)]
+    pub tokens_per_chunk: u64,
+    /// The usage chunk at the end of streams.
+    #[arg(long, value_enum, default_value_t = UsageMode::Auto)]
+    pub usage: UsageMode,
+    /// The model name reported.
+    #[arg(long, default_value = "tokentap-sim")]
+    pub model: String,
+}
+
+impl SimArgs {
+    /// The defaults, as the command line gives them.
+    pub fn defaults() -> SimArgs {
+        SimArgs {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8000)),
+            tpot_curve: Curve::reference(),
+            ttft_ms: 50.0,
+            prefill_ms_per_token: 0.0,
+            max_batch: None,
+            max_tokens: 128,
+            tokens_per_chunk: 1,
+            usage: UsageMode::Auto,
+            model: "tokentap-sim".into(),
+        }
+    }
+}
+
+/// A simulator serving on a bound listener.
+pub struct Sim {
+    pub addr: SocketAddr,
+    pub engine: Arc<Engine>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Sim {
+    /// Binds `args.listen` (port 0 picks a free port) and serves on the current runtime.
+    pub async fn start(args: SimArgs) -> std::io::Result<Sim> {
+        let listener = tokio::net::TcpListener::bind(args.listen).await?;
+        let addr = listener.local_addr()?;
+        let engine = Engine::start(args);
+        let task = tokio::spawn(http::serve(listener, Arc::clone(&engine)));
+        Ok(Sim { addr, engine, task })
+    }
+}
+
+impl Drop for Sim {
+    fn drop(&mut self) {
+        self.task.abort();
+        self.engine.shutdown();
+    }
+}
+
+/// `tokentap sim`: serves until Ctrl-C.
+pub fn run_blocking(args: SimArgs) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Runtime::new()?;
+    rt.block_on(async move {
+        let curve = args.tpot_curve.to_string();
+        let sim = Sim::start(args).await?;
+        eprintln!(
+            "tokentap sim: OpenAI-compatible on http://{} (tpot curve {curve}); GET /sim/stats for its own figures",
+            sim.addr
+        );
+        tokio::signal::ctrl_c().await?;
+        Ok(())
+    })
+}

@@ -1,0 +1,251 @@
+//! Test helpers: a scripted raw-TCP backend, an HTTP client that keeps every body fragment
+//! with its arrival time, and an in-process tokentap on free loopback ports.
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::time::Instant;
+use tokentap::config::Config;
+use tokentap::server::Running;
+
+/// A free loopback port: bound at :0, released, handed to pingora (which binds by address).
+pub fn free_addr() -> SocketAddr {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap()
+}
+
+/// tokentap in this process, in front of `upstreams` (name, addr), `extra` appended to the
+/// config (routes, metrics…).
+pub async fn proxy(upstreams: &[(&str, SocketAddr)], extra: &str) -> Running {
+    let mut text = format!("[listen]\nproxy = \"{}\"\nadmin = \"{}\"\n", free_addr(), free_addr());
+    for (name, addr) in upstreams {
+        text.push_str(&format!("[[upstream]]\nname = \"{name}\"\nurl = \"http://{addr}\"\n"));
+    }
+    text.push_str(extra);
+    let config = Config::parse(&text, "test").unwrap();
+    let running = Running::start(config);
+    running.wait_ready(Duration::from_secs(10)).await.unwrap();
+    running
+}
+
+pub fn proxy_addr(r: &Running) -> SocketAddr {
+    r.shared.config.listen.proxy
+}
+
+/// `/stats` of the running proxy, as JSON.
+pub async fn stats(r: &Running) -> serde_json::Value {
+    let resp = fetch(r.shared.config.listen.admin, "GET", "/stats", b"").await;
+    assert_eq!(resp.status, 200);
+    serde_json::from_slice(&resp.body).unwrap()
+}
+
+/// Polls `/stats` until `cond` holds for the first upstream (the proxy records a request
+/// in its logging phase, just after the client has read the last byte).
+pub async fn stats_when(r: &Running, cond: impl Fn(&serde_json::Value) -> bool) -> serde_json::Value {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let s = stats(r).await;
+        if cond(&s["upstreams"][0]) {
+            return s;
+        }
+        assert!(Instant::now() < deadline, "condition never held; last stats: {s:#}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// A response: status, headers, the body bytes, each body fragment with its arrival time,
+/// and whether the body ended in an error.
+pub struct Resp {
+    pub status: u16,
+    pub headers: http::HeaderMap,
+    pub body: Vec<u8>,
+    pub frames: Vec<(Instant, Bytes)>,
+    pub error: bool,
+}
+
+pub async fn fetch(addr: SocketAddr, method: &str, path: &str, body: &[u8]) -> Resp {
+    let stream = TcpStream::connect(addr).await.unwrap();
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.unwrap();
+    tokio::spawn(conn);
+    let req = http::Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", addr.to_string())
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::copy_from_slice(body)))
+        .unwrap();
+    let resp = sender.send_request(req).await.unwrap();
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let mut b = resp.into_body();
+    let (mut out, mut frames, mut error) = (Vec::new(), Vec::new(), false);
+    while let Some(f) = b.frame().await {
+        match f {
+            Ok(f) => {
+                if let Ok(d) = f.into_data() {
+                    out.extend_from_slice(&d);
+                    frames.push((Instant::now(), d));
+                }
+            }
+            Err(_) => {
+                error = true;
+                break;
+            }
+        }
+    }
+    Resp { status, headers, body: out, frames, error }
+}
+
+/// How a scripted response ends.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Ending {
+    /// The terminating chunk.
+    Clean,
+    /// A TCP reset in the middle of the chunked body.
+    Reset,
+}
+
+/// A scripted reply.
+#[derive(Clone)]
+pub enum Reply {
+    /// Chunked: each piece written (and flushed) on its own, `gap` apart.
+    Chunked { status: u16, content_type: &'static str, pieces: Vec<Vec<u8>>, gap: Duration, ending: Ending },
+    /// With a Content-Length.
+    Whole { status: u16, content_type: &'static str, body: Vec<u8> },
+}
+
+/// A raw-TCP backend answering each request path with a scripted reply.
+pub struct Mock {
+    pub addr: SocketAddr,
+    /// Chunked replies the backend could not finish writing: the client went away.
+    pub aborted: Arc<AtomicU64>,
+    pub requests: Arc<AtomicU64>,
+}
+
+pub async fn mock(routes: Vec<(&'static str, Reply)>) -> Mock {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let aborted = Arc::new(AtomicU64::new(0));
+    let requests = Arc::new(AtomicU64::new(0));
+    let routes = Arc::new(routes);
+    let (ab, rq) = (Arc::clone(&aborted), Arc::clone(&requests));
+    tokio::spawn(async move {
+        loop {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let (routes, ab, rq) = (Arc::clone(&routes), Arc::clone(&ab), Arc::clone(&rq));
+            tokio::spawn(async move {
+                while let Some(path) = read_request(&mut s).await {
+                    rq.fetch_add(1, SeqCst);
+                    let reply = routes.iter().find(|(p, _)| path == *p).map(|(_, r)| r.clone()).unwrap_or(Reply::Whole {
+                        status: 404,
+                        content_type: "application/json",
+                        body: br#"{"error":{"message":"not found"}}"#.to_vec(),
+                    });
+                    if !write_reply(&mut s, reply, &ab).await {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    Mock { addr, aborted, requests }
+}
+
+/// Reads one request; returns its path.
+async fn read_request(s: &mut TcpStream) -> Option<String> {
+    let mut buf = Vec::new();
+    let mut tmp = [0u8; 4096];
+    let head_end = loop {
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+        let n = s.read(&mut tmp).await.ok()?;
+        if n == 0 {
+            return None;
+        }
+        buf.extend_from_slice(&tmp[..n]);
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]).to_string();
+    let path = head.split_whitespace().nth(1)?.to_owned();
+    let lower = head.to_ascii_lowercase();
+    let mut rest = buf.len() - head_end;
+    if let Some(len) = lower.lines().find_map(|l| l.strip_prefix("content-length:")).and_then(|v| v.trim().parse::<usize>().ok()) {
+        while rest < len {
+            let n = s.read(&mut tmp).await.ok()?;
+            if n == 0 {
+                return None;
+            }
+            rest += n;
+        }
+    } else if lower.contains("transfer-encoding: chunked") {
+        let mut body = buf[head_end..].to_vec();
+        while !body.windows(5).any(|w| w == b"0\r\n\r\n") {
+            let n = s.read(&mut tmp).await.ok()?;
+            if n == 0 {
+                return None;
+            }
+            body.extend_from_slice(&tmp[..n]);
+        }
+    }
+    Some(path)
+}
+
+async fn write_reply(s: &mut TcpStream, reply: Reply, aborted: &AtomicU64) -> bool {
+    match reply {
+        Reply::Whole { status, content_type, body } => {
+            let head = format!("HTTP/1.1 {status} X\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\n\r\n", body.len());
+            s.write_all(head.as_bytes()).await.is_ok() && s.write_all(&body).await.is_ok()
+        }
+        Reply::Chunked { status, content_type, pieces, gap, ending } => {
+            let head = format!("HTTP/1.1 {status} X\r\ncontent-type: {content_type}\r\ntransfer-encoding: chunked\r\n\r\n");
+            if s.write_all(head.as_bytes()).await.is_err() {
+                return false;
+            }
+            for (i, p) in pieces.iter().enumerate() {
+                if i > 0 {
+                    tokio::time::sleep(gap).await;
+                }
+                let chunk = [format!("{:x}\r\n", p.len()).into_bytes(), p.clone(), b"\r\n".to_vec()].concat();
+                if s.write_all(&chunk).await.is_err() || s.flush().await.is_err() {
+                    aborted.fetch_add(1, SeqCst);
+                    return false;
+                }
+            }
+            match ending {
+                Ending::Clean => s.write_all(b"0\r\n\r\n").await.is_ok(),
+                Ending::Reset => {
+                    // SO_LINGER 0 (which cannot block: nothing lingers): closing sends a
+                    // reset, not a clean FIN.
+                    #[allow(deprecated)]
+                    let _ = s.set_linger(Some(Duration::ZERO));
+                    false
+                }
+            }
+        }
+    }
+}
+
+/// An OpenAI chat stream of `n` content tokens, with a usage chunk when `usage`.
+pub fn chat_events(n: usize, usage: bool) -> Vec<Vec<u8>> {
+    let mut v = vec![br#"data: {"id":"c1","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}"#.to_vec()];
+    for i in 0..n {
+        let finish = if i + 1 == n { r#""stop""# } else { "null" };
+        v.push(format!(r#"data: {{"id":"c1","object":"chat.completion.chunk","choices":[{{"index":0,"delta":{{"content":"t{i} é"}},"finish_reason":{finish}}}]}}"#).into_bytes());
+    }
+    if usage {
+        v.push(format!(r#"data: {{"id":"c1","object":"chat.completion.chunk","choices":[],"usage":{{"prompt_tokens":3,"completion_tokens":{n},"total_tokens":{}}}}}"#, n + 3).into_bytes());
+    }
+    v.push(b"data: [DONE]".to_vec());
+    v.into_iter().map(|mut e| {
+        e.extend_from_slice(b"\n\n");
+        e
+    }).collect()
+}

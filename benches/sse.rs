@@ -6,15 +6,29 @@
 //! token each, some with escapes and non-ASCII), a usage chunk and `[DONE]`, fed in
 //! fragments of one event each (how a streaming server writes them) and in 16 KiB slabs.
 //!
-//! Measured on this machine (2 cores, release build, one core):
-//! see the README's "Performance" section for the figures of the latest run.
+//! Measured on the development machine (2 cores, release build, 2026-11-29), per stream of
+//! 1,002 events (223 B each):
+//! - framing, one event per fragment: 35.3 µs, 5.9 GiB/s
+//! - framing, 16 KiB fragments: 28.9 µs, 7.2 GiB/s
+//! - framing + OpenAI dialect: 378 µs, 2.65 M events/s (0.38 µs per event)
+//!
+//! Targets: ≥ 1 GB/s framing, ≥ 1 M events/s framing plus dialect.
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use tokentap::dialect::{Dialect, Facts};
 use tokentap::sse::SseParser;
 
 fn stream(events: usize) -> Vec<Vec<u8>> {
-    let words = ["Hello", " world", ",", " caf\u{e9}", " \\\"quoted\\\"", "\\n", " the", " lighthouse"];
+    let words = [
+        "Hello",
+        " world",
+        ",",
+        " caf\u{e9}",
+        " \\\"quoted\\\"",
+        "\\n",
+        " the",
+        " lighthouse",
+    ];
     let mut out = Vec::with_capacity(events + 2);
     for i in 0..events {
         let w = words[i % words.len()];

@@ -9,7 +9,8 @@ fn check(path: &std::path::Path) -> (bool, String) {
         .arg(path)
         .output()
         .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
     (out.status.success(), text)
 }
 
@@ -41,7 +42,12 @@ fn a_broken_config_names_each_problem() {
     let (ok, text) = check(&path);
     std::fs::remove_file(&path).ok();
     assert!(!ok);
-    for want in ["3 problems", "upstream[0].url:", "route[0].split.c: unknown upstream", "route[0].split: total weight is 0"] {
+    for want in [
+        "3 problems",
+        "upstream[0].url:",
+        "route[0].split.c: unknown upstream",
+        "route[0].split: total weight is 0",
+    ] {
         assert!(text.contains(want), "missing {want:?} in:\n{text}");
     }
     let (ok, text) = check(std::path::Path::new("/nonexistent/tokentap.toml"));

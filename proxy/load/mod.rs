@@ -134,13 +134,13 @@ pub async fn phase(
 /// `tokentap load`.
 pub fn run_blocking(args: LoadArgs) -> anyhow::Result<()> {
     let target = args.target()?;
-    if !(args.duration > 0.0) || args.warmup < 0.0 {
+    if args.duration.is_nan() || args.duration <= 0.0 || args.warmup < 0.0 {
         bail!("--duration must be > 0 and --warmup ≥ 0");
     }
     let modes: Vec<Mode> = match args.rate {
         Some(rate) if rate > 0.0 => vec![Mode::Open { rate }],
         Some(_) => bail!("--rate must be > 0"),
-        None if args.concurrency.iter().any(|&c| c == 0) => {
+        None if args.concurrency.contains(&0) => {
             bail!("--concurrency levels must be ≥ 1")
         }
         None => args

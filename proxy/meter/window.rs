@@ -315,7 +315,7 @@ impl Windows {
                 let q = |p: f64| {
                     b.gaps
                         .as_ref()
-                        .filter(|h| h.len() > 0)
+                        .filter(|h| !h.is_empty())
                         .map(|h| h.value_at_quantile(p) as f64 / 1e3)
                 };
                 let mean_ms = (samples > 0).then(|| b.gap_sum_us / samples as f64 / 1e3);
@@ -413,7 +413,7 @@ fn slot_of(ring: &mut [Slot], epoch: u64) -> &mut Slot {
 }
 
 fn hist_percentiles(h: &Histogram<u32>) -> Percentiles {
-    if h.len() == 0 {
+    if h.is_empty() {
         return Percentiles::default();
     }
     let q = |p: f64| Some(h.value_at_quantile(p) as f64 / 1e3);

@@ -49,7 +49,7 @@ impl Router {
             .map(|v| v.as_bytes());
         let arm = match key {
             Some(key) => sticky_arm(key, &r.split),
-            None => wrr.lock().unwrap_or_else(PoisonError::into_inner).next(),
+            None => wrr.lock().unwrap_or_else(PoisonError::into_inner).pick(),
         };
         Some(Choice {
             route,
@@ -118,7 +118,7 @@ impl SmoothWrr {
     }
 
     /// The next arm.
-    pub fn next(&mut self) -> usize {
+    pub fn pick(&mut self) -> usize {
         let mut best = 0;
         for i in 0..self.weights.len() {
             self.credit[i] += self.weights[i];
@@ -138,14 +138,14 @@ mod tests {
     #[test]
     fn smooth_wrr_spreads_picks() {
         let mut w = SmoothWrr::new(vec![5, 1, 1]);
-        let picks: Vec<usize> = (0..7).map(|_| w.next()).collect();
+        let picks: Vec<usize> = (0..7).map(|_| w.pick()).collect();
         assert_eq!(picks, vec![0, 0, 1, 0, 2, 0, 0]);
         let mut w = SmoothWrr::new(vec![1, 1]);
-        let picks: Vec<usize> = (0..4).map(|_| w.next()).collect();
+        let picks: Vec<usize> = (0..4).map(|_| w.pick()).collect();
         assert_eq!(picks, vec![0, 1, 0, 1]);
         let mut w = SmoothWrr::new(vec![0, 3]);
         assert!(
-            (0..5).all(|_| w.next() == 1),
+            (0..5).all(|_| w.pick() == 1),
             "a zero weight is never picked"
         );
     }
@@ -155,7 +155,7 @@ mod tests {
         let mut w = SmoothWrr::new(vec![90, 10]);
         let mut n = [0u32; 2];
         for _ in 0..10_000 {
-            n[w.next()] += 1;
+            n[w.pick()] += 1;
         }
         assert_eq!(n, [9_000, 1_000]);
     }

@@ -10,11 +10,11 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
+use tokentap::config::Config;
+use tokentap::server::Running;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::Instant;
-use tokentap::config::Config;
-use tokentap::server::Running;
 
 /// A free loopback port: bound at :0, released, handed to pingora (which binds by address).
 pub fn free_addr() -> SocketAddr {
@@ -25,9 +25,15 @@ pub fn free_addr() -> SocketAddr {
 /// tokentap in this process, in front of `upstreams` (name, addr), `extra` appended to the
 /// config (routes, metrics…).
 pub async fn proxy(upstreams: &[(&str, SocketAddr)], extra: &str) -> Running {
-    let mut text = format!("[listen]\nproxy = \"{}\"\nadmin = \"{}\"\n", free_addr(), free_addr());
+    let mut text = format!(
+        "[listen]\nproxy = \"{}\"\nadmin = \"{}\"\n",
+        free_addr(),
+        free_addr()
+    );
     for (name, addr) in upstreams {
-        text.push_str(&format!("[[upstream]]\nname = \"{name}\"\nurl = \"http://{addr}\"\n"));
+        text.push_str(&format!(
+            "[[upstream]]\nname = \"{name}\"\nurl = \"http://{addr}\"\n"
+        ));
     }
     text.push_str(extra);
     let config = Config::parse(&text, "test").unwrap();
@@ -49,14 +55,20 @@ pub async fn stats(r: &Running) -> serde_json::Value {
 
 /// Polls `/stats` until `cond` holds for the first upstream (the proxy records a request
 /// in its logging phase, just after the client has read the last byte).
-pub async fn stats_when(r: &Running, cond: impl Fn(&serde_json::Value) -> bool) -> serde_json::Value {
+pub async fn stats_when(
+    r: &Running,
+    cond: impl Fn(&serde_json::Value) -> bool,
+) -> serde_json::Value {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let s = stats(r).await;
         if cond(&s["upstreams"][0]) {
             return s;
         }
-        assert!(Instant::now() < deadline, "condition never held; last stats: {s:#}");
+        assert!(
+            Instant::now() < deadline,
+            "condition never held; last stats: {s:#}"
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
@@ -73,7 +85,9 @@ pub struct Resp {
 
 pub async fn fetch(addr: SocketAddr, method: &str, path: &str, body: &[u8]) -> Resp {
     let stream = TcpStream::connect(addr).await.unwrap();
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.unwrap();
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .unwrap();
     tokio::spawn(conn);
     let req = http::Request::builder()
         .method(method)
@@ -101,7 +115,13 @@ pub async fn fetch(addr: SocketAddr, method: &str, path: &str, body: &[u8]) -> R
             }
         }
     }
-    Resp { status, headers, body: out, frames, error }
+    Resp {
+        status,
+        headers,
+        body: out,
+        frames,
+        error,
+    }
 }
 
 /// How a scripted response ends.
@@ -117,9 +137,19 @@ pub enum Ending {
 #[derive(Clone)]
 pub enum Reply {
     /// Chunked: each piece written (and flushed) on its own, `gap` apart.
-    Chunked { status: u16, content_type: &'static str, pieces: Vec<Vec<u8>>, gap: Duration, ending: Ending },
+    Chunked {
+        status: u16,
+        content_type: &'static str,
+        pieces: Vec<Vec<u8>>,
+        gap: Duration,
+        ending: Ending,
+    },
     /// With a Content-Length.
-    Whole { status: u16, content_type: &'static str, body: Vec<u8> },
+    Whole {
+        status: u16,
+        content_type: &'static str,
+        body: Vec<u8>,
+    },
 }
 
 /// A raw-TCP backend answering each request path with a scripted reply.
@@ -144,11 +174,15 @@ pub async fn mock(routes: Vec<(&'static str, Reply)>) -> Mock {
             tokio::spawn(async move {
                 while let Some(path) = read_request(&mut s).await {
                     rq.fetch_add(1, SeqCst);
-                    let reply = routes.iter().find(|(p, _)| path == *p).map(|(_, r)| r.clone()).unwrap_or(Reply::Whole {
-                        status: 404,
-                        content_type: "application/json",
-                        body: br#"{"error":{"message":"not found"}}"#.to_vec(),
-                    });
+                    let reply = routes
+                        .iter()
+                        .find(|(p, _)| path == *p)
+                        .map(|(_, r)| r.clone())
+                        .unwrap_or(Reply::Whole {
+                            status: 404,
+                            content_type: "application/json",
+                            body: br#"{"error":{"message":"not found"}}"#.to_vec(),
+                        });
                     if !write_reply(&mut s, reply, &ab).await {
                         return;
                     }
@@ -156,7 +190,11 @@ pub async fn mock(routes: Vec<(&'static str, Reply)>) -> Mock {
             });
         }
     });
-    Mock { addr, aborted, requests }
+    Mock {
+        addr,
+        aborted,
+        requests,
+    }
 }
 
 /// Reads one request; returns its path.
@@ -177,7 +215,11 @@ async fn read_request(s: &mut TcpStream) -> Option<String> {
     let path = head.split_whitespace().nth(1)?.to_owned();
     let lower = head.to_ascii_lowercase();
     let mut rest = buf.len() - head_end;
-    if let Some(len) = lower.lines().find_map(|l| l.strip_prefix("content-length:")).and_then(|v| v.trim().parse::<usize>().ok()) {
+    if let Some(len) = lower
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length:"))
+        .and_then(|v| v.trim().parse::<usize>().ok())
+    {
         while rest < len {
             let n = s.read(&mut tmp).await.ok()?;
             if n == 0 {
@@ -200,11 +242,24 @@ async fn read_request(s: &mut TcpStream) -> Option<String> {
 
 async fn write_reply(s: &mut TcpStream, reply: Reply, aborted: &AtomicU64) -> bool {
     match reply {
-        Reply::Whole { status, content_type, body } => {
-            let head = format!("HTTP/1.1 {status} X\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\n\r\n", body.len());
+        Reply::Whole {
+            status,
+            content_type,
+            body,
+        } => {
+            let head = format!(
+                "HTTP/1.1 {status} X\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\n\r\n",
+                body.len()
+            );
             s.write_all(head.as_bytes()).await.is_ok() && s.write_all(&body).await.is_ok()
         }
-        Reply::Chunked { status, content_type, pieces, gap, ending } => {
+        Reply::Chunked {
+            status,
+            content_type,
+            pieces,
+            gap,
+            ending,
+        } => {
             let head = format!("HTTP/1.1 {status} X\r\ncontent-type: {content_type}\r\ntransfer-encoding: chunked\r\n\r\n");
             if s.write_all(head.as_bytes()).await.is_err() {
                 return false;
@@ -213,7 +268,12 @@ async fn write_reply(s: &mut TcpStream, reply: Reply, aborted: &AtomicU64) -> bo
                 if i > 0 {
                     tokio::time::sleep(gap).await;
                 }
-                let chunk = [format!("{:x}\r\n", p.len()).into_bytes(), p.clone(), b"\r\n".to_vec()].concat();
+                let chunk = [
+                    format!("{:x}\r\n", p.len()).into_bytes(),
+                    p.clone(),
+                    b"\r\n".to_vec(),
+                ]
+                .concat();
                 if s.write_all(&chunk).await.is_err() || s.flush().await.is_err() {
                     aborted.fetch_add(1, SeqCst);
                     return false;
@@ -244,8 +304,10 @@ pub fn chat_events(n: usize, usage: bool) -> Vec<Vec<u8>> {
         v.push(format!(r#"data: {{"id":"c1","object":"chat.completion.chunk","choices":[],"usage":{{"prompt_tokens":3,"completion_tokens":{n},"total_tokens":{}}}}}"#, n + 3).into_bytes());
     }
     v.push(b"data: [DONE]".to_vec());
-    v.into_iter().map(|mut e| {
-        e.extend_from_slice(b"\n\n");
-        e
-    }).collect()
+    v.into_iter()
+        .map(|mut e| {
+            e.extend_from_slice(b"\n\n");
+            e
+        })
+        .collect()
 }

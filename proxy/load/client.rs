@@ -68,6 +68,7 @@ impl Phase {
     }
 }
 
+/// Runs one phase: `warmup` of load, then `duration` measured.
 pub async fn run_phase(
     target: &Arc<Target>,
     mode: Mode,

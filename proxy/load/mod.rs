@@ -20,7 +20,7 @@ use anyhow::{bail, Context as _};
 use bytes::Bytes;
 use clap::Args;
 
-pub use client::Target;
+pub use client::{run_phase as phase, Target};
 pub use report::{table as report_table, PhaseReport};
 
 #[derive(Debug, Clone, Args)]
@@ -118,17 +118,6 @@ impl LoadArgs {
 pub enum Mode {
     Closed { concurrency: usize },
     Open { rate: f64 },
-}
-
-/// Runs one phase: `warmup` of load, then `duration` measured.
-pub async fn phase(
-    target: &Arc<Target>,
-    mode: Mode,
-    warmup: Duration,
-    duration: Duration,
-    progress: bool,
-) -> PhaseReport {
-    client::run_phase(target, mode, warmup, duration, progress).await
 }
 
 /// `tokentap load`.

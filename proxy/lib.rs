@@ -32,6 +32,7 @@ pub mod admin;
 pub mod config;
 pub mod demo;
 pub mod dialect;
+pub mod limit;
 pub mod load;
 pub mod meter;
 pub mod routing;

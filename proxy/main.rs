@@ -59,9 +59,6 @@ fn main() -> ExitCode {
 
 fn run(path: PathBuf) -> anyhow::Result<()> {
     let config = Config::load(&path)?;
-    for w in config.warnings() {
-        eprintln!("warning: {w}");
-    }
     eprintln!(
         "tokentap: proxy on http://{}, admin on http://{} (/stats, /metrics, /healthz)",
         config.listen.proxy, config.listen.admin
@@ -75,9 +72,6 @@ fn run(path: PathBuf) -> anyhow::Result<()> {
 fn check(path: PathBuf) -> ExitCode {
     match Config::load(&path) {
         Ok(config) => {
-            for w in config.warnings() {
-                println!("warning: {w}");
-            }
             println!(
                 "{}: ok ({} upstream{}, {} route{})",
                 path.display(),

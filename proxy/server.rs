@@ -1,7 +1,7 @@
 //! Assembles the pingora server from a [`Config`]: the proxy service, the admin service and
 //! the telemetry upkeep task, all sharing one [`Shared`].
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -16,6 +16,8 @@ use tokio::sync::Notify;
 use crate::admin::telemetry::Telemetry;
 use crate::admin::Admin;
 use crate::config::{Config, Upstream};
+use crate::limit::controller::{Controller, Slo, Tick};
+use crate::limit::{LimitConfig, Limiter};
 use crate::meter::{Clock, UpstreamMeter};
 use crate::routing::Router;
 use crate::service::TokenTap;
@@ -30,6 +32,18 @@ pub struct Shared {
     pub peers: Vec<HttpPeer>,
     pub router: Router,
     pub telemetry: Telemetry,
+    /// One per upstream: its concurrency limit (unlimited without a cap or an SLO).
+    pub limiters: Vec<Arc<Limiter>>,
+    /// One per upstream with an SLO.
+    pub slo: Vec<Option<SloState>>,
+}
+
+/// An upstream's adaptive cap.
+pub struct SloState {
+    pub slo: Slo,
+    pub controller: Mutex<Controller>,
+    /// The SLO percentile of per-token gaps over the last tick, ms.
+    pub current_tpot_ms: Mutex<Option<f64>>,
 }
 
 // === impl Shared ===
@@ -45,7 +59,37 @@ impl Shared {
                 UpstreamMeter::new(&u.name, config.window, clock, telemetry.histograms(&u.name))
             })
             .collect();
+        let slo: Vec<Option<SloState>> = config
+            .upstreams
+            .iter()
+            .map(|u| {
+                u.slo.map(|slo| SloState {
+                    slo,
+                    controller: Mutex::new(Controller::new(slo)),
+                    current_tpot_ms: Mutex::new(None),
+                })
+            })
+            .collect();
+        let limiters = config
+            .upstreams
+            .iter()
+            .zip(&slo)
+            .map(|(u, s)| {
+                let initial = match s {
+                    Some(s) => Some(lock(&s.controller).limit()),
+                    None => u.max_concurrency,
+                };
+                let config = LimitConfig {
+                    initial,
+                    max_queue: u.max_queue,
+                    queue_timeout: u.queue_timeout,
+                };
+                Limiter::new(config, telemetry.queue_wait(&u.name))
+            })
+            .collect();
         Arc::new(Shared {
+            limiters,
+            slo,
             peers: config.upstreams.iter().map(peer).collect(),
             router: Router::new(&config.routes),
             clock,
@@ -88,10 +132,12 @@ pub fn build(config: Config) -> (Server, Arc<Shared>) {
     admin.threads = Some(1);
     admin.add_tcp(&shared.config.listen.admin.to_string());
     let upkeep = background_service("telemetry upkeep", Upkeep(Arc::clone(&shared)));
+    let control = background_service("slo control", SloControl(Arc::clone(&shared)));
 
     server.add_service(proxy);
     server.add_service(admin);
     server.add_service(upkeep);
+    server.add_service(control);
     (server, shared)
 }
 
@@ -109,6 +155,57 @@ impl BackgroundService for Upkeep {
             }
         }
     }
+}
+
+/// Ticks every upstream's SLO controller once a second.
+struct SloControl(Arc<Shared>);
+
+impl SloControl {
+    fn tick(&self) {
+        let shared = &self.0;
+        let now = shared.clock.now();
+        for (i, state) in shared.slo.iter().enumerate() {
+            let Some(state) = state else { continue };
+            let sample = shared.meters[i].control_sample(now, state.slo.percentile);
+            let limiter = &shared.limiters[i];
+            let tick = Tick {
+                tpot_ms: sample.tpot_ms,
+                concurrency: sample.concurrency,
+                in_flight: limiter.stats().in_flight,
+                queued: limiter.take_binding(),
+            };
+            let limit = lock(&state.controller).update(tick);
+            limiter.set_limit(limit);
+            if sample.tpot_ms.is_some() {
+                *lock(&state.current_tpot_ms) = sample.tpot_ms;
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl BackgroundService for SloControl {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        if self.0.slo.iter().all(Option::is_none) {
+            return;
+        }
+        let mut tick = tokio::time::interval(CONTROL_TICK);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => self.tick(),
+                _ = shutdown.changed() => return,
+            }
+        }
+    }
+}
+
+/// How often the SLO controllers look at the evidence.
+pub const CONTROL_TICK: Duration = Duration::from_secs(1);
+
+/// A poisoned lock is used as is: the controller's state stays meaningful.
+pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// A server running on its own thread, stopped by [`Running::stop`]: for the demo and tests.

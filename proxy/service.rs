@@ -14,6 +14,7 @@ use pingora::proxy::{ProxyHttp, Session};
 use pingora::ErrorSource;
 
 use crate::dialect::{Dialect, Facts};
+use crate::limit::{Limiter, Permit, Rejected};
 use crate::meter::{Nanos, Outcome, Stream};
 use crate::routing::Choice;
 use crate::server::Shared;
@@ -21,6 +22,8 @@ use crate::sse::SseParser;
 
 /// The response header naming the upstream that served a request.
 pub const UPSTREAM_HEADER: &str = "x-tokentap-upstream";
+/// The body pingora keeps to replay upstream (its retry buffer).
+const RETRY_BUFFER: usize = 64 * 1024;
 /// Non-streaming bodies larger than this are forwarded but not read for `usage`.
 const MAX_JSON_BODY: usize = 4 << 20;
 
@@ -36,6 +39,10 @@ pub struct Ctx {
     choice: Option<Choice>,
     /// The metered request: in flight until finished (or dropped, which finishes it).
     stream: Option<Stream>,
+    /// The concurrency slot, held until the request ends however it ends.
+    permit: Option<Permit>,
+    /// Refused a slot: answered 429 without reaching the upstream.
+    rejected: bool,
     body: Body,
     facts: Facts,
     unparsed: u64,
@@ -81,7 +88,16 @@ impl TokenTap {
         }
         ctx.unparsed += u64::from(facts.unparsed);
         if let Some(stream) = ctx.stream.as_mut() {
-            stream.tokens(now, facts.tokens);
+            // A running exact count on token-bearing events (vLLM's continuous usage) is
+            // trusted over the one-per-event estimate: the fragment carried the difference.
+            let counted = stream.counted_tokens();
+            let n = match facts.exact_total {
+                Some(total) if facts.tokens > 0 && total > counted => {
+                    u32::try_from(total - counted).unwrap_or(u32::MAX)
+                }
+                _ => facts.tokens,
+            };
+            stream.tokens(now, n);
             if let Some(total) = facts.exact_total {
                 stream.exact_total(total);
             }
@@ -96,23 +112,85 @@ impl TokenTap {
             Body::Json(buf) => {
                 let facts = dialect.body(buf);
                 ctx.unparsed += u64::from(facts.unparsed);
+                let facts = Facts {
+                    unparsed: 0,
+                    ..facts
+                };
                 if let (Some(stream), Some(total)) = (ctx.stream.as_mut(), facts.exact_total) {
                     stream.exact_total(total);
                 }
                 ctx.facts.merge(facts);
             }
-            Body::Sse(parser) => {
-                ctx.unparsed += parser.oversized_events();
-            }
-            Body::Ignore => {}
+            Body::Sse(_) | Body::Ignore => {}
         }
+    }
+
+    /// Waits in the upstream's queue. While it waits, a client that goes away takes its
+    /// request out of the queue at once: to notice, the (small) request body is read first
+    /// into pingora's retry buffer, which pingora then sends upstream as the body.
+    async fn wait_for_slot(
+        &self,
+        session: &mut Session,
+        limiter: &Arc<Limiter>,
+    ) -> Result<Result<Permit, Rejected>> {
+        let len = session
+            .req_header()
+            .headers
+            .get(http::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<usize>().ok());
+        // Bodies pingora can replay from its retry buffer (64 KiB); a longer or chunked one
+        // waits without disconnect detection, bounded by the queue timeout.
+        if len.is_none_or(|l| l > RETRY_BUFFER) {
+            return Ok(limiter.acquire().await);
+        }
+        let downstream = session.as_mut();
+        downstream.enable_retry_buffering();
+        while downstream.read_request_body().await?.is_some() {}
+        let acquire = limiter.acquire();
+        tokio::pin!(acquire);
+        tokio::select! {
+            granted = &mut acquire => Ok(granted),
+            gone = downstream.read_body_or_idle(true) => match gone {
+                // The client closed: dropping `acquire` leaves the queue.
+                Err(e) => Err(e.into_down()),
+                // Bytes of a pipelined next request: stop watching, keep waiting.
+                Ok(_) => Ok(acquire.await),
+            },
+        }
+    }
+
+    /// Answers 429 with `Retry-After` and an OpenAI-style error body.
+    async fn reject(&self, session: &mut Session, choice: Choice, why: Rejected) -> Result<()> {
+        let name = &self.shared.config.upstreams[choice.upstream].name;
+        let limit = self.shared.limiters[choice.upstream]
+            .limit()
+            .map_or("-".to_owned(), |l| l.to_string());
+        let message = match why {
+            Rejected::QueueFull => format!("tokentap: upstream {name} is at its concurrency limit ({limit}) and its queue is full"),
+            Rejected::QueueTimeout => format!("tokentap: no slot on upstream {name} (limit {limit}) within the queue timeout"),
+        };
+        let body = serde_json::json!({"error": {"message": message, "type": "rate_limit_exceeded", "code": format!("tokentap_{}", why.label())}})
+            .to_string();
+        let mut resp = ResponseHeader::build(429, Some(5))?;
+        resp.insert_header(http::header::CONTENT_TYPE, "application/json")?;
+        resp.insert_header(http::header::RETRY_AFTER, "1")?;
+        resp.insert_header(http::header::CONTENT_LENGTH, body.len().to_string())?;
+        resp.insert_header(UPSTREAM_HEADER, name.as_str())?;
+        close_unless_body_read(session);
+        session.write_response_header(Box::new(resp), false).await?;
+        session
+            .write_response_body(Some(Bytes::from(body)), true)
+            .await?;
+        Ok(())
     }
 
     fn outcome(ctx: &Ctx, e: Option<&pingora::Error>) -> Outcome {
         if let Some(e) = e {
             return match e.esource() {
                 ErrorSource::Downstream => Outcome::Aborted,
-                _ => Outcome::UpstreamError,
+                ErrorSource::Upstream => Outcome::UpstreamError,
+                ErrorSource::Internal | ErrorSource::Unset => Outcome::ProxyError,
             };
         }
         match Outcome::from_status(ctx.status) {
@@ -135,6 +213,8 @@ impl ProxyHttp for TokenTap {
             dialect: None,
             choice: None,
             stream: None,
+            permit: None,
+            rejected: false,
             body: Body::Ignore,
             facts: Facts::default(),
             unparsed: 0,
@@ -148,23 +228,35 @@ impl ProxyHttp for TokenTap {
         if req.method == http::Method::POST {
             ctx.dialect = Dialect::from_path(req.uri.path());
         }
+        let limiters = &self.shared.limiters;
+        let choice = self
+            .shared
+            .router
+            .choose(req.uri.path(), &req.headers, |u| limiters[u].has_headroom())
+            .ok_or_else(|| Error::explain(HTTPStatus(404), "no route matches"))?;
+        ctx.choice = Some(choice);
+        if ctx.dialect.is_none() {
+            return Ok(false); // caps apply to generation requests only
+        }
+        let limiter = &limiters[choice.upstream];
+        ctx.permit = match limiter.try_acquire() {
+            Some(p) => Some(p),
+            None => match self.wait_for_slot(session, limiter).await? {
+                Ok(p) => Some(p),
+                Err(why) => {
+                    ctx.rejected = true;
+                    self.reject(session, choice, why).await?;
+                    return Ok(true);
+                }
+            },
+        };
         Ok(false)
     }
 
-    async fn upstream_peer(&self, session: &mut Session, ctx: &mut Ctx) -> Result<Box<HttpPeer>> {
-        let choice = match ctx.choice {
-            Some(c) => c,
-            None => {
-                let req = session.req_header();
-                let c = self
-                    .shared
-                    .router
-                    .choose(req.uri.path(), &req.headers)
-                    .ok_or_else(|| Error::explain(HTTPStatus(404), "no route matches"))?;
-                ctx.choice = Some(c);
-                c
-            }
-        };
+    async fn upstream_peer(&self, _session: &mut Session, ctx: &mut Ctx) -> Result<Box<HttpPeer>> {
+        let choice = ctx
+            .choice
+            .ok_or_else(|| Error::explain(InternalError, "no upstream chosen"))?;
         if ctx.dialect.is_some() && ctx.stream.is_none() {
             let meter = &self.shared.meters[choice.upstream];
             ctx.stream = Some(meter.begin(ctx.t0, self.now()));
@@ -235,13 +327,26 @@ impl ProxyHttp for TokenTap {
     }
 
     async fn logging(&self, _session: &mut Session, e: Option<&pingora::Error>, ctx: &mut Ctx) {
-        let Some(choice) = ctx.choice else { return };
+        let Some(choice) = ctx.choice.filter(|_| !ctx.rejected) else {
+            return;
+        };
         let outcome = Self::outcome(ctx, e);
         let meter = &self.shared.meters[choice.upstream];
+        if let Body::Sse(parser) = &ctx.body {
+            ctx.unparsed += parser.oversized_events();
+        }
         meter.count_unparsed(ctx.unparsed);
         match ctx.stream.take() {
             Some(stream) => stream.finish(self.now(), outcome),
             None => meter.count_plain(outcome),
         }
+        ctx.permit = None;
+    }
+}
+
+/// An unread request body makes the connection unusable for the next request.
+fn close_unless_body_read(session: &mut Session) {
+    if !session.as_mut().is_body_done() {
+        session.set_keepalive(None);
     }
 }

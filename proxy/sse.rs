@@ -39,6 +39,8 @@ pub struct SseParser {
     bom_matched: Option<u8>,
     /// The pending line went over `max_event_bytes`.
     line_overflow: bool,
+    /// ... and it is a `data` line (any other field, or a comment, is simply ignored).
+    line_overflow_data: bool,
     /// The current event went over `max_event_bytes`: its remaining lines are ignored.
     overflow: bool,
     max_event_bytes: usize,
@@ -58,6 +60,7 @@ impl SseParser {
             skip_lf: false,
             bom_matched: Some(0),
             line_overflow: false,
+            line_overflow_data: false,
             overflow: false,
             max_event_bytes,
             oversized: 0,
@@ -117,9 +120,10 @@ impl SseParser {
                 self.append_line(&buf[..i]);
             }
             if self.line_overflow {
-                // A line too long to keep: the event it belongs to is skipped.
+                // A line too long to keep: a data line takes its event down with it; a
+                // comment or another field is ignored, as if it had arrived whole.
                 self.line_overflow = false;
-                self.overflow = true;
+                self.overflow |= self.line_overflow_data;
             } else if self.line.is_empty() {
                 self.line_end(&buf[..i], on_event);
             } else {
@@ -146,6 +150,13 @@ impl SseParser {
             return;
         }
         if self.line.len() + piece.len() > self.max_event_bytes {
+            let mut head = [0u8; 5];
+            let have = self.line.len().min(5);
+            head[..have].copy_from_slice(&self.line[..have]);
+            let more = (5 - have).min(piece.len());
+            head[have..have + more].copy_from_slice(&piece[..more]);
+            let head = &head[..have + more];
+            self.line_overflow_data = head == b"data:" || (head.len() == 4 && head == b"data");
             self.line_overflow = true;
             self.line.clear();
         } else {
@@ -352,6 +363,20 @@ mod tests {
         assert_eq!(got, vec![b"small".to_vec(), b"ok".to_vec()]);
         assert_eq!(p.oversized_events(), 2);
         assert!(!p.has_partial_event());
+    }
+
+    #[test]
+    fn a_long_comment_or_name_is_ignored_however_it_is_split() {
+        let input = b": a comment far longer than the bound of this parser\nevent: a-name-longer-than-sixteen\ndata: kept\n\n";
+        for cut in 0..input.len() {
+            let mut p = SseParser::new(16);
+            let mut got = Vec::new();
+            for piece in [&input[..cut], &input[cut..]] {
+                p.push(piece, |e| got.push(e.data.to_vec()));
+            }
+            assert_eq!(got, vec![b"kept".to_vec()], "cut at {cut}");
+            assert_eq!(p.oversized_events(), 0, "cut at {cut}");
+        }
     }
 
     #[test]

@@ -11,8 +11,8 @@ use pingora::apps::http_app::ServeHttp;
 use pingora::protocols::http::ServerSession;
 use serde::Serialize;
 
-use crate::meter::UpstreamStats;
-use crate::server::Shared;
+use crate::meter::{SloStats, UpstreamStats};
+use crate::server::{lock, Shared};
 
 /// The `/stats` document (DESIGN §5).
 #[derive(Debug, Serialize)]
@@ -39,7 +39,37 @@ pub fn stats(shared: &Shared) -> Stats {
     let now = shared.clock.now();
     Stats {
         window_secs: shared.config.window.as_secs(),
-        upstreams: shared.meters.iter().map(|m| m.stats(now)).collect(),
+        upstreams: shared
+            .meters
+            .iter()
+            .enumerate()
+            .map(|(i, m)| {
+                let mut s = m.stats(now);
+                let l = shared.limiters[i].stats();
+                s.limit = l.limit;
+                s.queued = l.queued;
+                s.rejected_total = l.rejected_queue_full + l.rejected_queue_timeout;
+                s.rejected_by_reason = [
+                    ("queue_full", l.rejected_queue_full),
+                    ("queue_timeout", l.rejected_queue_timeout),
+                ]
+                .into_iter()
+                .filter(|(_, n)| *n > 0)
+                .collect();
+                s.slo = shared.slo[i].as_ref().map(|st| {
+                    let current = *lock(&st.current_tpot_ms);
+                    SloStats {
+                        tpot_ms: st.slo.tpot_ms,
+                        percentile: st.slo.percentile,
+                        met: current.map(|c| c <= st.slo.tpot_ms),
+                        current_tpot_ms: current,
+                        slo_bounded_system_tps: m
+                            .slo_bounded_system_tps(st.slo.tpot_ms, st.slo.percentile),
+                    }
+                });
+                s
+            })
+            .collect(),
     }
 }
 

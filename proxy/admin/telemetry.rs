@@ -53,6 +53,15 @@ impl Telemetry {
         })
     }
 
+    /// The queue-wait histogram of an upstream's limiter.
+    pub fn queue_wait(&self, upstream: &str) -> metrics::Histogram {
+        let name = upstream.to_owned();
+        metrics::with_local_recorder(
+            &self.recorder,
+            || histogram!("tokentap_queue_wait_seconds", "upstream" => name),
+        )
+    }
+
     /// The exposition text, after setting counters and gauges from `stats`.
     pub fn render(&self, stats: &[UpstreamStats]) -> String {
         metrics::with_local_recorder(&self.recorder, || {
@@ -70,6 +79,22 @@ impl Telemetry {
                     .absolute(s.unparsed_events_total);
                 gauge!("tokentap_in_flight_requests", "upstream" => up.clone())
                     .set(s.in_flight as f64);
+                gauge!("tokentap_queued_requests", "upstream" => up.clone()).set(s.queued as f64);
+                gauge!("tokentap_concurrency_limit", "upstream" => up.clone())
+                    .set(s.limit.map_or(f64::NAN, |l| l as f64));
+                for reason in ["queue_full", "queue_timeout"] {
+                    let n = s.rejected_by_reason.get(reason).copied().unwrap_or(0);
+                    counter!("tokentap_rejected_requests_total", "upstream" => up.clone(), "reason" => reason)
+                        .absolute(n);
+                }
+                if let Some(slo) = &s.slo {
+                    gauge!("tokentap_slo_tpot_seconds", "upstream" => up.clone())
+                        .set(slo.tpot_ms / 1e3);
+                    gauge!("tokentap_slo_current_tpot_seconds", "upstream" => up.clone())
+                        .set(slo.current_tpot_ms.map_or(f64::NAN, |v| v / 1e3));
+                    gauge!("tokentap_slo_bounded_system_tokens_per_second", "upstream" => up.clone())
+                        .set(slo.slo_bounded_system_tps.unwrap_or(f64::NAN));
+                }
                 let or_nan = |v: Option<f64>| v.unwrap_or(f64::NAN);
                 gauge!("tokentap_system_tokens_per_second", "upstream" => up.clone())
                     .set(or_nan(s.system_tps));
@@ -153,6 +178,37 @@ fn describe() {
     describe_gauge!(
         "tokentap_curve_system_tokens_per_second",
         "Tokens per second while the upstream was in the concurrency bucket, since start."
+    );
+    describe_gauge!(
+        "tokentap_queued_requests",
+        "Requests waiting for a concurrency slot."
+    );
+    describe_gauge!(
+        "tokentap_concurrency_limit",
+        "The concurrency cap in force (NaN: none)."
+    );
+    describe_counter!(
+        "tokentap_rejected_requests_total",
+        "Requests refused a slot with 429, by reason (queue_full, queue_timeout)."
+    );
+    describe_gauge!(
+        "tokentap_slo_tpot_seconds",
+        Unit::Seconds,
+        "The TPOT SLO the adaptive cap holds."
+    );
+    describe_gauge!(
+        "tokentap_slo_current_tpot_seconds",
+        Unit::Seconds,
+        "The SLO percentile of per-token gaps over the last controller tick."
+    );
+    describe_gauge!(
+        "tokentap_slo_bounded_system_tokens_per_second",
+        "The highest system T/s among curve buckets that meet the SLO."
+    );
+    describe_histogram!(
+        "tokentap_queue_wait_seconds",
+        Unit::Seconds,
+        "Time requests waited for a concurrency slot."
     );
     describe_histogram!(
         "tokentap_ttft_seconds",

@@ -9,6 +9,7 @@ use serde::Deserialize;
 
 use super::{socket_addr, upstream_url, Config, Listen, Problem, Problems, Route, Upstream};
 use super::{DEFAULT_CONNECT_TIMEOUT_MS, DEFAULT_READ_TIMEOUT_SECS};
+use crate::limit::controller::Slo;
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -79,9 +80,19 @@ pub struct UpstreamFile {
     pub name: String,
     /// `http://host:port` or `https://host[:port]`; no path.
     pub url: String,
-    /// Static concurrency cap. Default: none.
+    /// Static concurrency cap (with `[upstream.slo]`: the adaptive cap's ceiling).
+    /// Default: none.
     #[serde(default)]
     pub max_concurrency: Option<u64>,
+    /// Requests that may wait for a slot; more are refused with 429. Default 256.
+    #[serde(default)]
+    pub max_queue: Option<usize>,
+    /// Longest wait for a slot, ms, before a 429. Default 30000.
+    #[serde(default)]
+    pub queue_timeout_ms: Option<u64>,
+    /// An adaptive cap that holds a TPOT SLO. Default: none.
+    #[serde(default)]
+    pub slo: Option<SloFile>,
     /// TCP (and TLS) connect timeout, ms. Default 5000.
     #[serde(default)]
     pub connect_timeout_ms: Option<u64>,
@@ -99,6 +110,26 @@ pub struct UpstreamFile {
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
+pub struct SloFile {
+    /// The TPOT to hold, ms.
+    pub tpot_ms: f64,
+    /// Which percentile of per-token gaps must stay under it (1–99.9). Default 90.
+    #[serde(default = "ninety")]
+    pub percentile: f64,
+    /// The adaptive cap never goes below this. Default 1.
+    #[serde(default)]
+    pub min_concurrency: Option<u64>,
+    /// Nor above this. Default: the upstream's `max_concurrency`, else 1024.
+    #[serde(default)]
+    pub max_concurrency: Option<u64>,
+}
+
+fn ninety() -> f64 {
+    90.0
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct RouteFile {
     /// Requests whose path starts with this. Default `/`.
     #[serde(default = "slash")]
@@ -111,6 +142,10 @@ pub struct RouteFile {
     /// `header:NAME`: the same header value always lands on the same upstream.
     #[serde(default)]
     pub sticky: Option<String>,
+    /// When the chosen upstream is at its cap, send the request to another upstream of
+    /// the split that has headroom instead of queueing. Default false.
+    #[serde(default)]
+    pub spill: bool,
 }
 
 fn slash() -> String {
@@ -152,6 +187,42 @@ impl FileConfig {
             if u.max_concurrency == Some(0) {
                 p.add(at("max_concurrency"), "must be at least 1");
             }
+            let slo = u.slo.as_ref().and_then(|s| {
+                let at = |f: &str| format!("upstream[{i}].slo.{f}");
+                let before = p.len();
+                if !(s.tpot_ms > 0.0 && s.tpot_ms.is_finite()) {
+                    p.add(
+                        at("tpot_ms"),
+                        format!("must be a positive number of ms, not {}", s.tpot_ms),
+                    );
+                }
+                if !(1.0..=99.9).contains(&s.percentile) {
+                    p.add(
+                        at("percentile"),
+                        format!("must be between 1 and 99.9, not {}", s.percentile),
+                    );
+                }
+                let min = s.min_concurrency.unwrap_or(1);
+                let max = s.max_concurrency.or(u.max_concurrency).unwrap_or(1024);
+                if min == 0 {
+                    p.add(at("min_concurrency"), "must be at least 1");
+                }
+                if min > max {
+                    p.add(
+                        at("min_concurrency"),
+                        format!("{min} is above max_concurrency {max}"),
+                    );
+                }
+                (p.len() == before).then_some(Slo {
+                    tpot_ms: s.tpot_ms,
+                    percentile: s.percentile,
+                    min_concurrency: min,
+                    max_concurrency: max,
+                })
+            });
+            if u.max_queue.is_some_and(|q| q > 1_000_000) {
+                p.add(at("max_queue"), "must be at most 1000000");
+            }
             let positive = |p: &mut Problems, f: &str, v: Option<u64>, default: u64| {
                 if v == Some(0) {
                     p.add(at(f), "must be greater than 0");
@@ -172,6 +243,7 @@ impl FileConfig {
             );
             let write = positive(&mut p, "write_timeout_secs", u.write_timeout_secs, 60);
             let idle = positive(&mut p, "idle_timeout_secs", u.idle_timeout_secs, 60);
+            let queue_timeout = positive(&mut p, "queue_timeout_ms", u.queue_timeout_ms, 30_000);
             match upstream_url(&u.url) {
                 Ok((tls, host_header, sni, addr)) => upstreams.push(Upstream {
                     name: u.name.clone(),
@@ -185,6 +257,9 @@ impl FileConfig {
                     write_timeout: Duration::from_secs(write),
                     idle_timeout: Duration::from_secs(idle),
                     max_concurrency: u.max_concurrency,
+                    max_queue: u.max_queue.unwrap_or(256),
+                    queue_timeout: Duration::from_millis(queue_timeout),
+                    slo,
                 }),
                 Err(e) => p.add(at("url"), e),
             }
@@ -235,6 +310,7 @@ impl FileConfig {
                 headers,
                 split,
                 sticky,
+                spill: r.spill,
             });
         }
         if routes.is_empty() && self.upstream.len() > 1 {
@@ -249,6 +325,7 @@ impl FileConfig {
                 headers: Vec::new(),
                 split: vec![(0, 1)],
                 sticky: None,
+                spill: false,
             });
         }
 

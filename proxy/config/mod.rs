@@ -12,6 +12,8 @@ use std::time::Duration;
 use http::header::HeaderName;
 use http::Uri;
 
+use crate::limit::controller::Slo;
+
 pub use file::FileConfig;
 
 /// A validated configuration.
@@ -55,8 +57,13 @@ pub struct Upstream {
     pub write_timeout: Duration,
     /// How long an idle pooled connection is kept.
     pub idle_timeout: Duration,
-    /// A static concurrency cap (parsed; enforced once the limiter lands).
+    /// A static concurrency cap (the adaptive cap's ceiling when there is an SLO).
     pub max_concurrency: Option<u64>,
+    /// Requests that may wait for a slot.
+    pub max_queue: usize,
+    pub queue_timeout: Duration,
+    /// An adaptive cap that holds this SLO.
+    pub slo: Option<Slo>,
 }
 
 #[derive(Debug, Clone)]
@@ -68,6 +75,8 @@ pub struct Route {
     pub split: Vec<(usize, u32)>,
     /// Requests carrying this header keep to one upstream per header value.
     pub sticky: Option<HeaderName>,
+    /// Over-cap requests go to another upstream of the split with headroom.
+    pub spill: bool,
 }
 
 /// One problem found in a config file.
@@ -143,21 +152,6 @@ impl Config {
     pub fn upstream_index(&self, name: &str) -> Option<usize> {
         self.upstreams.iter().position(|u| u.name == name)
     }
-
-    /// Things that are valid but worth a word at startup and in `tokentap check`.
-    pub fn warnings(&self) -> Vec<String> {
-        self.upstreams
-            .iter()
-            .enumerate()
-            .filter(|(_, u)| u.max_concurrency.is_some())
-            .map(|(i, u)| {
-                format!(
-                    "upstream[{i}].max_concurrency: parsed for {}, but caps are not enforced yet (issue #5)",
-                    u.name
-                )
-            })
-            .collect()
-    }
 }
 
 /// Collects problems during validation.
@@ -170,6 +164,10 @@ impl Problems {
             path: path.into(),
             message: message.into(),
         });
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.0.len()
     }
 
     pub(crate) fn into_result<T>(self, ok: impl FnOnce() -> T) -> Result<T, Vec<Problem>> {
@@ -320,5 +318,33 @@ split = { "a" = 0 }
         );
         assert!(p.iter().any(|x| x.starts_with("route: ")), "{p:?}");
         assert!(!problems("").is_empty(), "no upstream at all is an error");
+    }
+
+    #[test]
+    fn slo_problems_have_paths() {
+        let p = problems(
+            "[[upstream]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"\nqueue_timeout_ms = 0\n[upstream.slo]\ntpot_ms = -3\npercentile = 100\nmin_concurrency = 50\nmax_concurrency = 10\n",
+        );
+        for want in [
+            "upstream[0].slo.tpot_ms: must be a positive number",
+            "upstream[0].slo.percentile: must be between 1 and 99.9",
+            "upstream[0].slo.min_concurrency: 50 is above max_concurrency 10",
+            "upstream[0].queue_timeout_ms: must be greater than 0",
+        ] {
+            assert!(
+                p.iter().any(|x| x.starts_with(want)),
+                "missing {want:?} in {p:#?}"
+            );
+        }
+        let c = Config::parse(
+            "[[upstream]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"\nmax_concurrency = 200\n[upstream.slo]\ntpot_ms = 30\n",
+            "t",
+        )
+        .expect("valid");
+        let slo = c.upstreams[0].slo.expect("slo");
+        assert_eq!(
+            (slo.percentile, slo.min_concurrency, slo.max_concurrency),
+            (90.0, 1, 200)
+        );
     }
 }

@@ -20,8 +20,8 @@ pub struct Facts {
     pub finished: bool,
     /// The stream reported an error in-band.
     pub error: bool,
-    /// The event could not be understood (broken JSON where JSON was due).
-    pub unparsed: bool,
+    /// Events that could not be understood (broken JSON where JSON was due).
+    pub unparsed: u32,
 }
 
 // === impl Facts ===
@@ -35,7 +35,7 @@ impl Facts {
         }
         self.finished |= later.finished;
         self.error |= later.error;
-        self.unparsed |= later.unparsed;
+        self.unparsed += later.unparsed;
     }
 }
 

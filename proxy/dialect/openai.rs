@@ -8,7 +8,8 @@
 //! A top-level `error` object is an in-band error.
 //!
 //! Chunks are read with typed serde visitors that count instead of collecting, so a chunk
-//! is parsed without building a `serde_json::Value` or allocating per choice.
+//! is parsed without building a `serde_json::Value` or allocating per choice (a string with
+//! escapes still goes through serde_json's scratch buffer).
 
 use std::fmt;
 
@@ -30,7 +31,7 @@ pub fn event(event: &Event<'_>) -> Facts {
     match serde_json::from_slice::<Chunk>(data) {
         Ok(chunk) => chunk.facts(),
         Err(_) => Facts {
-            unparsed: true,
+            unparsed: 1,
             ..Facts::default()
         },
     }
@@ -65,7 +66,7 @@ impl Chunk {
             exact_total: self.usage.as_ref().and_then(|u| u.completion_tokens),
             finished: self.choices.finished,
             error: self.error.is_some(),
-            unparsed: false,
+            unparsed: 0,
         }
     }
 }
@@ -282,8 +283,8 @@ mod tests {
         let f = facts(r#"{"error":{"message":"overloaded","type":"server_error"}}"#);
         assert!(f.error);
         assert!(facts("[DONE]").finished);
-        assert!(facts(r#"{"choices":[{"delta":{"content":"x"#).unparsed);
-        assert!(facts("not json").unparsed);
+        assert_eq!(facts(r#"{"choices":[{"delta":{"content":"x"#).unparsed, 1);
+        assert_eq!(facts("not json").unparsed, 1);
     }
 
     #[test]

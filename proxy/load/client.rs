@@ -62,7 +62,7 @@ impl Phase {
     }
 
     fn error(&self, kind: String) {
-        if Instant::now() <= self.window_end {
+        if self.inside(Instant::now()) {
             *self.tally().errors.entry(kind).or_insert(0) += 1;
         }
     }
@@ -244,6 +244,7 @@ async fn one(sender: &mut Sender, target: &Target, phase: &Phase) -> Result<(), 
         };
         let now = Instant::now();
         let mut n = 0u64;
+        let mut running = None::<u64>;
         parser.push(&data, |ev| {
             if ev.data == b"[DONE]" {
                 done = true;
@@ -257,6 +258,7 @@ async fn one(sender: &mut Sender, target: &Target, phase: &Phase) -> Result<(), 
                 .and_then(Value::as_u64)
             {
                 exact = Some(c);
+                running = Some(c);
             }
             for choice in v
                 .get("choices")
@@ -273,6 +275,11 @@ async fn one(sender: &mut Sender, target: &Target, phase: &Phase) -> Result<(), 
         });
         if n == 0 {
             continue;
+        }
+        // A running exact count on content events (continuous usage) says how many tokens
+        // this fragment really carried.
+        if let Some(c) = running.filter(|&c| c > tokens) {
+            n = c - tokens;
         }
         if phase.inside(now) {
             phase.window_tokens.fetch_add(n, Relaxed);

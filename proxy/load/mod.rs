@@ -123,11 +123,15 @@ pub enum Mode {
 /// `tokentap load`.
 pub fn run_blocking(args: LoadArgs) -> anyhow::Result<()> {
     let target = args.target()?;
-    if args.duration.is_nan() || args.duration <= 0.0 || args.warmup < 0.0 {
-        bail!("--duration must be > 0 and --warmup ≥ 0");
+    if !(args.duration.is_finite()
+        && args.duration > 0.0
+        && args.warmup.is_finite()
+        && args.warmup >= 0.0)
+    {
+        bail!("--duration must be a number of seconds > 0 and --warmup one ≥ 0");
     }
     let modes: Vec<Mode> = match args.rate {
-        Some(rate) if rate > 0.0 => vec![Mode::Open { rate }],
+        Some(rate) if rate.is_finite() && rate > 0.0 => vec![Mode::Open { rate }],
         Some(_) => bail!("--rate must be > 0"),
         None if args.concurrency.contains(&0) => {
             bail!("--concurrency levels must be ≥ 1")

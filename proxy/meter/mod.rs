@@ -14,7 +14,8 @@ mod window;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-pub use stats::{CurvePoint, Percentiles, UpstreamStats};
+pub use stats::{CurvePoint, Percentiles, SloStats, UpstreamStats};
+pub use window::ControlSample;
 use window::Windows;
 
 /// Nanoseconds since a [`Clock`]'s origin.
@@ -63,12 +64,14 @@ pub enum Outcome {
     Truncated,
     /// The stream reported an error in-band (`{"error":…}` event).
     StreamError,
+    /// tokentap itself failed the request (not the backend's fault).
+    ProxyError,
 }
 
 // === impl Outcome ===
 
 impl Outcome {
-    pub const ALL: [Outcome; 7] = [
+    pub const ALL: [Outcome; 8] = [
         Outcome::Ok,
         Outcome::ClientError,
         Outcome::ServerError,
@@ -76,6 +79,7 @@ impl Outcome {
         Outcome::UpstreamError,
         Outcome::Truncated,
         Outcome::StreamError,
+        Outcome::ProxyError,
     ];
 
     pub fn label(self) -> &'static str {
@@ -87,6 +91,7 @@ impl Outcome {
             Outcome::UpstreamError => "upstream_error",
             Outcome::Truncated => "truncated",
             Outcome::StreamError => "stream_error",
+            Outcome::ProxyError => "proxy_error",
         }
     }
 
@@ -192,6 +197,16 @@ impl UpstreamMeter {
         }
     }
 
+    /// The SLO controller's evidence since its previous call.
+    pub fn control_sample(&self, now: Nanos, percentile: f64) -> ControlSample {
+        self.lock().control_sample(now, percentile)
+    }
+
+    /// The highest system T/s among curve buckets that meet the SLO.
+    pub fn slo_bounded_system_tps(&self, tpot_ms: f64, percentile: f64) -> Option<f64> {
+        self.lock().slo_bounded_system_tps(tpot_ms, percentile)
+    }
+
     /// The figures at `now`.
     pub fn stats(&self, now: Nanos) -> UpstreamStats {
         self.lock().stats(&self.name, now)
@@ -237,9 +252,7 @@ impl Stream {
             }
             Some(gap) => {
                 let per_token = secs(gap) / f64::from(n);
-                for _ in 0..n {
-                    self.meter.hist.itl.record(per_token);
-                }
+                self.meter.hist.itl.record_many(per_token, n as usize);
             }
         }
         self.last = now;
@@ -249,6 +262,11 @@ impl Stream {
     /// The stream reported an exact output-token count (cumulative: the last one wins).
     pub fn exact_total(&mut self, total: u64) {
         self.exact = Some(total);
+    }
+
+    /// Tokens recorded from events so far (estimated, or from a running exact count).
+    pub fn counted_tokens(&self) -> u64 {
+        self.tokens
     }
 
     /// Tokens counted so far (the exact count once one arrived).

@@ -58,6 +58,9 @@ pub struct UpstreamStats {
     pub queued: u64,
     /// The concurrency cap in force, `null` when there is none.
     pub limit: Option<u64>,
+    /// Requests refused a slot (429), all reasons.
+    pub rejected_total: u64,
+    pub rejected_by_reason: BTreeMap<&'static str, u64>,
     pub requests_total: u64,
     pub errors_total: u64,
     /// Output tokens of finished requests (exact counts where the stream gave one).
@@ -75,6 +78,20 @@ pub struct UpstreamStats {
     /// End-to-end latency of requests that finished in the window (non-streaming included).
     pub e2e_ms: Percentiles,
     pub curve: Vec<CurvePoint>,
+    /// The SLO the adaptive cap holds; `null` without one.
+    pub slo: Option<SloStats>,
+}
+
+/// How an upstream stands against its TPOT SLO.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct SloStats {
+    pub tpot_ms: f64,
+    pub percentile: f64,
+    /// Whether the last controller tick met the SLO; `null` before any traffic.
+    pub met: Option<bool>,
+    /// The SLO percentile of per-token gaps over the last controller tick.
+    pub current_tpot_ms: Option<f64>,
+    pub slo_bounded_system_tps: Option<f64>,
 }
 
 #[cfg(test)]

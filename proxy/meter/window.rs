@@ -8,7 +8,7 @@
 //! per-slot segments, which is what DESIGN §1 asks: each request's TPOT over its own token
 //! events inside the window.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::time::Duration;
 
 use hdrhistogram::Histogram;
@@ -84,6 +84,20 @@ pub(super) struct Windows {
     curve: Vec<CurveBucket>,
     totals: Totals,
     metered: bool,
+    /// What the SLO controller reads each tick: per-token gaps and ∫ in_flight dt since
+    /// the last read.
+    control_gaps: Histogram<u32>,
+    control_busy: u128,
+    control_since: Nanos,
+}
+
+/// One controller tick's evidence.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ControlSample {
+    /// The asked percentile of per-token gaps, ms; `None` without gaps.
+    pub tpot_ms: Option<f64>,
+    /// Time-weighted mean in flight.
+    pub concurrency: f64,
 }
 
 fn histogram() -> Histogram<u32> {
@@ -130,6 +144,9 @@ impl Windows {
             curve: (0..CURVE_BUCKETS).map(|_| CurveBucket::default()).collect(),
             totals: Totals::default(),
             metered: false,
+            control_gaps: histogram(),
+            control_busy: 0,
+            control_since: now,
         }
     }
 
@@ -181,6 +198,7 @@ impl Windows {
             let per_token_us = gap as f64 / 1e3 / f64::from(n);
             let v = (per_token_us.round() as u64).clamp(1, HIST_MAX_US);
             let _ = slot.itl.record_n(v, n);
+            let _ = self.control_gaps.record_n(v, n);
             let _ = curve.gaps.get_or_insert_with(histogram).record_n(v, n);
             curve.gap_sum_us += per_token_us * f64::from(n);
         }
@@ -206,31 +224,47 @@ impl Windows {
             Some(total) => {
                 self.totals.exact_requests += 1;
                 self.totals.output_tokens += total;
-                if total != estimated {
-                    let slot = self.slot(epoch);
-                    slot.tokens = (slot.tokens + total).saturating_sub(estimated);
-                    let last_segment = self.records.get_mut(key).and_then(|r| {
-                        r.segments
-                            .iter_mut()
-                            .filter(|s| s.events > 0)
-                            .max_by_key(|s| s.epoch)
-                    });
-                    if let Some(seg) = last_segment {
-                        seg.tokens = (seg.tokens + total).saturating_sub(estimated);
-                    }
-                }
+                self.correct(key, epoch, estimated, total);
             }
-            None if estimated > 0 => {
+            // A stream cut short never gets its exact count: it does not make the counts
+            // of completed generations inexact.
+            None if estimated > 0 && outcome == Outcome::Ok => {
                 self.totals.estimated_requests += 1;
                 self.totals.output_tokens += estimated;
             }
-            None => {}
+            None => self.totals.output_tokens += estimated,
         }
         if let Some(rec) = self.records.get_mut(key) {
             rec.finished_at = Some(now);
         }
         self.retired.push_back((key, now));
         self.purge(now);
+    }
+
+    /// Replaces a request's estimated tokens by its exact total. Streamed: each of its
+    /// segments still in the window is scaled by exact/estimated, and so is the slot it
+    /// counted in, so rates and its TPOT stay right without a jump at the end. Not
+    /// streamed: the tokens arrive whole, in the slot where the response ended.
+    fn correct(&mut self, key: usize, epoch: u64, estimated: u64, exact: u64) {
+        if exact == estimated {
+            return;
+        }
+        if estimated == 0 {
+            slot_of(&mut self.ring, epoch).tokens += exact;
+            return;
+        }
+        let ratio = exact as f64 / estimated as f64;
+        let Some(rec) = self.records.get_mut(key) else {
+            return;
+        };
+        for seg in rec.segments.iter_mut().filter(|s| s.events > 0) {
+            let scaled = (seg.tokens as f64 * ratio).round() as u64;
+            let slot = &mut self.ring[(seg.epoch % SLOTS as u64) as usize];
+            if slot.epoch == seg.epoch {
+                slot.tokens = (slot.tokens + scaled).saturating_sub(seg.tokens);
+            }
+            seg.tokens = scaled;
+        }
     }
 
     pub(super) fn count(&mut self, outcome: Outcome) {
@@ -280,6 +314,8 @@ impl Windows {
             in_flight: self.in_flight,
             queued: 0,
             limit: None,
+            rejected_total: 0,
+            rejected_by_reason: BTreeMap::new(),
             requests_total: t.by_outcome.iter().sum(),
             errors_total: Outcome::ALL
                 .iter()
@@ -302,7 +338,42 @@ impl Windows {
             itl_ms: hist_percentiles(&itl),
             e2e_ms: Percentiles::of(&mut e2e),
             curve: self.curve(),
+            slo: None,
         }
+    }
+
+    /// The controller's evidence since its last call, and a fresh start.
+    pub(super) fn control_sample(&mut self, now: Nanos, percentile: f64) -> ControlSample {
+        let now = self.advance(now);
+        let span = now.saturating_sub(self.control_since);
+        let gaps = &self.control_gaps;
+        let sample = ControlSample {
+            tpot_ms: (!gaps.is_empty()).then(|| quantile_us(gaps, percentile / 100.0) / 1e3),
+            concurrency: if span > 0 {
+                self.control_busy as f64 / span as f64
+            } else {
+                0.0
+            },
+        };
+        self.control_gaps.reset();
+        self.control_busy = 0;
+        self.control_since = now;
+        sample
+    }
+
+    /// The highest system T/s among curve buckets whose `percentile` of per-token gaps meets
+    /// `tpot_ms`.
+    pub(super) fn slo_bounded_system_tps(&self, tpot_ms: f64, percentile: f64) -> Option<f64> {
+        self.curve
+            .iter()
+            .filter(|b| {
+                b.time > 0
+                    && b.gaps.as_ref().is_some_and(|h| {
+                        !h.is_empty() && quantile_us(h, percentile / 100.0) / 1e3 <= tpot_ms
+                    })
+            })
+            .map(|b| b.tokens as f64 / (b.time as f64 / 1e9))
+            .max_by(f64::total_cmp)
     }
 
     fn curve(&self) -> Vec<CurvePoint> {
@@ -316,7 +387,7 @@ impl Windows {
                     b.gaps
                         .as_ref()
                         .filter(|h| !h.is_empty())
-                        .map(|h| h.value_at_quantile(p) as f64 / 1e3)
+                        .map(|h| quantile_us(h, p) / 1e3)
                 };
                 let mean_ms = (samples > 0).then(|| b.gap_sum_us / samples as f64 / 1e3);
                 CurvePoint {
@@ -356,6 +427,7 @@ impl Windows {
         }
         let n = self.in_flight;
         self.curve[bucket(n)].time += now - from;
+        self.control_busy += u128::from(n) * u128::from(now - from);
         // Only the slots still in the window matter for the ring.
         let mut t = from.max(self.oldest_epoch(now / self.slot_ns) * self.slot_ns);
         while t < now {
@@ -412,11 +484,16 @@ fn slot_of(ring: &mut [Slot], epoch: u64) -> &mut Slot {
     slot
 }
 
+/// A quantile as the middle of its histogram bucket (not its top, which reads high).
+fn quantile_us(h: &Histogram<u32>, q: f64) -> f64 {
+    h.median_equivalent(h.value_at_quantile(q)) as f64
+}
+
 fn hist_percentiles(h: &Histogram<u32>) -> Percentiles {
     if h.is_empty() {
         return Percentiles::default();
     }
-    let q = |p: f64| Some(h.value_at_quantile(p) as f64 / 1e3);
+    let q = |p: f64| Some(quantile_us(h, p) / 1e3);
     Percentiles {
         p50: q(0.5),
         p90: q(0.9),

@@ -35,8 +35,14 @@ impl Router {
         }
     }
 
-    /// The upstream for a request, or `None` when no route matches.
-    pub fn choose(&self, path: &str, headers: &HeaderMap) -> Option<Choice> {
+    /// The upstream for a request, or `None` when no route matches. On a route with
+    /// `spill`, a choice without `headroom` moves to the heaviest other arm that has some.
+    pub fn choose(
+        &self,
+        path: &str,
+        headers: &HeaderMap,
+        headroom: impl Fn(usize) -> bool,
+    ) -> Option<Choice> {
         let (route, (r, wrr)) = self
             .routes
             .iter()
@@ -51,10 +57,18 @@ impl Router {
             Some(key) => sticky_arm(key, &r.split),
             None => wrr.lock().unwrap_or_else(PoisonError::into_inner).pick(),
         };
-        Some(Choice {
-            route,
-            upstream: r.split[arm].0,
-        })
+        let mut upstream = r.split[arm].0;
+        if r.spill && !headroom(upstream) {
+            let spill = r
+                .split
+                .iter()
+                .filter(|&&(u, w)| u != upstream && w > 0 && headroom(u))
+                .max_by_key(|&&(_, w)| w);
+            if let Some(&(u, _)) = spill {
+                upstream = u;
+            }
+        }
+        Some(Choice { route, upstream })
     }
 }
 

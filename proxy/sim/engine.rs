@@ -9,7 +9,7 @@ use serde::Serialize;
 use tokio::sync::{mpsc, Notify};
 use tokio::time::Instant;
 
-use super::SimArgs;
+use super::{Curve, SimArgs};
 
 /// A generation request handed to the engine.
 pub struct Job {
@@ -54,6 +54,8 @@ struct Counters {
 
 pub struct Engine {
     pub args: SimArgs,
+    /// The TPOT curve in force (starts as `args.tpot_curve`; changeable while running).
+    curve: std::sync::Mutex<Curve>,
     jobs: mpsc::UnboundedSender<Job>,
     counters: Counters,
     stop: Notify,
@@ -71,6 +73,7 @@ impl Engine {
     pub fn start(args: SimArgs) -> Arc<Engine> {
         let (tx, rx) = mpsc::unbounded_channel();
         let engine = Arc::new(Engine {
+            curve: std::sync::Mutex::new(args.tpot_curve.clone()),
             args,
             jobs: tx,
             counters: Counters::default(),
@@ -84,6 +87,28 @@ impl Engine {
             }
         });
         engine
+    }
+
+    /// Changes the TPOT curve from the next decode step on.
+    pub fn set_curve(&self, curve: Curve) {
+        *self
+            .curve
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = curve;
+    }
+
+    fn step_ms(&self, batch: usize) -> f64 {
+        self.curve
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .tpot_ms(batch as f64)
+    }
+
+    pub fn curve(&self) -> Curve {
+        self.curve
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
     }
 
     pub fn shutdown(&self) {
@@ -162,8 +187,7 @@ impl Engine {
                 continue;
             }
 
-            let step =
-                Duration::from_secs_f64(self.args.tpot_curve.tpot_ms(decoding.len() as f64) / 1e3);
+            let step = Duration::from_secs_f64(self.step_ms(decoding.len()) / 1e3);
             let deadline = step_start + step;
             tokio::time::sleep_until(deadline).await;
             decoding.retain_mut(|a| self.emit(a));

@@ -89,6 +89,7 @@ async fn handle(
             &json!({"object": "list", "data": [{"id": engine.args.model, "object": "model", "owned_by": "tokentap-sim"}]}),
         ),
         ("GET", "/sim/stats") => json_response(StatusCode::OK, &json!(engine.stats())),
+        ("POST", "/sim/curve") => set_curve(&engine, req).await,
         ("POST", "/v1/chat/completions") => generate(engine, req, true).await,
         ("POST", "/v1/completions") => generate(engine, req, false).await,
         _ => error(
@@ -97,6 +98,23 @@ async fn handle(
         ),
     };
     Ok(resp)
+}
+
+async fn set_curve(engine: &Engine, req: Request<Incoming>) -> Response<SimBody> {
+    let Ok(body) = req.into_body().collect().await else {
+        return error(StatusCode::BAD_REQUEST, "could not read the request body");
+    };
+    match String::from_utf8_lossy(&body.to_bytes())
+        .trim()
+        .parse::<super::Curve>()
+    {
+        Ok(curve) => {
+            let shown = curve.to_string();
+            engine.set_curve(curve);
+            json_response(StatusCode::OK, &json!({"tpot_curve": shown}))
+        }
+        Err(e) => error(StatusCode::BAD_REQUEST, &e),
+    }
 }
 
 async fn generate(engine: Arc<Engine>, req: Request<Incoming>, chat: bool) -> Response<SimBody> {

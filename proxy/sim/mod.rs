@@ -59,6 +59,14 @@ pub struct SimArgs {
     /// The model name reported.
     #[arg(long, default_value = "tokentap-sim")]
     pub model: String,
+    /// Switch to `--switch-curve` after this many seconds (to show a cap re-converging).
+    /// The curve can also be changed at any time with `POST /sim/curve` and a body such as
+    /// `1:30,16:33,64:39,128:54`.
+    #[arg(long, requires = "switch_curve")]
+    pub switch_after: Option<f64>,
+    /// The curve switched to after `--switch-after`.
+    #[arg(long)]
+    pub switch_curve: Option<Curve>,
 }
 
 impl SimArgs {
@@ -74,6 +82,8 @@ impl SimArgs {
             tokens_per_chunk: 1,
             usage: UsageMode::Auto,
             model: "tokentap-sim".into(),
+            switch_after: None,
+            switch_curve: None,
         }
     }
 }
@@ -90,7 +100,15 @@ impl Sim {
     pub async fn start(args: SimArgs) -> std::io::Result<Sim> {
         let listener = tokio::net::TcpListener::bind(args.listen).await?;
         let addr = listener.local_addr()?;
+        let switch = args.switch_after.zip(args.switch_curve.clone());
         let engine = Engine::start(args);
+        if let Some((after, curve)) = switch {
+            let e = Arc::clone(&engine);
+            tokio::spawn(async move {
+                tokio::time::sleep(std::time::Duration::from_secs_f64(after.max(0.0))).await;
+                e.set_curve(curve);
+            });
+        }
         let task = tokio::spawn(http::serve(listener, Arc::clone(&engine)));
         Ok(Sim { addr, engine, task })
     }

@@ -1,0 +1,350 @@
+//! Concurrency caps: a per-upstream limit, a bounded FIFO queue for requests over it, and
+//! the adaptive controller that moves the limit to hold a TPOT SLO ([`controller`]).
+//!
+//! A slot is a [`Permit`] kept in the request's ctx: however the request ends (done, client
+//! gone, upstream error, a panic in a filter), dropping the permit frees the slot and hands
+//! it straight to the head of the queue, so waiting requests are served in arrival order.
+
+pub mod controller;
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use tokio::sync::oneshot;
+
+/// Why a request was refused a slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rejected {
+    /// The queue already held `max_queue` requests.
+    QueueFull,
+    /// The request waited `queue_timeout` without getting a slot.
+    QueueTimeout,
+}
+
+impl Rejected {
+    pub const ALL: [Rejected; 2] = [Rejected::QueueFull, Rejected::QueueTimeout];
+
+    /// The `reason` label, and the `code` of the 429 body (prefixed `tokentap_`).
+    pub fn label(self) -> &'static str {
+        match self {
+            Rejected::QueueFull => "queue_full",
+            Rejected::QueueTimeout => "queue_timeout",
+        }
+    }
+}
+
+/// How a limiter is set up.
+#[derive(Debug, Clone, Copy)]
+pub struct LimitConfig {
+    /// The starting limit; `None`: unlimited (an upstream with no cap and no SLO).
+    pub initial: Option<u64>,
+    pub max_queue: usize,
+    pub queue_timeout: Duration,
+}
+
+/// The concurrency limit of one upstream.
+pub struct Limiter {
+    /// `u64::MAX` when unlimited.
+    limit: AtomicU64,
+    config: LimitConfig,
+    state: Mutex<State>,
+    rejected: [AtomicU64; 2],
+    /// A request had to queue (or was refused) since the controller last looked.
+    binding: AtomicBool,
+    waits: metrics::Histogram,
+}
+
+#[derive(Default)]
+struct State {
+    in_flight: u64,
+    queue: VecDeque<Waiter>,
+    next_id: u64,
+}
+
+struct Waiter {
+    id: u64,
+    grant: oneshot::Sender<()>,
+}
+
+/// What `/stats` shows of a limiter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LimitStats {
+    pub limit: Option<u64>,
+    pub in_flight: u64,
+    pub queued: u64,
+    pub rejected_queue_full: u64,
+    pub rejected_queue_timeout: u64,
+}
+
+// === impl Limiter ===
+
+impl Limiter {
+    pub fn new(config: LimitConfig, waits: metrics::Histogram) -> Arc<Limiter> {
+        Arc::new(Limiter {
+            limit: AtomicU64::new(config.initial.unwrap_or(u64::MAX)),
+            config,
+            state: Mutex::new(State::default()),
+            rejected: [AtomicU64::new(0), AtomicU64::new(0)],
+            binding: AtomicBool::new(false),
+            waits,
+        })
+    }
+
+    pub fn limit(&self) -> Option<u64> {
+        Some(self.limit.load(Relaxed)).filter(|&l| l != u64::MAX)
+    }
+
+    /// Whether a request arriving now would get a slot without waiting.
+    pub fn has_headroom(&self) -> bool {
+        let st = self.lock();
+        st.queue.is_empty() && st.in_flight < self.limit.load(Relaxed)
+    }
+
+    /// A slot now, if one is free and nobody waits.
+    pub fn try_acquire(self: &Arc<Self>) -> Option<Permit> {
+        let mut st = self.lock();
+        if st.queue.is_empty() && st.in_flight < self.limit.load(Relaxed) {
+            st.in_flight += 1;
+            return Some(Permit(Arc::clone(self)));
+        }
+        None
+    }
+
+    /// A slot now, or after waiting in line; `Err` when the queue is full or the wait runs
+    /// out. Dropping the future (the client went away) leaves the queue at once.
+    pub async fn acquire(self: &Arc<Self>) -> Result<Permit, Rejected> {
+        let (id, rx) = {
+            let mut st = self.lock();
+            if st.queue.is_empty() && st.in_flight < self.limit.load(Relaxed) {
+                st.in_flight += 1;
+                return Ok(Permit(Arc::clone(self)));
+            }
+            self.binding.store(true, Relaxed);
+            if st.queue.len() >= self.config.max_queue {
+                self.reject(Rejected::QueueFull);
+                return Err(Rejected::QueueFull);
+            }
+            let (tx, rx) = oneshot::channel();
+            let id = st.next_id;
+            st.next_id += 1;
+            st.queue.push_back(Waiter { id, grant: tx });
+            (id, rx)
+        };
+        let started = std::time::Instant::now();
+        let mut guard = QueueGuard {
+            limiter: self,
+            id,
+            done: false,
+        };
+        let granted = tokio::time::timeout(self.config.queue_timeout, rx).await;
+        guard.done = true;
+        self.waits.record(started.elapsed().as_secs_f64());
+        if matches!(granted, Ok(Ok(()))) {
+            return Ok(Permit(Arc::clone(self)));
+        }
+        let mut st = self.lock();
+        match st.queue.iter().position(|w| w.id == id) {
+            Some(i) => {
+                st.queue.remove(i);
+                drop(st);
+                self.reject(Rejected::QueueTimeout);
+                Err(Rejected::QueueTimeout)
+            }
+            // Granted in the same instant the wait ran out: the slot is ours.
+            None => Ok(Permit(Arc::clone(self))),
+        }
+    }
+
+    /// Sets the limit; a higher one lets waiting requests in at once.
+    pub fn set_limit(&self, limit: u64) {
+        self.limit.store(limit.max(1), Relaxed);
+        let mut st = self.lock();
+        self.grant_waiting(&mut st);
+    }
+
+    /// Whether the limit held a request back since the last call, and resets that.
+    pub fn take_binding(&self) -> bool {
+        self.binding.swap(false, Relaxed)
+    }
+
+    pub fn stats(&self) -> LimitStats {
+        let st = self.lock();
+        LimitStats {
+            limit: self.limit(),
+            in_flight: st.in_flight,
+            queued: st.queue.len() as u64,
+            rejected_queue_full: self.rejected[0].load(Relaxed),
+            rejected_queue_timeout: self.rejected[1].load(Relaxed),
+        }
+    }
+
+    fn reject(&self, why: Rejected) {
+        self.rejected[why as usize].fetch_add(1, Relaxed);
+    }
+
+    fn release(&self) {
+        let mut st = self.lock();
+        st.in_flight = st.in_flight.saturating_sub(1);
+        self.grant_waiting(&mut st);
+    }
+
+    /// Hands free slots to the head of the queue, skipping waiters already gone.
+    fn grant_waiting(&self, st: &mut State) {
+        let limit = self.limit.load(Relaxed);
+        while st.in_flight < limit {
+            let Some(w) = st.queue.pop_front() else { break };
+            if w.grant.send(()).is_ok() {
+                st.in_flight += 1;
+            }
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// Removes a waiter that stopped waiting (its future was dropped) from the queue; if it was
+/// granted a slot it never took, the slot goes back.
+struct QueueGuard<'a> {
+    limiter: &'a Limiter,
+    id: u64,
+    done: bool,
+}
+
+impl Drop for QueueGuard<'_> {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        let mut st = self.limiter.lock();
+        match st.queue.iter().position(|w| w.id == self.id) {
+            Some(i) => {
+                st.queue.remove(i);
+            }
+            None => {
+                drop(st);
+                self.limiter.release();
+            }
+        }
+    }
+}
+
+/// A concurrency slot; dropping it frees the slot.
+pub struct Permit(Arc<Limiter>);
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        self.0.release();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limiter(limit: u64, max_queue: usize, timeout_ms: u64) -> Arc<Limiter> {
+        Limiter::new(
+            LimitConfig {
+                initial: Some(limit),
+                max_queue,
+                queue_timeout: Duration::from_millis(timeout_ms),
+            },
+            metrics::Histogram::noop(),
+        )
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn waiters_are_served_in_order_and_the_queue_is_bounded() {
+        let l = limiter(2, 3, 60_000);
+        let a = l.acquire().await.unwrap();
+        let _b = l.acquire().await.unwrap();
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let mut tasks = Vec::new();
+        for i in 0..3 {
+            let (l, order) = (Arc::clone(&l), Arc::clone(&order));
+            tasks.push(tokio::spawn(async move {
+                let p = l.acquire().await.unwrap();
+                order.lock().unwrap().push(i);
+                p
+            }));
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(l.stats().queued, 3);
+        assert_eq!(l.acquire().await.err(), Some(Rejected::QueueFull));
+        drop(a);
+        let first = tasks.remove(0).await.unwrap();
+        assert_eq!(*order.lock().unwrap(), vec![0]);
+        drop(first);
+        let second = tasks.remove(0).await.unwrap();
+        drop(second);
+        let third = tasks.remove(0).await.unwrap();
+        assert_eq!(*order.lock().unwrap(), vec![0, 1, 2]);
+        assert_eq!(l.stats().in_flight, 2);
+        drop(third);
+        assert_eq!(l.stats().rejected_queue_full, 1);
+        assert!(l.take_binding());
+        assert!(!l.take_binding());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_wait_runs_out() {
+        let l = limiter(1, 10, 500);
+        let _a = l.acquire().await.unwrap();
+        assert_eq!(l.acquire().await.err(), Some(Rejected::QueueTimeout));
+        let s = l.stats();
+        assert_eq!((s.queued, s.in_flight, s.rejected_queue_timeout), (0, 1, 1));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_dropped_waiter_leaves_the_queue_at_once_and_leaks_nothing() {
+        let l = limiter(1, 10, 60_000);
+        let a = l.acquire().await.unwrap();
+        let l2 = Arc::clone(&l);
+        let waiter = tokio::spawn(async move { l2.acquire().await.map(|_| ()) });
+        tokio::task::yield_now().await;
+        assert_eq!(l.stats().queued, 1);
+        waiter.abort();
+        let _ = waiter.await;
+        assert_eq!(l.stats().queued, 0);
+        drop(a);
+        assert_eq!(l.stats().in_flight, 0);
+        // Granted but never taken: the slot comes back.
+        let a = l.acquire().await.unwrap();
+        let l3 = Arc::clone(&l);
+        let mut w = Box::pin(async move { l3.acquire().await.map(|_| ()) });
+        assert!(futures_poll_once(&mut w).await.is_none());
+        drop(a); // grants the waiter, which is dropped before it runs
+        drop(w);
+        assert_eq!(l.stats().in_flight, 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn raising_the_limit_admits_waiters_and_lowering_it_drains() {
+        let l = limiter(1, 10, 60_000);
+        let a = l.acquire().await.unwrap();
+        let l2 = Arc::clone(&l);
+        let w = tokio::spawn(async move { l2.acquire().await.map(|_| ()) });
+        tokio::task::yield_now().await;
+        l.set_limit(2);
+        assert!(w.await.unwrap().is_ok());
+        l.set_limit(1);
+        let b = l.acquire();
+        drop(a);
+        assert!(tokio::time::timeout(Duration::from_secs(1), b)
+            .await
+            .is_ok());
+    }
+
+    async fn futures_poll_once<F: std::future::Future + Unpin>(f: &mut F) -> Option<F::Output> {
+        std::future::poll_fn(|cx| {
+            std::task::Poll::Ready(match std::pin::Pin::new(&mut *f).poll(cx) {
+                std::task::Poll::Ready(v) => Some(v),
+                std::task::Poll::Pending => None,
+            })
+        })
+        .await
+    }
+}

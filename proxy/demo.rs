@@ -161,6 +161,10 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
         println!("\nthe load generator's own view (client side, both backends together):");
         print!("{}", load::report_table(&reports));
     }
+    match crate::admin::compare(&running.shared, None) {
+        Ok(c) => println!("\nA/B verdict (GET /compare): {}", c.verdict),
+        Err((_, e)) => println!("\nA/B verdict: {e}"),
+    }
     drop(sims);
     tokio::task::spawn_blocking(move || running.stop()).await?;
     Ok(())

@@ -29,6 +29,7 @@
 //!   embedded demo; they stand apart from the proxy like a real backend and client.
 
 pub mod admin;
+pub mod compare;
 pub mod config;
 pub mod demo;
 pub mod dialect;

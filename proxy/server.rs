@@ -56,7 +56,14 @@ impl Shared {
             .upstreams
             .iter()
             .map(|u| {
-                UpstreamMeter::new(&u.name, config.window, clock, telemetry.histograms(&u.name))
+                let m = UpstreamMeter::new(
+                    &u.name,
+                    config.window,
+                    clock,
+                    telemetry.histograms(&u.name),
+                );
+                m.set_sample_window(config.compare_window);
+                m
             })
             .collect();
         let slo: Vec<Option<SloState>> = config

@@ -87,6 +87,10 @@ impl Telemetry {
                     counter!("tokentap_rejected_requests_total", "upstream" => up.clone(), "reason" => reason)
                         .absolute(n);
                 }
+                for arm in &s.arms {
+                    gauge!("tokentap_upstream_arm_weight", "upstream" => up.clone(), "route" => arm.route.to_string())
+                        .set(f64::from(arm.weight));
+                }
                 if let Some(slo) = &s.slo {
                     gauge!("tokentap_slo_tpot_seconds", "upstream" => up.clone())
                         .set(slo.tpot_ms / 1e3);
@@ -131,6 +135,10 @@ impl Default for Telemetry {
 }
 
 fn describe() {
+    describe_gauge!(
+        "tokentap_upstream_arm_weight",
+        "The upstream's weight in each route's split (route = its index in the config)."
+    );
     describe_counter!("tokentap_requests_total", "Requests by upstream and outcome (ok, 4xx, 5xx, aborted, upstream_error, truncated, stream_error).");
     describe_counter!(
         "tokentap_errors_total",

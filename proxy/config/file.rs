@@ -21,6 +21,8 @@ pub struct FileConfig {
     #[serde(default)]
     pub server: ServerFile,
     #[serde(default)]
+    pub compare: CompareFile,
+    #[serde(default)]
     pub upstream: Vec<UpstreamFile>,
     #[serde(default)]
     pub route: Vec<RouteFile>,
@@ -61,6 +63,19 @@ impl Default for MetricsFile {
             window_secs: 10,
             max_event_bytes: 1 << 20,
         }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CompareFile {
+    /// How far back `/compare` looks, seconds. Default 600.
+    pub window_secs: u64,
+}
+
+impl Default for CompareFile {
+    fn default() -> Self {
+        CompareFile { window_secs: 600 }
     }
 }
 
@@ -162,6 +177,9 @@ impl FileConfig {
         let admin = socket_addr(&self.listen.admin).map_err(|e| p.add("listen.admin", e));
         if !(1..=3600).contains(&self.metrics.window_secs) {
             p.add("metrics.window_secs", "must be between 1 and 3600");
+        }
+        if !(10..=86_400).contains(&self.compare.window_secs) {
+            p.add("compare.window_secs", "must be between 10 and 86400");
         }
         if self.metrics.max_event_bytes < 1024 {
             p.add("metrics.max_event_bytes", "must be at least 1024");
@@ -336,6 +354,7 @@ impl FileConfig {
         let grace = self.server.grace_period_secs.unwrap_or(30);
         let window = Duration::from_secs(self.metrics.window_secs);
         let max_event_bytes = self.metrics.max_event_bytes;
+        let compare_window = Duration::from_secs(self.compare.window_secs);
         p.into_result(move || Config {
             listen: Listen {
                 // Both are Ok here: an Err added a problem.
@@ -343,6 +362,7 @@ impl FileConfig {
                 admin: admin.unwrap_or_else(|_| unreachable!()),
             },
             window,
+            compare_window,
             max_event_bytes,
             threads,
             grace_period: Duration::from_secs(grace),

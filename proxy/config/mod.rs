@@ -22,6 +22,8 @@ pub struct Config {
     pub listen: Listen,
     /// The sliding window of the live figures.
     pub window: Duration,
+    /// How far back `/compare` looks.
+    pub compare_window: Duration,
     /// Events larger than this are forwarded but not metered.
     pub max_event_bytes: usize,
     /// Worker threads of the proxy service.
@@ -151,6 +153,14 @@ impl Config {
 
     pub fn upstream_index(&self, name: &str) -> Option<usize> {
         self.upstreams.iter().position(|u| u.name == name)
+    }
+
+    /// The default pair of `/compare`: the first two arms of the first route that splits.
+    pub fn default_pair(&self) -> Option<(usize, usize)> {
+        self.routes
+            .iter()
+            .find(|r| r.split.len() >= 2)
+            .map(|r| (r.split[0].0, r.split[1].0))
     }
 }
 

@@ -11,12 +11,20 @@
 mod stats;
 mod window;
 
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-pub use stats::{CurvePoint, Percentiles, SloStats, UpstreamStats};
+pub use stats::{Arm, CurvePoint, Percentiles, SloStats, UpstreamStats};
 pub use window::ControlSample;
 use window::Windows;
+
+/// The curve bucket (0 for 1, 1 for 2, 2 for 3–4, …; labelled `1 << bucket`) of a mean
+/// concurrency.
+pub fn bucket_of(concurrency: f64) -> usize {
+    window::bucket(concurrency.round().max(1.0) as u64)
+}
 
 /// Nanoseconds since a [`Clock`]'s origin.
 pub type Nanos = u64;
@@ -138,12 +146,29 @@ impl Histograms {
     }
 }
 
+/// One finished streamed request, as the A/B comparison sees it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RequestSample {
+    /// When it finished.
+    pub at: Nanos,
+    /// Mean requests in flight at the upstream as its tokens arrived.
+    pub concurrency: f64,
+    pub ttft_ms: f64,
+    pub tpot_ms: f64,
+}
+
+/// The most samples an upstream keeps for comparison.
+const MAX_SAMPLES: usize = 200_000;
+
 /// The live figures of one upstream.
 pub struct UpstreamMeter {
     name: Arc<str>,
     clock: Clock,
     inner: Mutex<Windows>,
     hist: Histograms,
+    /// Finished requests of the last `sample_window`, oldest first.
+    samples: Mutex<VecDeque<RequestSample>>,
+    sample_window: AtomicU64,
 }
 
 // === impl UpstreamMeter ===
@@ -157,7 +182,48 @@ impl UpstreamMeter {
             clock,
             inner: Mutex::new(Windows::new(window, now)),
             hist,
+            samples: Mutex::new(VecDeque::new()),
+            sample_window: AtomicU64::new(600_000_000_000),
         })
+    }
+
+    /// How long finished-request samples are kept for comparison (default 600 s).
+    pub fn set_sample_window(&self, window: Duration) {
+        self.sample_window.store(
+            u64::try_from(window.as_nanos()).unwrap_or(u64::MAX),
+            Relaxed,
+        );
+    }
+
+    /// The samples of requests that finished in the sample window before `now`.
+    pub fn samples(&self, now: Nanos) -> Vec<RequestSample> {
+        let mut s = self.samples.lock().unwrap_or_else(PoisonError::into_inner);
+        self.trim(&mut s, now);
+        s.iter().copied().collect()
+    }
+
+    /// Forgets every sample (`POST /compare/reset`).
+    pub fn reset_samples(&self) {
+        self.samples
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clear();
+    }
+
+    fn push_sample(&self, sample: RequestSample) {
+        let mut s = self.samples.lock().unwrap_or_else(PoisonError::into_inner);
+        self.trim(&mut s, sample.at);
+        if s.len() == MAX_SAMPLES {
+            s.pop_front();
+        }
+        s.push_back(sample);
+    }
+
+    fn trim(&self, s: &mut VecDeque<RequestSample>, now: Nanos) {
+        let since = now.saturating_sub(self.sample_window.load(Relaxed));
+        while s.front().is_some_and(|x| x.at < since) {
+            s.pop_front();
+        }
     }
 
     pub fn name(&self) -> &str {
@@ -182,6 +248,8 @@ impl UpstreamMeter {
             tokens: 0,
             exact: None,
             done: false,
+            concurrency_sum: 0,
+            events: 0,
         }
     }
 
@@ -231,6 +299,9 @@ pub struct Stream {
     tokens: u64,
     exact: Option<u64>,
     done: bool,
+    /// Σ in-flight over its token events, and their number.
+    concurrency_sum: u64,
+    events: u64,
 }
 
 // === impl Stream ===
@@ -241,7 +312,9 @@ impl Stream {
         if n == 0 || self.done {
             return;
         }
-        let gap = self.meter.lock().tokens(self.key, now, n);
+        let (gap, in_flight) = self.meter.lock().tokens(self.key, now, n);
+        self.concurrency_sum += in_flight;
+        self.events += 1;
         match gap {
             None => {
                 self.first = Some(now);
@@ -294,10 +367,16 @@ impl Stream {
             .finish(self.key, now, outcome, self.tokens, self.exact);
         if let Some(first) = self.first {
             if total >= 2 && self.last > first {
-                self.meter
-                    .hist
-                    .tpot
-                    .record(secs(self.last - first) / (total - 1) as f64);
+                let tpot = secs(self.last - first) / (total - 1) as f64;
+                self.meter.hist.tpot.record(tpot);
+                if outcome == Outcome::Ok {
+                    self.meter.push_sample(RequestSample {
+                        at: now,
+                        concurrency: self.concurrency_sum as f64 / self.events.max(1) as f64,
+                        ttft_ms: first.saturating_sub(self.t0) as f64 / 1e6,
+                        tpot_ms: tpot * 1e3,
+                    });
+                }
             }
         }
     }

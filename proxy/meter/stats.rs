@@ -80,6 +80,19 @@ pub struct UpstreamStats {
     pub curve: Vec<CurvePoint>,
     /// The SLO the adaptive cap holds; `null` without one.
     pub slo: Option<SloStats>,
+    /// The routes that send this upstream traffic, and its weight in each.
+    pub arms: Vec<Arm>,
+}
+
+/// An upstream's place in one route's split.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Arm {
+    /// The route's index in the config.
+    pub route: usize,
+    pub path_prefix: String,
+    pub weight: u32,
+    /// Its weight as a share of the route's total, percent.
+    pub share_pct: f64,
 }
 
 /// How an upstream stands against its TPOT SLO.

@@ -106,7 +106,8 @@ fn histogram() -> Histogram<u32> {
         .unwrap_or_else(|_| Histogram::new(2).unwrap_or_else(|_| unreachable!()))
 }
 
-fn bucket(concurrency: u64) -> usize {
+/// The curve bucket of a concurrency: 1, 2, 3–4, 5–8, … as 0, 1, 2, 3, …
+pub(crate) fn bucket(concurrency: u64) -> usize {
     let b = if concurrency <= 1 {
         0
     } else {
@@ -165,12 +166,15 @@ impl Windows {
     }
 
     /// Records `n` tokens of request `key` at `now`; returns the gap since its previous
-    /// token event (`None` for its first).
-    pub(super) fn tokens(&mut self, key: usize, now: Nanos, n: u32) -> Option<Nanos> {
+    /// token event (`None` for its first) and the requests in flight as they arrived.
+    pub(super) fn tokens(&mut self, key: usize, now: Nanos, n: u32) -> (Option<Nanos>, u64) {
         let now = self.clamp(now);
         let epoch = now / self.slot_ns;
-        let bucket = bucket(self.in_flight);
-        let rec = self.records.get_mut(key)?;
+        let in_flight = self.in_flight;
+        let bucket = bucket(in_flight);
+        let Some(rec) = self.records.get_mut(key) else {
+            return (None, in_flight);
+        };
         let gap = rec.first.map(|_| now.saturating_sub(rec.last));
         if rec.first.is_none() {
             rec.first = Some(now);
@@ -202,7 +206,7 @@ impl Windows {
             let _ = curve.gaps.get_or_insert_with(histogram).record_n(v, n);
             curve.gap_sum_us += per_token_us * f64::from(n);
         }
-        gap
+        (gap, in_flight)
     }
 
     /// Ends request `key` at `now`. `estimated` is the tokens its events counted; an
@@ -339,6 +343,7 @@ impl Windows {
             e2e_ms: Percentiles::of(&mut e2e),
             curve: self.curve(),
             slo: None,
+            arms: Vec::new(),
         }
     }
 

@@ -1,0 +1,116 @@
+//! A/B through the proxy: two simulated backends, one 10% slower per token at every batch
+//! size, split 50/50; `/compare` names the faster one at matched concurrency.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use tokentap::load::{self, LoadArgs, Mode};
+use tokentap::sim::{Curve, Sim, SimArgs};
+
+async fn sim(curve: Curve) -> Sim {
+    Sim::start(SimArgs {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        tpot_curve: curve,
+        ttft_ms: 10.0,
+        max_tokens: 24,
+        ..SimArgs::defaults()
+    })
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compare_names_the_faster_backend() {
+    let fast = sim(Curve::reference()).await;
+    let slow = sim(Curve::reference().scaled(1.1)).await;
+    let tap = proxy(
+        &[("fast", fast.addr), ("slow", slow.addr)],
+        "[[route]]\npath_prefix = \"/\"\nsplit = { \"fast\" = 50, \"slow\" = 50 }\n",
+    )
+    .await;
+    let admin = tap.shared.config.listen.admin;
+    let target = LoadArgs {
+        url: format!("http://{}", proxy_addr(&tap)),
+        path: "/v1/chat/completions".into(),
+        concurrency: vec![],
+        rate: None,
+        duration: 5.0,
+        warmup: 0.0,
+        max_tokens: 24,
+        include_usage: true,
+        headers: vec![],
+        model: "m".into(),
+        prompt: "p".into(),
+        json: false,
+    }
+    .target()
+    .unwrap();
+    let r = load::phase(
+        &target,
+        Mode::Closed { concurrency: 8 },
+        Duration::ZERO,
+        Duration::from_secs(5),
+        false,
+    )
+    .await;
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+
+    let resp = fetch(admin, "GET", "/compare", b"").await;
+    assert_eq!(resp.status, 200);
+    let c: serde_json::Value = serde_json::from_slice(&resp.body).unwrap();
+    assert_eq!(
+        (c["a"].as_str(), c["b"].as_str()),
+        (Some("fast"), Some("slow")),
+        "the first split's arms"
+    );
+    let t = &c["metrics"]["tpot_ms"];
+    assert_eq!(t["significant"], true, "{c:#}");
+    assert_eq!(t["better"], "fast", "{c:#}");
+    let diff = t["diff_pct"].as_f64().unwrap();
+    assert!((7.0..13.0).contains(&diff), "about 10% slower: {diff}");
+    assert!(
+        c["verdict"].as_str().unwrap().starts_with("fast is "),
+        "{}",
+        c["verdict"]
+    );
+    assert!(c["strata"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|s| s["used"] == true));
+
+    // The arms are named the other way round on request.
+    let swapped: serde_json::Value = serde_json::from_slice(
+        &fetch(admin, "GET", "/compare?a=slow&b=fast", b"")
+            .await
+            .body,
+    )
+    .unwrap();
+    assert_eq!(swapped["metrics"]["tpot_ms"]["better"], "fast");
+    assert!(swapped["metrics"]["tpot_ms"]["diff_pct"].as_f64().unwrap() < 0.0);
+
+    // /stats carries each upstream's route and weight.
+    let s = stats(&tap).await;
+    assert_eq!(s["upstreams"][1]["arms"][0]["weight"], 50);
+    assert_eq!(s["upstreams"][1]["arms"][0]["share_pct"], 50.0);
+
+    let ghost = fetch(admin, "GET", "/compare?a=ghost&b=fast", b"").await;
+    assert_eq!(ghost.status, 404);
+    let e: serde_json::Value = serde_json::from_slice(&ghost.body).unwrap();
+    assert!(e["error"]["message"].as_str().unwrap().contains("ghost"));
+
+    assert_eq!(
+        fetch(admin, "POST", "/compare/reset", b"").await.status,
+        200
+    );
+    let after: serde_json::Value =
+        serde_json::from_slice(&fetch(admin, "GET", "/compare", b"").await.body).unwrap();
+    assert_eq!(after["metrics"]["tpot_ms"]["significant"], false);
+    assert!(after["verdict"]
+        .as_str()
+        .unwrap()
+        .starts_with("not enough data"));
+}

@@ -36,6 +36,7 @@ pub mod dialect;
 pub mod limit;
 pub mod load;
 pub mod meter;
+pub mod ndjson;
 pub mod routing;
 pub mod server;
 pub mod service;

@@ -13,9 +13,10 @@ use pingora::prelude::*;
 use pingora::proxy::{ProxyHttp, Session};
 use pingora::ErrorSource;
 
-use crate::dialect::{Dialect, Facts};
+use crate::dialect::{tokens_carried, Dialect, Facts, Framing};
 use crate::limit::{Limiter, Permit, Rejected};
 use crate::meter::{Nanos, Outcome, Stream};
+use crate::ndjson::NdjsonParser;
 use crate::routing::Choice;
 use crate::server::Shared;
 use crate::sse::SseParser;
@@ -54,6 +55,7 @@ enum Body {
     /// Not metered (not generation traffic, an error status, an encoded body…).
     Ignore,
     Sse(SseParser),
+    Ndjson(NdjsonParser),
     /// A non-streaming JSON response, copied (bounded) to read its `usage` at the end.
     Json(Vec<u8>),
 }
@@ -76,6 +78,7 @@ impl TokenTap {
         match &mut ctx.body {
             Body::Ignore => return,
             Body::Sse(parser) => parser.push(chunk, |ev| facts.merge(dialect.event(&ev))),
+            Body::Ndjson(parser) => parser.push(chunk, |ev| facts.merge(dialect.event(&ev))),
             Body::Json(buf) => {
                 if buf.len() + chunk.len() > MAX_JSON_BODY {
                     ctx.body = Body::Ignore;
@@ -86,43 +89,33 @@ impl TokenTap {
                 return;
             }
         }
+        Self::apply(ctx, now, facts);
+    }
+
+    /// The response body ended normally.
+    fn body_end(&self, ctx: &mut Ctx, now: Nanos) {
+        let Some(dialect) = ctx.dialect else { return };
+        let mut facts = Facts::default();
+        match &mut ctx.body {
+            Body::Json(buf) => facts = dialect.body(buf),
+            // NDJSON may end without a final newline.
+            Body::Ndjson(parser) => parser.finish(|ev| facts.merge(dialect.event(&ev))),
+            Body::Sse(_) | Body::Ignore => return,
+        }
+        Self::apply(ctx, now, facts);
+    }
+
+    /// Records what one fragment (or a whole body) said.
+    fn apply(ctx: &mut Ctx, now: Nanos, facts: Facts) {
         ctx.unparsed += u64::from(facts.unparsed);
         if let Some(stream) = ctx.stream.as_mut() {
-            // A running exact count on token-bearing events (vLLM's continuous usage) is
-            // trusted over the one-per-event estimate: the fragment carried the difference.
-            let counted = stream.counted_tokens();
-            let n = match facts.exact_total {
-                Some(total) if facts.tokens > 0 && total > counted => {
-                    u32::try_from(total - counted).unwrap_or(u32::MAX)
-                }
-                _ => facts.tokens,
-            };
-            stream.tokens(now, n);
+            stream.tokens(now, tokens_carried(&facts, stream.counted_tokens()));
             if let Some(total) = facts.exact_total {
                 stream.exact_total(total);
             }
         }
-        ctx.facts.merge(Facts { tokens: 0, ..facts });
-    }
-
-    /// The response body ended normally.
-    fn body_end(&self, ctx: &mut Ctx) {
-        let Some(dialect) = ctx.dialect else { return };
-        match &ctx.body {
-            Body::Json(buf) => {
-                let facts = dialect.body(buf);
-                ctx.unparsed += u64::from(facts.unparsed);
-                let facts = Facts {
-                    unparsed: 0,
-                    ..facts
-                };
-                if let (Some(stream), Some(total)) = (ctx.stream.as_mut(), facts.exact_total) {
-                    stream.exact_total(total);
-                }
-                ctx.facts.merge(facts);
-            }
-            Body::Sse(_) | Body::Ignore => {}
-        }
+        ctx.facts.finished |= facts.finished;
+        ctx.facts.error |= facts.error;
     }
 
     /// Waits in the upstream's queue. While it waits, a client that goes away takes its
@@ -195,7 +188,9 @@ impl TokenTap {
         }
         match Outcome::from_status(ctx.status) {
             Outcome::Ok if ctx.facts.error => Outcome::StreamError,
-            Outcome::Ok if matches!(ctx.body, Body::Sse(_)) && !ctx.facts.finished => {
+            Outcome::Ok
+                if matches!(ctx.body, Body::Sse(_) | Body::Ndjson(_)) && !ctx.facts.finished =>
+            {
                 Outcome::Truncated
             }
             other => other,
@@ -292,19 +287,17 @@ impl ProxyHttp for TokenTap {
             .headers
             .get(CONTENT_ENCODING)
             .is_some_and(|v| !v.as_bytes().eq_ignore_ascii_case(b"identity"));
-        let content_type = resp
+        let framing = resp
             .headers
             .get(CONTENT_TYPE)
-            .map(|v| v.as_bytes().to_ascii_lowercase())
-            .unwrap_or_default();
-        ctx.body = if ctx.dialect.is_none() || !resp.status.is_success() || encoded {
-            Body::Ignore
-        } else if memchr::memmem::find(&content_type, b"text/event-stream").is_some() {
-            Body::Sse(SseParser::new(self.shared.config.max_event_bytes))
-        } else if memchr::memmem::find(&content_type, b"json").is_some() {
-            Body::Json(Vec::new())
-        } else {
-            Body::Ignore
+            .and_then(|v| Framing::from_content_type(v.as_bytes()));
+        let max = self.shared.config.max_event_bytes;
+        ctx.body = match framing {
+            _ if ctx.dialect.is_none() || !resp.status.is_success() || encoded => Body::Ignore,
+            Some(Framing::Sse) => Body::Sse(SseParser::new(max)),
+            Some(Framing::Ndjson) => Body::Ndjson(NdjsonParser::new(max)),
+            Some(Framing::Json) => Body::Json(Vec::new()),
+            None => Body::Ignore,
         };
         Ok(())
     }
@@ -316,12 +309,12 @@ impl ProxyHttp for TokenTap {
         end_of_stream: bool,
         ctx: &mut Ctx,
     ) -> Result<Option<std::time::Duration>> {
+        let now = self.now();
         if let Some(chunk) = body.as_ref() {
-            let now = self.now();
             self.observe(ctx, now, chunk);
         }
         if end_of_stream {
-            self.body_end(ctx);
+            self.body_end(ctx, now);
         }
         Ok(None)
     }
@@ -332,9 +325,11 @@ impl ProxyHttp for TokenTap {
         };
         let outcome = Self::outcome(ctx, e);
         let meter = &self.shared.meters[choice.upstream];
-        if let Body::Sse(parser) = &ctx.body {
-            ctx.unparsed += parser.oversized_events();
-        }
+        ctx.unparsed += match &ctx.body {
+            Body::Sse(p) => p.oversized_events(),
+            Body::Ndjson(p) => p.oversized_events(),
+            _ => 0,
+        };
         meter.count_unparsed(ctx.unparsed);
         match ctx.stream.take() {
             Some(stream) => stream.finish(self.now(), outcome),

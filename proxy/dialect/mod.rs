@@ -5,7 +5,17 @@
 //! The dialect is chosen from the request path alone, and the framing from the response's
 //! content type; tokentap never guesses a dialect from the bytes.
 
+pub mod anthropic;
+pub mod llamacpp;
+pub mod ollama;
 pub mod openai;
+pub mod responses;
+pub mod tgi;
+
+use std::fmt;
+
+use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde::Deserialize;
 
 use crate::sse::Event;
 
@@ -20,6 +30,8 @@ pub struct Facts {
     pub finished: bool,
     /// The stream reported an error in-band.
     pub error: bool,
+    /// An OpenAI chunk with an empty `choices` and a `usage`: the final usage-only chunk.
+    pub usage_only: bool,
     /// Events that could not be understood (broken JSON where JSON was due).
     pub unparsed: u32,
 }
@@ -34,6 +46,7 @@ impl Facts {
             self.exact_total = later.exact_total;
         }
         self.finished |= later.finished;
+        self.usage_only |= later.usage_only;
         self.error |= later.error;
         self.unparsed += later.unparsed;
     }
@@ -45,6 +58,42 @@ pub enum Dialect {
     /// OpenAI `/v1/chat/completions` and `/v1/completions` (and every server that copies them:
     /// vLLM, SGLang, llama.cpp's server, TGI's OpenAI route, Ollama's `/v1`).
     OpenAi,
+    /// OpenAI's Responses API, `/v1/responses`.
+    Responses,
+    /// Anthropic Messages, `/v1/messages`.
+    Anthropic,
+    /// Hugging Face TGI's native `/generate_stream` and `/generate`.
+    Tgi,
+    /// Ollama's native `/api/chat` and `/api/generate` (NDJSON when streaming).
+    Ollama,
+    /// llama.cpp server's native `/completion`.
+    LlamaCpp,
+}
+
+/// How a response body is framed, from its content type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Framing {
+    Sse,
+    Ndjson,
+    /// One JSON document (a non-streaming response).
+    Json,
+}
+
+impl Framing {
+    /// The framing a `Content-Type` announces, if tokentap reads it.
+    pub fn from_content_type(content_type: &[u8]) -> Option<Framing> {
+        let ct = content_type.to_ascii_lowercase();
+        let has = |needle: &[u8]| memchr::memmem::find(&ct, needle).is_some();
+        if has(b"text/event-stream") {
+            Some(Framing::Sse)
+        } else if has(b"ndjson") || has(b"jsonl") || has(b"json-seq") {
+            Some(Framing::Ndjson)
+        } else if has(b"json") {
+            Some(Framing::Json)
+        } else {
+            None
+        }
+    }
 }
 
 // === impl Dialect ===
@@ -54,16 +103,33 @@ impl Dialect {
     /// (model lists, health checks, embeddings…), which is forwarded and counted only.
     pub fn from_path(path: &str) -> Option<Dialect> {
         let path = path.split('?').next().unwrap_or(path).trim_end_matches('/');
-        if path.ends_with("/chat/completions") || path.ends_with("/completions") {
-            return Some(Dialect::OpenAi);
+        let ends = |s: &str| path.ends_with(s);
+        if ends("/api/chat") || ends("/api/generate") {
+            Some(Dialect::Ollama)
+        } else if ends("/chat/completions") || ends("/completions") {
+            Some(Dialect::OpenAi)
+        } else if ends("/responses") {
+            Some(Dialect::Responses)
+        } else if ends("/messages") {
+            Some(Dialect::Anthropic)
+        } else if ends("/generate_stream") || ends("/generate") {
+            Some(Dialect::Tgi)
+        } else if ends("/completion") {
+            Some(Dialect::LlamaCpp)
+        } else {
+            None
         }
-        None
     }
 
     /// Facts of one streamed event.
     pub fn event(self, event: &Event<'_>) -> Facts {
         match self {
             Dialect::OpenAi => openai::event(event),
+            Dialect::Responses => responses::event(event),
+            Dialect::Anthropic => anthropic::event(event),
+            Dialect::Tgi => tgi::event(event),
+            Dialect::Ollama => ollama::event(event),
+            Dialect::LlamaCpp => llamacpp::event(event),
         }
     }
 
@@ -71,7 +137,109 @@ impl Dialect {
     pub fn body(self, body: &[u8]) -> Facts {
         match self {
             Dialect::OpenAi => openai::body(body),
+            Dialect::Responses => responses::body(body),
+            Dialect::Anthropic => anthropic::body(body),
+            Dialect::Tgi => tgi::body(body),
+            Dialect::Ollama => ollama::body(body),
+            Dialect::LlamaCpp => llamacpp::body(body),
         }
+    }
+}
+
+/// Whether a value is a non-empty string (or a non-empty array or object of content parts).
+/// Reads the value without keeping it.
+#[derive(Default)]
+pub(crate) struct NonEmpty(pub bool);
+
+impl<'de> Deserialize<'de> for NonEmpty {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = NonEmpty;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("any value")
+            }
+            fn visit_str<E: de::Error>(self, s: &str) -> Result<NonEmpty, E> {
+                Ok(NonEmpty(!s.is_empty()))
+            }
+            fn visit_unit<E>(self) -> Result<NonEmpty, E> {
+                Ok(NonEmpty(false))
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<NonEmpty, E> {
+                Ok(NonEmpty(false))
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<NonEmpty, E> {
+                Ok(NonEmpty(false))
+            }
+            fn visit_u64<E>(self, _: u64) -> Result<NonEmpty, E> {
+                Ok(NonEmpty(false))
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<NonEmpty, E> {
+                Ok(NonEmpty(false))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<NonEmpty, A::Error> {
+                let mut any = false;
+                while seq.next_element::<IgnoredAny>()?.is_some() {
+                    any = true;
+                }
+                Ok(NonEmpty(any))
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<NonEmpty, A::Error> {
+                let mut any = false;
+                while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {
+                    any = true;
+                }
+                Ok(NonEmpty(any))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// The tokens a fragment carried, given the tokens already counted for its request: a
+/// running exact count on token-bearing events (vLLM's continuous usage) is trusted over
+/// the one-per-event estimate.
+pub fn tokens_carried(facts: &Facts, counted: u64) -> u32 {
+    match facts.exact_total {
+        Some(total) if facts.tokens > 0 && total > counted => {
+            u32::try_from(total - counted).unwrap_or(u32::MAX)
+        }
+        _ => facts.tokens,
+    }
+}
+
+/// Parses `data` as `T`, or reports it unparsed.
+pub(crate) fn parse<'a, T: Deserialize<'a>>(data: &'a [u8]) -> Result<T, Facts> {
+    serde_json::from_slice(data).map_err(|_| Facts {
+        unparsed: 1,
+        ..Facts::default()
+    })
+}
+
+/// The length of an array (0 for anything else), read without keeping it.
+#[derive(Default)]
+pub(crate) struct Count(pub u32);
+
+impl<'de> Deserialize<'de> for Count {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Count;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("an array")
+            }
+            fn visit_unit<E>(self) -> Result<Count, E> {
+                Ok(Count(0))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Count, A::Error> {
+                let mut n = 0;
+                while seq.next_element::<IgnoredAny>()?.is_some() {
+                    n += 1;
+                }
+                Ok(Count(n))
+            }
+        }
+        d.deserialize_any(V)
     }
 }
 
@@ -93,6 +261,16 @@ mod tests {
             Dialect::from_path("/openai/v1/chat/completions/"),
             Some(Dialect::OpenAi)
         );
+        assert_eq!(
+            Dialect::from_path("/v1/responses"),
+            Some(Dialect::Responses)
+        );
+        assert_eq!(Dialect::from_path("/v1/messages"), Some(Dialect::Anthropic));
+        assert_eq!(Dialect::from_path("/generate_stream"), Some(Dialect::Tgi));
+        assert_eq!(Dialect::from_path("/generate"), Some(Dialect::Tgi));
+        assert_eq!(Dialect::from_path("/api/chat"), Some(Dialect::Ollama));
+        assert_eq!(Dialect::from_path("/api/generate"), Some(Dialect::Ollama));
+        assert_eq!(Dialect::from_path("/completion"), Some(Dialect::LlamaCpp));
         assert_eq!(Dialect::from_path("/v1/models"), None);
         assert_eq!(Dialect::from_path("/v1/embeddings"), None);
     }

@@ -13,10 +13,10 @@
 
 use std::fmt;
 
-use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde::de::{Deserializer, IgnoredAny, SeqAccess, Visitor};
 use serde::Deserialize;
 
-use super::Facts;
+use super::{Facts, NonEmpty};
 use crate::sse::Event;
 
 /// Facts of one SSE event.
@@ -65,6 +65,11 @@ impl Chunk {
             tokens: self.choices.tokens,
             exact_total: self.usage.as_ref().and_then(|u| u.completion_tokens),
             finished: self.choices.finished,
+            usage_only: self.choices.count == 0
+                && self
+                    .usage
+                    .as_ref()
+                    .is_some_and(|u| u.completion_tokens.is_some()),
             error: self.error.is_some(),
             unparsed: 0,
         }
@@ -76,6 +81,7 @@ impl Chunk {
 struct Choices {
     tokens: u32,
     finished: bool,
+    count: u32,
 }
 
 impl<'de> Deserialize<'de> for Choices {
@@ -92,6 +98,7 @@ impl<'de> Deserialize<'de> for Choices {
             fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Choices, A::Error> {
                 let mut sum = Choices::default();
                 while let Some(choice) = seq.next_element::<Choice>()? {
+                    sum.count += 1;
                     sum.tokens += u32::from(choice.carries_tokens());
                     sum.finished |= choice.finish_reason.is_some();
                 }
@@ -169,56 +176,6 @@ impl<'de> Deserialize<'de> for ToolCalls {
                     any |= call.function.is_some_and(|f| f.name.0 || f.arguments.0);
                 }
                 Ok(ToolCalls(any))
-            }
-        }
-        d.deserialize_any(V)
-    }
-}
-
-/// Whether a value is a non-empty string (or a non-empty array or object of content parts).
-/// Reads the value without keeping it.
-#[derive(Default)]
-struct NonEmpty(bool);
-
-impl<'de> Deserialize<'de> for NonEmpty {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl<'de> Visitor<'de> for V {
-            type Value = NonEmpty;
-            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("any value")
-            }
-            fn visit_str<E: de::Error>(self, s: &str) -> Result<NonEmpty, E> {
-                Ok(NonEmpty(!s.is_empty()))
-            }
-            fn visit_unit<E>(self) -> Result<NonEmpty, E> {
-                Ok(NonEmpty(false))
-            }
-            fn visit_bool<E>(self, _: bool) -> Result<NonEmpty, E> {
-                Ok(NonEmpty(false))
-            }
-            fn visit_i64<E>(self, _: i64) -> Result<NonEmpty, E> {
-                Ok(NonEmpty(false))
-            }
-            fn visit_u64<E>(self, _: u64) -> Result<NonEmpty, E> {
-                Ok(NonEmpty(false))
-            }
-            fn visit_f64<E>(self, _: f64) -> Result<NonEmpty, E> {
-                Ok(NonEmpty(false))
-            }
-            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<NonEmpty, A::Error> {
-                let mut any = false;
-                while seq.next_element::<IgnoredAny>()?.is_some() {
-                    any = true;
-                }
-                Ok(NonEmpty(any))
-            }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<NonEmpty, A::Error> {
-                let mut any = false;
-                while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {
-                    any = true;
-                }
-                Ok(NonEmpty(any))
             }
         }
         d.deserialize_any(V)

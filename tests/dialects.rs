@@ -52,8 +52,11 @@ fn run(dialect: Dialect, ndjson: bool, pieces: &[&[u8]]) -> Summary {
     s
 }
 
-/// (file, dialect, estimated-or-carried tokens, exact total, finished, error)
-const CASES: &[(&str, Dialect, u64, Option<u64>, bool, bool)] = &[
+/// A fixture and what it must give: (file, dialect, estimated-or-carried tokens, exact
+/// total, finished, error).
+type Case = (&'static str, Dialect, u64, Option<u64>, bool, bool);
+
+const CASES: &[Case] = &[
     (
         "openai_chat_usage.sse",
         Dialect::OpenAi,

@@ -42,3 +42,4 @@ pub mod server;
 pub mod service;
 pub mod sim;
 pub mod sse;
+pub mod usage;

@@ -20,6 +20,7 @@ use crate::ndjson::NdjsonParser;
 use crate::routing::Choice;
 use crate::server::Shared;
 use crate::sse::SseParser;
+use crate::usage::{self, UsageStripper};
 
 /// The response header naming the upstream that served a request.
 pub const UPSTREAM_HEADER: &str = "x-tokentap-upstream";
@@ -44,6 +45,10 @@ pub struct Ctx {
     permit: Option<Permit>,
     /// Refused a slot: answered 429 without reaching the upstream.
     rejected: bool,
+    /// The request body with `stream_options.include_usage` added.
+    rewritten_body: Option<Bytes>,
+    /// Removes the usage-only chunk from the response (the client did not ask for it).
+    strip_usage: Option<UsageStripper>,
     body: Body,
     facts: Facts,
     unparsed: u64,
@@ -126,12 +131,7 @@ impl TokenTap {
         session: &mut Session,
         limiter: &Arc<Limiter>,
     ) -> Result<Result<Permit, Rejected>> {
-        let len = session
-            .req_header()
-            .headers
-            .get(http::header::CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse::<usize>().ok());
+        let len = content_length(session);
         // Bodies pingora can replay from its retry buffer (64 KiB); a longer or chunked one
         // waits without disconnect detection, bounded by the queue timeout.
         if len.is_none_or(|l| l > RETRY_BUFFER) {
@@ -151,6 +151,27 @@ impl TokenTap {
                 Ok(_) => Ok(acquire.await),
             },
         }
+    }
+
+    /// Adds `stream_options.include_usage` to a streaming OpenAI request that lacks it, so
+    /// the count is exact. Reads the body ahead (up to pingora's 64 KiB retry buffer); a
+    /// larger, chunked, non-JSON or non-streaming request is forwarded untouched.
+    async fn inject_usage(&self, session: &mut Session, ctx: &mut Ctx) -> Result<()> {
+        let len = content_length(session);
+        if len.is_none_or(|l| l == 0 || l > RETRY_BUFFER) {
+            return Ok(());
+        }
+        let downstream = session.as_mut();
+        downstream.enable_retry_buffering();
+        while downstream.read_request_body().await?.is_some() {}
+        let Some(original) = downstream.get_retry_buffer() else {
+            return Ok(());
+        };
+        if let Some(rewritten) = usage::request_with_usage(&original) {
+            ctx.rewritten_body = Some(rewritten);
+            ctx.strip_usage = Some(UsageStripper::new(self.shared.config.max_event_bytes));
+        }
+        Ok(())
     }
 
     /// Answers 429 with `Retry-After` and an OpenAI-style error body.
@@ -210,6 +231,8 @@ impl ProxyHttp for TokenTap {
             stream: None,
             permit: None,
             rejected: false,
+            rewritten_body: None,
+            strip_usage: None,
             body: Body::Ignore,
             facts: Facts::default(),
             unparsed: 0,
@@ -232,6 +255,11 @@ impl ProxyHttp for TokenTap {
         ctx.choice = Some(choice);
         if ctx.dialect.is_none() {
             return Ok(false); // caps apply to generation requests only
+        }
+        if ctx.dialect == Some(Dialect::OpenAi)
+            && self.shared.config.upstreams[choice.upstream].inject_usage
+        {
+            self.inject_usage(session, ctx).await?;
         }
         let limiter = &limiters[choice.upstream];
         ctx.permit = match limiter.try_acquire() {
@@ -269,6 +297,24 @@ impl ProxyHttp for TokenTap {
             let host = &self.shared.config.upstreams[c.upstream].host_header;
             req.insert_header(HOST, host.as_str())?;
         }
+        if let Some(body) = &ctx.rewritten_body {
+            req.insert_header(http::header::CONTENT_LENGTH, body.len().to_string())?;
+        }
+        Ok(())
+    }
+
+    async fn request_body_filter(
+        &self,
+        _session: &mut Session,
+        body: &mut Option<Bytes>,
+        _end_of_stream: bool,
+        ctx: &mut Ctx,
+    ) -> Result<()> {
+        // The whole original body arrives at once, from pingora's retry buffer (and again on
+        // a retry): it is swapped for the rewritten one.
+        if let (Some(new), Some(_)) = (&ctx.rewritten_body, body.as_ref()) {
+            *body = Some(new.clone());
+        }
         Ok(())
     }
 
@@ -299,6 +345,9 @@ impl ProxyHttp for TokenTap {
             Some(Framing::Json) => Body::Json(Vec::new()),
             None => Body::Ignore,
         };
+        if !matches!(ctx.body, Body::Sse(_)) {
+            ctx.strip_usage = None; // only an SSE stream carries a usage chunk to take out
+        }
         Ok(())
     }
 
@@ -312,6 +361,11 @@ impl ProxyHttp for TokenTap {
         let now = self.now();
         if let Some(chunk) = body.as_ref() {
             self.observe(ctx, now, chunk);
+        }
+        if let Some(strip) = ctx.strip_usage.as_mut() {
+            // The usage chunk the proxy asked for, and the client did not, is taken out.
+            let kept = strip.push(body.as_deref().unwrap_or_default(), end_of_stream);
+            *body = (!kept.is_empty()).then_some(kept);
         }
         if end_of_stream {
             self.body_end(ctx, now);
@@ -344,4 +398,13 @@ fn close_unless_body_read(session: &mut Session) {
     if !session.as_mut().is_body_done() {
         session.set_keepalive(None);
     }
+}
+
+fn content_length(session: &Session) -> Option<usize> {
+    session
+        .req_header()
+        .headers
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse().ok())
 }

@@ -131,11 +131,15 @@ async fn bodies_are_forwarded_byte_for_byte() {
     assert_eq!(u["errors_total"], 1);
     assert_eq!(u["in_flight"], 0);
     assert_eq!(u["unparsed_events_total"], 0);
+    assert_eq!(u["estimated_output_tokens_total"], 28);
+    assert_eq!(u["tokens_per_event"]["max"], 1);
     let metrics = fetch(tap.shared.config.listen.admin, "GET", "/metrics", b"").await;
     let text = String::from_utf8(metrics.body).unwrap();
     for name in [
         "tokentap_requests_total{upstream=\"mock\",status=\"ok\"} 6",
-        "tokentap_output_tokens_total{upstream=\"mock\"} 55",
+        "tokentap_output_tokens_total{upstream=\"mock\",counts=\"exact\"} 27",
+        "tokentap_output_tokens_total{upstream=\"mock\",counts=\"estimated\"} 28",
+        "tokentap_tokens_per_event_bucket{upstream=\"mock\",le=\"1\"}",
         "tokentap_in_flight_requests{upstream=\"mock\"} 0",
         "tokentap_system_tokens_per_second{upstream=\"mock\"}",
         "tokentap_single_stream_tokens_per_second{upstream=\"mock\"}",

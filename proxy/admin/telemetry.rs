@@ -20,6 +20,9 @@ const LATENCY_BUCKETS: &[f64] = &[
     1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
 ];
 
+/// Histogram buckets for tokens per event.
+const TOKEN_BUCKETS: &[f64] = &[1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0, 64.0];
+
 pub struct Telemetry {
     recorder: PrometheusRecorder,
     handle: PrometheusHandle,
@@ -29,14 +32,16 @@ pub struct Telemetry {
 
 impl Telemetry {
     pub fn new() -> Self {
-        let builder = PrometheusBuilder::new();
-        let builder = match builder
+        // Only an empty bucket list is refused; ours are non-empty constants.
+        let builder = PrometheusBuilder::new()
             .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), LATENCY_BUCKETS)
-        {
-            Ok(b) => b,
-            // Only an empty bucket list is refused; ours is a non-empty constant.
-            Err(_) => PrometheusBuilder::new(),
-        };
+            .and_then(|b| {
+                b.set_buckets_for_metric(
+                    Matcher::Full("tokentap_tokens_per_event".into()),
+                    TOKEN_BUCKETS,
+                )
+            })
+            .unwrap_or_else(|_| PrometheusBuilder::new());
         let recorder = builder.build_recorder();
         let handle = recorder.handle();
         metrics::with_local_recorder(&recorder, describe);
@@ -50,6 +55,7 @@ impl Telemetry {
             ttft: histogram!("tokentap_ttft_seconds", "upstream" => name.clone()),
             tpot: histogram!("tokentap_tpot_seconds", "upstream" => name.clone()),
             itl: histogram!("tokentap_itl_seconds", "upstream" => name.clone()),
+            tokens_per_event: histogram!("tokentap_tokens_per_event", "upstream" => name.clone()),
         })
     }
 
@@ -73,8 +79,15 @@ impl Telemetry {
                 }
                 counter!("tokentap_errors_total", "upstream" => up.clone())
                     .absolute(s.errors_total);
-                counter!("tokentap_output_tokens_total", "upstream" => up.clone())
-                    .absolute(s.output_tokens_total);
+                // Which tokens rest on estimates is in the `counts` label.
+                let estimated = s.estimated_output_tokens_total;
+                counter!("tokentap_output_tokens_total", "upstream" => up.clone(), "counts" => "exact")
+                    .absolute(s.output_tokens_total.saturating_sub(estimated));
+                counter!("tokentap_output_tokens_total", "upstream" => up.clone(), "counts" => "estimated")
+                    .absolute(estimated);
+                if let Some(r) = s.estimate_to_exact_ratio {
+                    gauge!("tokentap_estimate_to_exact_ratio", "upstream" => up.clone()).set(r);
+                }
                 counter!("tokentap_unparsed_events_total", "upstream" => up.clone())
                     .absolute(s.unparsed_events_total);
                 gauge!("tokentap_in_flight_requests", "upstream" => up.clone())
@@ -135,6 +148,15 @@ impl Default for Telemetry {
 }
 
 fn describe() {
+    describe_histogram!(
+        "tokentap_tokens_per_event",
+        Unit::Count,
+        "Tokens carried by each token-bearing fragment."
+    );
+    describe_gauge!(
+        "tokentap_estimate_to_exact_ratio",
+        "Σ one-per-event estimate / Σ exact count, over requests that had both."
+    );
     describe_gauge!(
         "tokentap_upstream_arm_weight",
         "The upstream's weight in each route's split (route = its index in the config)."
@@ -147,7 +169,7 @@ fn describe() {
     describe_counter!(
         "tokentap_output_tokens_total",
         Unit::Count,
-        "Output tokens of finished requests; exact where the stream reported a count."
+        "Output tokens of finished requests, by counts=exact (the stream reported them) or counts=estimated (one per token-bearing event)."
     );
     describe_counter!(
         "tokentap_unparsed_events_total",

@@ -105,6 +105,10 @@ pub struct UpstreamFile {
     /// Longest wait for a slot, ms, before a 429. Default 30000.
     #[serde(default)]
     pub queue_timeout_ms: Option<u64>,
+    /// Add `stream_options.include_usage` to streaming OpenAI requests that lack it (and
+    /// take the usage chunk out of the response again), so counts are exact. Default false.
+    #[serde(default)]
+    pub inject_usage: bool,
     /// An adaptive cap that holds a TPOT SLO. Default: none.
     #[serde(default)]
     pub slo: Option<SloFile>,
@@ -278,6 +282,7 @@ impl FileConfig {
                     max_queue: u.max_queue.unwrap_or(256),
                     queue_timeout: Duration::from_millis(queue_timeout),
                     slo,
+                    inject_usage: u.inject_usage,
                 }),
                 Err(e) => p.add(at("url"), e),
             }

@@ -66,6 +66,8 @@ pub struct Upstream {
     pub queue_timeout: Duration,
     /// An adaptive cap that holds this SLO.
     pub slo: Option<Slo>,
+    /// Ask streaming OpenAI requests for their usage chunk, and hide it again.
+    pub inject_usage: bool,
 }
 
 #[derive(Debug, Clone)]

@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-pub use stats::{Arm, CurvePoint, Percentiles, SloStats, UpstreamStats};
+pub use stats::{Arm, CurvePoint, Percentiles, SloStats, TokensPerEvent, UpstreamStats};
 pub use window::ControlSample;
 use window::Windows;
 
@@ -134,6 +134,7 @@ pub struct Histograms {
     pub ttft: metrics::Histogram,
     pub tpot: metrics::Histogram,
     pub itl: metrics::Histogram,
+    pub tokens_per_event: metrics::Histogram,
 }
 
 impl Histograms {
@@ -142,6 +143,7 @@ impl Histograms {
             ttft: metrics::Histogram::noop(),
             tpot: metrics::Histogram::noop(),
             itl: metrics::Histogram::noop(),
+            tokens_per_event: metrics::Histogram::noop(),
         }
     }
 }
@@ -313,6 +315,7 @@ impl Stream {
             return;
         }
         let (gap, in_flight) = self.meter.lock().tokens(self.key, now, n);
+        self.meter.hist.tokens_per_event.record(f64::from(n));
         self.concurrency_sum += in_flight;
         self.events += 1;
         match gap {

@@ -36,6 +36,29 @@ pub fn nearest_rank(sorted: &[f64], p: f64) -> Option<f64> {
     Some(sorted[rank.clamp(1, sorted.len()) - 1])
 }
 
+/// The distribution of tokens per token-bearing fragment.
+#[derive(Debug, Clone, Copy, Default, Serialize, PartialEq)]
+pub struct TokensPerEvent {
+    pub mean: Option<f64>,
+    pub p50: Option<u64>,
+    pub p90: Option<u64>,
+    pub max: Option<u64>,
+}
+
+impl TokensPerEvent {
+    pub fn of(h: &hdrhistogram::Histogram<u32>) -> Self {
+        if h.is_empty() {
+            return Self::default();
+        }
+        TokensPerEvent {
+            mean: Some(h.mean()),
+            p50: Some(h.value_at_quantile(0.5)),
+            p90: Some(h.value_at_quantile(0.9)),
+            max: Some(h.max()),
+        }
+    }
+}
+
 /// One point of the concurrency→TPOT curve: the tokens that arrived while the upstream had
 /// between `concurrency / 2 + 1` and `concurrency` requests in flight, since the proxy started.
 #[derive(Debug, Clone, Serialize, PartialEq)]
@@ -65,8 +88,18 @@ pub struct UpstreamStats {
     pub errors_total: u64,
     /// Output tokens of finished requests (exact counts where the stream gave one).
     pub output_tokens_total: u64,
-    /// Whether every finished generation was counted exactly; `null` before the first.
+    /// Whether every completed generation was counted exactly; `null` before the first.
     pub counts_exact: Option<bool>,
+    /// Output tokens that rest on the one-per-event estimate (no exact count arrived).
+    pub estimated_output_tokens_total: u64,
+    /// Their share of `output_tokens_total`, percent.
+    pub estimated_tokens_share_pct: Option<f64>,
+    /// For requests whose exact count arrived after estimates: Σ estimate / Σ exact (how far
+    /// one token per event is from the truth on this upstream).
+    pub estimate_to_exact_ratio: Option<f64>,
+    /// How many tokens each token-bearing fragment carried, since start (> 1 with
+    /// speculative decoding, stream intervals or coalesced writes).
+    pub tokens_per_event: TokensPerEvent,
     pub requests_by_status: BTreeMap<&'static str, u64>,
     pub unparsed_events_total: u64,
     pub system_tps: Option<f64>,

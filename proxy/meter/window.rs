@@ -14,7 +14,7 @@ use std::time::Duration;
 use hdrhistogram::Histogram;
 use slab::Slab;
 
-use super::stats::{CurvePoint, Percentiles, UpstreamStats};
+use super::stats::{CurvePoint, Percentiles, TokensPerEvent, UpstreamStats};
 use super::{Nanos, Outcome};
 
 /// Slots per window.
@@ -67,6 +67,11 @@ struct Totals {
     output_tokens: u64,
     exact_requests: u64,
     estimated_requests: u64,
+    /// Output tokens that rest on the one-per-event estimate (no exact count arrived).
+    estimated_tokens: u64,
+    /// For requests that had both: Σ estimate and Σ exact.
+    estimate_before_exact: u64,
+    exact_after_estimate: u64,
     unparsed_events: u64,
 }
 
@@ -89,6 +94,8 @@ pub(super) struct Windows {
     control_gaps: Histogram<u32>,
     control_busy: u128,
     control_since: Nanos,
+    /// Tokens per token-bearing fragment, since start.
+    tokens_per_event: Histogram<u32>,
 }
 
 /// One controller tick's evidence.
@@ -148,6 +155,7 @@ impl Windows {
             control_gaps: histogram(),
             control_busy: 0,
             control_since: now,
+            tokens_per_event: histogram(),
         }
     }
 
@@ -194,6 +202,7 @@ impl Windows {
         seg.tokens += u64::from(n);
         seg.events += 1;
 
+        let _ = self.tokens_per_event.record(u64::from(n));
         let slot = slot_of(&mut self.ring, epoch);
         slot.tokens += u64::from(n);
         let curve = &mut self.curve[bucket];
@@ -228,6 +237,10 @@ impl Windows {
             Some(total) => {
                 self.totals.exact_requests += 1;
                 self.totals.output_tokens += total;
+                if estimated > 0 {
+                    self.totals.estimate_before_exact += estimated;
+                    self.totals.exact_after_estimate += total;
+                }
                 self.correct(key, epoch, estimated, total);
             }
             // A stream cut short never gets its exact count: it does not make the counts
@@ -235,8 +248,12 @@ impl Windows {
             None if estimated > 0 && outcome == Outcome::Ok => {
                 self.totals.estimated_requests += 1;
                 self.totals.output_tokens += estimated;
+                self.totals.estimated_tokens += estimated;
             }
-            None => self.totals.output_tokens += estimated,
+            None => {
+                self.totals.output_tokens += estimated;
+                self.totals.estimated_tokens += estimated;
+            }
         }
         if let Some(rec) = self.records.get_mut(key) {
             rec.finished_at = Some(now);
@@ -328,6 +345,12 @@ impl Windows {
                 .sum(),
             output_tokens_total: t.output_tokens,
             counts_exact: (finished_generations > 0).then_some(t.estimated_requests == 0),
+            estimated_output_tokens_total: t.estimated_tokens,
+            estimated_tokens_share_pct: (t.output_tokens > 0)
+                .then(|| 100.0 * t.estimated_tokens as f64 / t.output_tokens as f64),
+            estimate_to_exact_ratio: (t.exact_after_estimate > 0)
+                .then(|| t.estimate_before_exact as f64 / t.exact_after_estimate as f64),
+            tokens_per_event: TokensPerEvent::of(&self.tokens_per_event),
             requests_by_status: Outcome::ALL
                 .iter()
                 .map(|o| (o.label(), t.by_outcome[o.index()]))

@@ -1,0 +1,157 @@
+//! Usage injection (per upstream `inject_usage = true`): a streaming OpenAI request that did
+//! not ask for `stream_options.include_usage` gets it added, so the proxy's counts are
+//! exact; the final usage-only chunk that this makes the server send is then taken out of
+//! the response, so clients that index `choices[0]` on every chunk keep working.
+//!
+//! What such a client sees differently: nothing is removed but that one chunk; OpenAI (and
+//! servers that copy it closely) also add `"usage": null` to every other chunk once usage is
+//! requested. Bytes of a partial event are held until its end arrives, so a response being
+//! rewritten is forwarded event by event rather than fragment by fragment.
+
+use bytes::{Bytes, BytesMut};
+use serde_json::Value;
+
+use crate::dialect::Dialect;
+use crate::sse::SseParser;
+
+/// The request body with usage asked for, or `None` to leave it alone (not JSON, not
+/// streaming, or usage already asked for either way).
+pub fn request_with_usage(body: &[u8]) -> Option<Bytes> {
+    let mut v: Value = serde_json::from_slice(body).ok()?;
+    let obj = v.as_object_mut()?;
+    if obj.get("stream").and_then(Value::as_bool) != Some(true) {
+        return None;
+    }
+    let options = obj
+        .entry("stream_options")
+        .or_insert_with(|| Value::Object(Default::default()));
+    let options = options.as_object_mut()?;
+    if options.contains_key("include_usage") {
+        return None; // the client decided; its answer stands
+    }
+    options.insert("include_usage".into(), Value::Bool(true));
+    serde_json::to_vec(&v).ok().map(Bytes::from)
+}
+
+/// Removes usage-only events from an SSE response, holding back only the bytes of an
+/// event that has not ended yet.
+#[derive(Debug)]
+pub struct UsageStripper {
+    pending: Vec<u8>,
+    max_event_bytes: usize,
+}
+
+impl UsageStripper {
+    pub fn new(max_event_bytes: usize) -> Self {
+        UsageStripper {
+            pending: Vec::new(),
+            max_event_bytes,
+        }
+    }
+
+    /// The bytes to forward for this fragment.
+    pub fn push(&mut self, chunk: &[u8], end_of_stream: bool) -> Bytes {
+        self.pending.extend_from_slice(chunk);
+        let mut out = BytesMut::with_capacity(self.pending.len());
+        let mut start = 0;
+        while let Some(end) = event_end(&self.pending[start..], end_of_stream) {
+            let event = &self.pending[start..start + end];
+            if !is_usage_only(event) {
+                out.extend_from_slice(event);
+            }
+            start += end;
+        }
+        // An unterminated tail at the end, or one too big to be a usage chunk, goes as is.
+        if end_of_stream || self.pending.len() - start > self.max_event_bytes {
+            out.extend_from_slice(&self.pending[start..]);
+            start = self.pending.len();
+        }
+        self.pending.drain(..start);
+        out.freeze()
+    }
+}
+
+/// The length of the first complete event (through its blank line) in `buf`.
+fn event_end(buf: &[u8], end_of_stream: bool) -> Option<usize> {
+    let mut line_start = 0;
+    let mut i = 0;
+    while i < buf.len() {
+        let b = buf[i];
+        if b == b'\n' || b == b'\r' {
+            let mut next = i + 1;
+            if b == b'\r' {
+                match buf.get(next) {
+                    Some(b'\n') => next += 1,
+                    Some(_) => {}
+                    // A CR at the very end may be half of a CRLF: wait for the next byte.
+                    None if !end_of_stream => return None,
+                    None => {}
+                }
+            }
+            if i == line_start {
+                return Some(next);
+            }
+            line_start = next;
+            i = next;
+        } else {
+            i += 1;
+        }
+    }
+    None
+}
+
+fn is_usage_only(event: &[u8]) -> bool {
+    let mut usage_only = false;
+    let mut any = false;
+    SseParser::new(usize::MAX).push(event, |e| {
+        any = true;
+        usage_only = Dialect::OpenAi.event(&e).usage_only;
+    });
+    any && usage_only
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn adds_include_usage_only_where_it_is_missing() {
+        let got = request_with_usage(br#"{"model":"m","stream":true,"stream_options":{"x":1}}"#)
+            .expect("rewritten");
+        let v: Value = serde_json::from_slice(&got).expect("json");
+        assert_eq!(
+            v["stream_options"],
+            serde_json::json!({"x": 1, "include_usage": true})
+        );
+        assert!(
+            request_with_usage(br#"{"stream":true,"stream_options":{"include_usage":false}}"#)
+                .is_none()
+        );
+        assert!(
+            request_with_usage(br#"{"stream":false}"#).is_none(),
+            "never into non-streaming requests"
+        );
+        assert!(
+            request_with_usage(br#"{"stream":true"#).is_none(),
+            "malformed bodies go untouched"
+        );
+        assert!(request_with_usage(b"[1,2]").is_none());
+    }
+
+    #[test]
+    fn strips_the_usage_chunk_however_the_stream_is_split() {
+        let content = "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"},\"finish_reason\":\"stop\"}],\"usage\":null}\r\n\r\n";
+        let usage = "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":1,\"completion_tokens\":1,\"total_tokens\":2}}\r\n\r\n";
+        let done = "data: [DONE]\r\n\r\n";
+        let input = format!("{content}{usage}{done}");
+        let want = format!("{content}{done}");
+        let bytes = input.as_bytes();
+        for cut in 0..=bytes.len() {
+            let mut s = UsageStripper::new(1 << 20);
+            let mut out = Vec::new();
+            out.extend_from_slice(&s.push(&bytes[..cut], false));
+            out.extend_from_slice(&s.push(&bytes[cut..], true));
+            assert_eq!(String::from_utf8(out).expect("utf8"), want, "cut at {cut}");
+        }
+    }
+}

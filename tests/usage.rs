@@ -1,0 +1,70 @@
+//! Usage injection end to end: a client that did not ask for usage gets none and the same
+//! content; the proxy's counts are exact either way; a client that asked keeps its chunk.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use common::*;
+use tokentap::sim::{Sim, SimArgs};
+
+/// The data of each event, with the per-response id and timestamp blanked.
+fn events(body: &[u8]) -> Vec<serde_json::Value> {
+    let mut out = Vec::new();
+    tokentap::sse::SseParser::new(1 << 20).push(body, |e| {
+        let mut v: serde_json::Value = serde_json::from_slice(e.data)
+            .unwrap_or_else(|_| serde_json::Value::String(String::from_utf8_lossy(e.data).into()));
+        if let Some(o) = v.as_object_mut() {
+            o.remove("id");
+            o.remove("created");
+        }
+        out.push(v);
+    });
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn injected_usage_is_counted_and_hidden() {
+    let sim = Sim::start(SimArgs {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        tpot_curve: "1:2".parse().unwrap(),
+        ttft_ms: 1.0,
+        ..SimArgs::defaults()
+    })
+    .await
+    .unwrap();
+    let tap = proxy(&[("sim", sim.addr)], "inject_usage = true\n").await;
+    let path = "/v1/chat/completions";
+    let plain = br#"{"model":"m","stream":true,"max_tokens":17,"messages":[]}"#;
+
+    let direct = fetch(sim.addr, "POST", path, plain).await;
+    let via = fetch(proxy_addr(&tap), "POST", path, plain).await;
+    let (d, v) = (events(&direct.body), events(&via.body));
+    assert!(
+        d.iter().all(|e| e.get("usage").is_none()),
+        "the sim sends no usage unasked"
+    );
+    assert_eq!(
+        v, d,
+        "the client sees what it would have seen without the proxy"
+    );
+
+    let asked = br#"{"model":"m","stream":true,"max_tokens":17,"stream_options":{"include_usage":true},"messages":[]}"#;
+    let via = fetch(proxy_addr(&tap), "POST", path, asked).await;
+    let usage: Vec<_> = events(&via.body)
+        .into_iter()
+        .filter(|e| e["usage"].is_object())
+        .collect();
+    assert_eq!(usage.len(), 1, "a client that asked keeps its usage chunk");
+    assert_eq!(usage[0]["usage"]["completion_tokens"], 17);
+
+    let non_streaming = br#"{"model":"m","stream":false,"max_tokens":5,"messages":[]}"#;
+    let whole = fetch(proxy_addr(&tap), "POST", path, non_streaming).await;
+    let v: serde_json::Value = serde_json::from_slice(&whole.body).unwrap();
+    assert_eq!(v["usage"]["completion_tokens"], 5);
+
+    let s = stats_when(&tap, |u| u["requests_total"] == 3).await;
+    let u = &s["upstreams"][0];
+    assert_eq!(u["output_tokens_total"], 17 + 17 + 5);
+    assert_eq!(u["counts_exact"], true, "{u:#}");
+    assert_eq!(u["estimated_output_tokens_total"], 0);
+}

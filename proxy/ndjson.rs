@@ -33,7 +33,12 @@ impl NdjsonParser {
                 self.overflow = false;
                 self.line.clear();
             } else if self.line.is_empty() {
-                emit(piece, &mut on_event);
+                // The same bound whether or not the line arrived in one piece.
+                if piece.len() > self.max_line_bytes {
+                    self.oversized += 1;
+                } else {
+                    emit(piece, &mut on_event);
+                }
             } else {
                 self.append(piece);
                 if self.overflow {

@@ -18,7 +18,7 @@ use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 
 use super::engine::{Emit, Engine, Job};
-use super::UsageMode;
+use super::format::{Api, Writer};
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -90,12 +90,14 @@ async fn handle(
         ),
         ("GET", "/sim/stats") => json_response(StatusCode::OK, &json!(engine.stats())),
         ("POST", "/sim/curve") => set_curve(&engine, req).await,
-        ("POST", "/v1/chat/completions") => generate(engine, req, true).await,
-        ("POST", "/v1/completions") => generate(engine, req, false).await,
-        _ => error(
-            StatusCode::NOT_FOUND,
-            &format!("no route for {method} {path}"),
-        ),
+        ("POST", p) => match Api::route(engine.args.dialect, p) {
+            Some(api) => generate(engine, req, api).await,
+            None => error(
+                StatusCode::NOT_FOUND,
+                &format!("no route for POST {p} (this simulator speaks {:?})", engine.args.dialect),
+            ),
+        },
+        _ => error(StatusCode::NOT_FOUND, &format!("no route for {method} {path}")),
     };
     Ok(resp)
 }
@@ -117,34 +119,17 @@ async fn set_curve(engine: &Engine, req: Request<Incoming>) -> Response<SimBody>
     }
 }
 
-async fn generate(engine: Arc<Engine>, req: Request<Incoming>, chat: bool) -> Response<SimBody> {
+async fn generate(engine: Arc<Engine>, req: Request<Incoming>, api: Api) -> Response<SimBody> {
     let Ok(body) = req.into_body().collect().await else {
         return error(StatusCode::BAD_REQUEST, "could not read the request body");
     };
     let body = body.to_bytes();
     let Ok(v) = serde_json::from_slice::<Value>(&body) else {
-        return error(
-            StatusCode::BAD_REQUEST,
-            "the request body is not valid JSON",
-        );
+        return error(StatusCode::BAD_REQUEST, "the request body is not valid JSON");
     };
     let args = &engine.args;
-    let max_tokens = v
-        .get("max_tokens")
-        .or_else(|| v.get("max_completion_tokens"))
-        .and_then(Value::as_u64)
-        .unwrap_or(args.max_tokens)
-        .max(1);
-    let stream = v.get("stream").and_then(Value::as_bool).unwrap_or(false);
-    let asked_usage = v
-        .pointer("/stream_options/include_usage")
-        .and_then(Value::as_bool)
-        .unwrap_or(false);
-    let usage = match args.usage {
-        UsageMode::Auto => asked_usage,
-        UsageMode::Always => true,
-        UsageMode::Never => false,
-    };
+    let asked = api.asked(&v);
+    let max_tokens = asked.max_tokens.unwrap_or(args.max_tokens).max(1);
     let prompt_tokens = (body.len() as u64 / 4).max(1);
     let (tx, mut rx) = mpsc::unbounded_channel();
     if !engine.submit(Job {
@@ -152,20 +137,11 @@ async fn generate(engine: Arc<Engine>, req: Request<Incoming>, chat: bool) -> Re
         prompt_tokens,
         out: tx,
     }) {
-        return error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "the simulator is shutting down",
-        );
+        return error(StatusCode::SERVICE_UNAVAILABLE, "the simulator is shutting down");
     }
-    let fmt = Format {
-        id: format!("cmpl-sim-{}", NEXT_ID.fetch_add(1, Relaxed)),
-        model: args.model.clone(),
-        chat,
-        created: std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs()),
-    };
-    if !stream {
+    let id = format!("sim-{}", NEXT_ID.fetch_add(1, Relaxed));
+    let mut w = Writer::new(api, id, args.model.clone(), prompt_tokens, args.usage, &asked);
+    if !asked.stream {
         let mut produced = 0;
         while let Some(Emit { tokens, last }) = rx.recv().await {
             produced += tokens;
@@ -173,96 +149,35 @@ async fn generate(engine: Arc<Engine>, req: Request<Incoming>, chat: bool) -> Re
                 break;
             }
         }
-        return json_response(StatusCode::OK, &fmt.whole(produced, prompt_tokens));
+        return json_response(StatusCode::OK, &w.whole(produced));
     }
 
     let (out_tx, out_rx) = mpsc::unbounded_channel();
-    if chat {
-        let _ = out_tx.send(fmt.event(&fmt.role_chunk()));
+    let content_type = w.content_type();
+    let start = w.start();
+    if !start.is_empty() {
+        let _ = out_tx.send(Bytes::from(start));
     }
     tokio::spawn(async move {
         let mut produced = 0;
         while let Some(Emit { tokens, last }) = rx.recv().await {
             produced += tokens;
-            if out_tx
-                .send(fmt.event(&fmt.token_chunk(tokens, last)))
-                .is_err()
-            {
+            let mut out = w.tokens(tokens, produced, last);
+            if last {
+                out += &w.end(produced);
+            }
+            // One write per decode step, so each step is one fragment on the wire.
+            if out_tx.send(Bytes::from(out)).is_err() {
                 return; // client gone: dropping `rx` tells the engine
             }
             if last {
-                if usage {
-                    let _ = out_tx.send(fmt.event(&fmt.usage_chunk(produced, prompt_tokens)));
-                }
-                let _ = out_tx.send(Bytes::from_static(b"data: [DONE]\n\n"));
                 return;
             }
         }
     });
     let mut r = Response::new(SimBody::Stream(out_rx));
     let h = r.headers_mut();
-    h.insert(
-        hyper::header::CONTENT_TYPE,
-        hyper::header::HeaderValue::from_static("text/event-stream"),
-    );
-    h.insert(
-        hyper::header::CACHE_CONTROL,
-        hyper::header::HeaderValue::from_static("no-cache"),
-    );
+    h.insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static(content_type));
+    h.insert(hyper::header::CACHE_CONTROL, hyper::header::HeaderValue::from_static("no-cache"));
     r
-}
-
-/// Renders OpenAI-shaped chunks.
-struct Format {
-    id: String,
-    model: String,
-    chat: bool,
-    created: u64,
-}
-
-impl Format {
-    fn event(&self, v: &Value) -> Bytes {
-        Bytes::from(format!("data: {v}\n\n"))
-    }
-
-    fn object(&self) -> &'static str {
-        if self.chat {
-            "chat.completion.chunk"
-        } else {
-            "text_completion"
-        }
-    }
-
-    fn role_chunk(&self) -> Value {
-        json!({"id": self.id, "object": self.object(), "created": self.created, "model": self.model,
-               "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]})
-    }
-
-    fn token_chunk(&self, tokens: u64, last: bool) -> Value {
-        let text = " tok".repeat(tokens as usize);
-        let finish = if last { json!("length") } else { Value::Null };
-        let choice = if self.chat {
-            json!({"index": 0, "delta": {"content": text}, "logprobs": null, "finish_reason": finish})
-        } else {
-            json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish})
-        };
-        json!({"id": self.id, "object": self.object(), "created": self.created, "model": self.model, "choices": [choice]})
-    }
-
-    fn usage_chunk(&self, completion: u64, prompt: u64) -> Value {
-        json!({"id": self.id, "object": self.object(), "created": self.created, "model": self.model, "choices": [],
-               "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}})
-    }
-
-    fn whole(&self, completion: u64, prompt: u64) -> Value {
-        let text = " tok".repeat(completion as usize);
-        let choice = if self.chat {
-            json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"})
-        } else {
-            json!({"index": 0, "text": text, "finish_reason": "length"})
-        };
-        json!({"id": self.id, "object": if self.chat {"chat.completion"} else {"text_completion"},
-               "created": self.created, "model": self.model, "choices": [choice],
-               "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}})
-    }
 }

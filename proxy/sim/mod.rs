@@ -10,6 +10,7 @@
 
 mod curve;
 mod engine;
+mod format;
 mod http;
 
 use std::net::SocketAddr;
@@ -19,14 +20,18 @@ use clap::{Args, ValueEnum};
 
 pub use curve::Curve;
 pub use engine::{Engine, SimStats};
+pub use format::SimDialect;
 
 /// When to send the usage chunk at the end of a stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum UsageMode {
-    /// When the request asks (`stream_options.include_usage`), like OpenAI.
+    /// Like the real API: OpenAI when the request asks (`stream_options.include_usage`),
+    /// the other dialects always (their final event carries the count).
     Auto,
     Always,
     Never,
+    /// OpenAI: usage on every chunk as well, like vLLM's `continuous_usage_stats`.
+    Continuous,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -59,6 +64,9 @@ pub struct SimArgs {
     /// The model name reported.
     #[arg(long, default_value = "tokentap-sim")]
     pub model: String,
+    /// The API it speaks (and the paths it serves).
+    #[arg(long, value_enum, default_value_t = SimDialect::Openai)]
+    pub dialect: SimDialect,
     /// Switch to `--switch-curve` after this many seconds (to show a cap re-converging).
     /// The curve can also be changed at any time with `POST /sim/curve` and a body such as
     /// `1:30,16:33,64:39,128:54`.
@@ -82,6 +90,7 @@ impl SimArgs {
             tokens_per_chunk: 1,
             usage: UsageMode::Auto,
             model: "tokentap-sim".into(),
+            dialect: SimDialect::Openai,
             switch_after: None,
             switch_curve: None,
         }

@@ -45,7 +45,7 @@ async fn main() -> anyhow::Result<()> {
     );
     let target = LoadArgs {
         url: format!("http://{proxy}"),
-        path: "/v1/chat/completions".into(),
+        path: None,
         concurrency: vec![],
         rate: None,
         duration: (before + after) as f64,
@@ -56,6 +56,7 @@ async fn main() -> anyhow::Result<()> {
         model: "m".into(),
         prompt: "p".into(),
         json: false,
+        dialect: tokentap::sim::SimDialect::Openai,
     }
     .target()?;
     let total = Duration::from_secs(before + after);

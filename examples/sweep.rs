@@ -34,7 +34,7 @@ async fn main() -> anyhow::Result<()> {
     );
     let target = LoadArgs {
         url: format!("http://{proxy}"),
-        path: "/v1/chat/completions".into(),
+        path: None,
         concurrency: vec![],
         rate: None,
         duration: 15.0,
@@ -45,6 +45,7 @@ async fn main() -> anyhow::Result<()> {
         model: "m".into(),
         prompt: "p".into(),
         json: false,
+        dialect: tokentap::sim::SimDialect::Openai,
     }
     .target()?;
     println!(

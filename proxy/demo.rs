@@ -107,7 +107,7 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
     );
     let target = LoadArgs {
         url: format!("http://{}", args.listen),
-        path: "/v1/chat/completions".into(),
+        path: None,
         concurrency: vec![],
         rate: None,
         duration: phase.as_secs_f64(),
@@ -118,6 +118,7 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
         model: "tokentap-sim".into(),
         prompt: "Tell me about lighthouses.".into(),
         json: false,
+        dialect: crate::sim::SimDialect::Openai,
     }
     .target()?;
     let (level_tx, level_rx) = watch::channel(0usize);

@@ -34,7 +34,7 @@ async fn compare_names_the_faster_backend() {
     let admin = tap.shared.config.listen.admin;
     let target = LoadArgs {
         url: format!("http://{}", proxy_addr(&tap)),
-        path: "/v1/chat/completions".into(),
+        path: None,
         concurrency: vec![],
         rate: None,
         duration: 5.0,
@@ -45,6 +45,7 @@ async fn compare_names_the_faster_backend() {
         model: "m".into(),
         prompt: "p".into(),
         json: false,
+        dialect: tokentap::sim::SimDialect::Openai,
     }
     .target()
     .unwrap();

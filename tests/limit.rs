@@ -36,7 +36,7 @@ async fn the_backend_never_sees_more_than_the_cap() {
     .await;
     let target = LoadArgs {
         url: format!("http://{}", proxy_addr(&tap)),
-        path: CHAT.into(),
+        path: None,
         concurrency: vec![],
         rate: None,
         duration: 2.0,
@@ -47,6 +47,7 @@ async fn the_backend_never_sees_more_than_the_cap() {
         model: "m".into(),
         prompt: "p".into(),
         json: false,
+        dialect: tokentap::sim::SimDialect::Openai,
     }
     .target()
     .unwrap();

@@ -29,7 +29,7 @@ async fn sim() -> Sim {
 fn target(addr: SocketAddr) -> std::sync::Arc<load::Target> {
     LoadArgs {
         url: format!("http://{addr}"),
-        path: "/v1/chat/completions".into(),
+        path: None,
         concurrency: vec![],
         rate: None,
         duration: MEASURE.as_secs_f64(),
@@ -40,6 +40,7 @@ fn target(addr: SocketAddr) -> std::sync::Arc<load::Target> {
         model: "m".into(),
         prompt: "p".into(),
         json: false,
+        dialect: tokentap::sim::SimDialect::Openai,
     }
     .target()
     .unwrap()

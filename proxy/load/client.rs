@@ -20,6 +20,8 @@ use tokio::time::Instant;
 
 use super::report::{PhaseReport, Quantiles};
 use super::Mode;
+use crate::ndjson::NdjsonParser;
+use crate::sim::SimDialect;
 use crate::sse::SseParser;
 
 /// Where and what to send.
@@ -28,6 +30,7 @@ pub struct Target {
     pub addr: SocketAddr,
     pub host: String,
     pub path: String,
+    pub dialect: SimDialect,
     pub headers: Vec<(String, String)>,
     pub body: Bytes,
 }
@@ -233,7 +236,7 @@ async fn one(sender: &mut Sender, target: &Target, phase: &Phase) -> Result<(), 
         return Err(format!("http_{}", status.as_u16()));
     }
 
-    let mut parser = SseParser::new(1 << 20);
+    let mut reader = Reader::new(target.dialect);
     let (mut first, mut last) = (None::<Instant>, start);
     let (mut tokens, mut exact, mut done) = (0u64, None::<u64>, false);
     let mut itl = Vec::new();
@@ -243,43 +246,12 @@ async fn one(sender: &mut Sender, target: &Target, phase: &Phase) -> Result<(), 
             continue;
         };
         let now = Instant::now();
-        let mut n = 0u64;
-        let mut running = None::<u64>;
-        parser.push(&data, |ev| {
-            if ev.data == b"[DONE]" {
-                done = true;
-                return;
-            }
-            let Ok(v) = serde_json::from_slice::<Value>(ev.data) else {
-                return;
-            };
-            if let Some(c) = v
-                .pointer("/usage/completion_tokens")
-                .and_then(Value::as_u64)
-            {
-                exact = Some(c);
-                running = Some(c);
-            }
-            for choice in v
-                .get("choices")
-                .and_then(Value::as_array)
-                .into_iter()
-                .flatten()
-            {
-                let text = choice
-                    .pointer("/delta/content")
-                    .or_else(|| choice.get("text"))
-                    .and_then(Value::as_str);
-                n += u64::from(text.is_some_and(|t| !t.is_empty()));
-            }
-        });
+        let seen = reader.push(&data, tokens);
+        exact = seen.exact.or(exact);
+        done |= seen.done;
+        let n = seen.tokens;
         if n == 0 {
             continue;
-        }
-        // A running exact count on content events (continuous usage) says how many tokens
-        // this fragment really carried.
-        if let Some(c) = running.filter(|&c| c > tokens) {
-            n = c - tokens;
         }
         if phase.inside(now) {
             phase.window_tokens.fetch_add(n, Relaxed);
@@ -290,6 +262,10 @@ async fn one(sender: &mut Sender, target: &Target, phase: &Phase) -> Result<(), 
         first.get_or_insert(now);
         last = now;
         tokens += n;
+    }
+    if let Some(seen) = reader.finish(tokens) {
+        exact = seen.exact.or(exact);
+        done |= seen.done;
     }
     if !done {
         return Err("ended_early".into());
@@ -314,4 +290,209 @@ async fn one(sender: &mut Sender, target: &Target, phase: &Phase) -> Result<(), 
         t.requests += 1;
     }
     Ok(())
+}
+
+/// The path each dialect is served at.
+pub fn default_path(dialect: SimDialect) -> &'static str {
+    match dialect {
+        SimDialect::Openai => "/v1/chat/completions",
+        SimDialect::Responses => "/v1/responses",
+        SimDialect::Anthropic => "/v1/messages",
+        SimDialect::Tgi => "/generate_stream",
+        SimDialect::Ollama => "/api/chat",
+        SimDialect::Llamacpp => "/completion",
+    }
+}
+
+/// A streaming request in the dialect's own shape.
+pub fn request_body(
+    dialect: SimDialect,
+    path: &str,
+    model: &str,
+    prompt: &str,
+    max_tokens: u64,
+    include_usage: bool,
+) -> serde_json::Value {
+    use serde_json::json;
+    let messages = json!([{"role": "user", "content": prompt}]);
+    match dialect {
+        SimDialect::Openai
+            if path.ends_with("/completions") && !path.ends_with("/chat/completions") =>
+        {
+            let mut b =
+                json!({"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": true});
+            if include_usage {
+                b["stream_options"] = json!({"include_usage": true});
+            }
+            b
+        }
+        SimDialect::Openai => {
+            let mut b = json!({"model": model, "messages": messages, "max_tokens": max_tokens, "stream": true});
+            if include_usage {
+                b["stream_options"] = json!({"include_usage": true});
+            }
+            b
+        }
+        SimDialect::Responses => {
+            json!({"model": model, "input": prompt, "max_output_tokens": max_tokens, "stream": true})
+        }
+        SimDialect::Anthropic => {
+            json!({"model": model, "messages": messages, "max_tokens": max_tokens, "stream": true})
+        }
+        SimDialect::Tgi => {
+            json!({"inputs": prompt, "parameters": {"max_new_tokens": max_tokens, "details": true}})
+        }
+        SimDialect::Ollama if path.ends_with("/generate") => {
+            json!({"model": model, "prompt": prompt, "stream": true, "options": {"num_predict": max_tokens}})
+        }
+        SimDialect::Ollama => {
+            json!({"model": model, "messages": messages, "stream": true, "options": {"num_predict": max_tokens}})
+        }
+        SimDialect::Llamacpp => json!({"prompt": prompt, "n_predict": max_tokens, "stream": true}),
+    }
+}
+
+/// What the client read from one fragment.
+#[derive(Default)]
+struct Seen {
+    tokens: u64,
+    exact: Option<u64>,
+    done: bool,
+}
+
+/// Reads tokens the way a client of each API would, with its own rules (it shares only the
+/// framing helpers with the proxy).
+struct Reader {
+    dialect: SimDialect,
+    sse: SseParser,
+    ndjson: NdjsonParser,
+}
+
+impl Reader {
+    fn new(dialect: SimDialect) -> Self {
+        Reader {
+            dialect,
+            sse: SseParser::new(1 << 20),
+            ndjson: NdjsonParser::new(1 << 20),
+        }
+    }
+
+    /// `counted`: tokens of this request so far (a running exact count carries the rest).
+    fn push(&mut self, data: &[u8], counted: u64) -> Seen {
+        let mut seen = Seen::default();
+        let dialect = self.dialect;
+        let mut on = |e: crate::sse::Event<'_>| read_event(dialect, e.data, counted, &mut seen);
+        if dialect == SimDialect::Ollama {
+            self.ndjson.push(data, &mut on);
+        } else {
+            self.sse.push(data, &mut on);
+        }
+        seen
+    }
+
+    fn finish(&mut self, counted: u64) -> Option<Seen> {
+        if self.dialect != SimDialect::Ollama {
+            return None;
+        }
+        let mut seen = Seen::default();
+        self.ndjson
+            .finish(|e| read_event(SimDialect::Ollama, e.data, counted, &mut seen));
+        Some(seen)
+    }
+}
+
+fn read_event(dialect: SimDialect, data: &[u8], counted: u64, seen: &mut Seen) {
+    if data == b"[DONE]" {
+        seen.done = true;
+        return;
+    }
+    let Ok(v) = serde_json::from_slice::<Value>(data) else {
+        return;
+    };
+    let s = |p: &str| {
+        v.pointer(p)
+            .and_then(Value::as_str)
+            .is_some_and(|t| !t.is_empty())
+    };
+    let u = |p: &str| v.pointer(p).and_then(Value::as_u64);
+    let kind = v.get("type").and_then(Value::as_str).unwrap_or("");
+    let (n, exact, done) = match dialect {
+        SimDialect::Openai => {
+            let n = v.get("choices").and_then(Value::as_array).map_or(0, |cs| {
+                cs.iter()
+                    .filter(|c| {
+                        c.pointer("/delta/content")
+                            .or_else(|| c.get("text"))
+                            .and_then(Value::as_str)
+                            .is_some_and(|t| !t.is_empty())
+                    })
+                    .count() as u64
+            });
+            let usage = u("/usage/completion_tokens");
+            // A running count on content chunks (continuous usage) says how many arrived.
+            let n = match usage {
+                Some(c) if n > 0 && c > counted + seen.tokens => c - counted - seen.tokens,
+                _ => n,
+            };
+            (n, usage, false)
+        }
+        SimDialect::Responses => {
+            let terminal = matches!(
+                kind,
+                "response.completed" | "response.incomplete" | "response.failed"
+            );
+            (
+                u64::from(kind == "response.output_text.delta" && s("/delta")),
+                u("/response/usage/output_tokens").filter(|_| terminal),
+                terminal,
+            )
+        }
+        SimDialect::Anthropic => (
+            u64::from(
+                kind == "content_block_delta"
+                    && (s("/delta/text") || s("/delta/thinking") || s("/delta/partial_json")),
+            ),
+            u("/usage/output_tokens").filter(|_| kind == "message_delta"),
+            kind == "message_stop",
+        ),
+        SimDialect::Tgi => (
+            u64::from(v.get("token").is_some()),
+            u("/details/generated_tokens"),
+            v.get("generated_text").is_some_and(|g| !g.is_null()),
+        ),
+        SimDialect::Ollama => {
+            let done = v.get("done").and_then(Value::as_bool).unwrap_or(false);
+            (
+                u64::from(s("/message/content") || s("/response")),
+                u("/eval_count").filter(|_| done),
+                done,
+            )
+        }
+        SimDialect::Llamacpp => {
+            let stop = v.get("stop").and_then(Value::as_bool).unwrap_or(false);
+            let ids = v
+                .get("tokens")
+                .and_then(Value::as_array)
+                .map_or(0, |a| a.len() as u64);
+            let n = if stop {
+                0
+            } else if ids > 0 {
+                ids
+            } else {
+                u64::from(s("/content"))
+            };
+            (
+                n,
+                u("/timings/predicted_n")
+                    .or(u("/tokens_predicted"))
+                    .filter(|_| stop),
+                stop,
+            )
+        }
+    };
+    seen.tokens += n;
+    if exact.is_some() {
+        seen.exact = exact;
+    }
+    seen.done |= done;
 }

@@ -20,6 +20,8 @@ use anyhow::{bail, Context as _};
 use bytes::Bytes;
 use clap::Args;
 
+use crate::sim::SimDialect;
+
 pub use client::{run_phase as phase, Target};
 pub use report::{table as report_table, PhaseReport};
 
@@ -28,9 +30,13 @@ pub struct LoadArgs {
     /// Base URL of the server (or of tokentap in front of it); http only.
     #[arg(long, default_value = "http://127.0.0.1:8080")]
     pub url: String,
-    /// Request path.
-    #[arg(long, default_value = "/v1/chat/completions")]
-    pub path: String,
+    /// The API to speak: it sets the request body, how tokens are read from the stream, and
+    /// the default path.
+    #[arg(long, value_enum, default_value_t = SimDialect::Openai)]
+    pub dialect: SimDialect,
+    /// Request path (default: the dialect's own, e.g. /v1/chat/completions).
+    #[arg(long)]
+    pub path: Option<String>,
     /// Closed-loop concurrency levels: one phase per level.
     #[arg(long, value_delimiter = ',', default_value = "1")]
     pub concurrency: Vec<usize>,
@@ -90,23 +96,26 @@ impl LoadArgs {
                 .with_context(|| format!("`{h}` is not K:V"))?;
             headers.push((k.trim().to_owned(), v.trim().to_owned()));
         }
-        let chat = !self.path.ends_with("/completions") || self.path.ends_with("/chat/completions");
-        let mut body = if chat {
-            serde_json::json!({"model": self.model, "messages": [{"role": "user", "content": self.prompt}],
-                               "max_tokens": self.max_tokens, "stream": true})
-        } else {
-            serde_json::json!({"model": self.model, "prompt": self.prompt, "max_tokens": self.max_tokens, "stream": true})
-        };
-        if self.include_usage {
-            body["stream_options"] = serde_json::json!({"include_usage": true});
-        }
+        let path = self
+            .path
+            .clone()
+            .unwrap_or_else(|| client::default_path(self.dialect).to_owned());
+        let body = client::request_body(
+            self.dialect,
+            &path,
+            &self.model,
+            &self.prompt,
+            self.max_tokens,
+            self.include_usage,
+        );
         Ok(Arc::new(Target {
             addr,
             host: match uri.port_u16() {
                 Some(p) => format!("{host}:{p}"),
                 None => host.to_owned(),
             },
-            path: self.path.clone(),
+            path,
+            dialect: self.dialect,
             headers,
             body: Bytes::from(body.to_string()),
         }))

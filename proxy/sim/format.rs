@@ -104,7 +104,14 @@ pub struct Writer {
 }
 
 impl Writer {
-    pub fn new(api: Api, id: String, model: String, prompt_tokens: u64, mode: UsageMode, asked: &Asked) -> Writer {
+    pub fn new(
+        api: Api,
+        id: String,
+        model: String,
+        prompt_tokens: u64,
+        mode: UsageMode,
+        asked: &Asked,
+    ) -> Writer {
         let usage = match mode {
             UsageMode::Auto => !matches!(api, Api::Chat | Api::Completions) || asked.usage,
             UsageMode::Always | UsageMode::Continuous => true,
@@ -213,19 +220,30 @@ impl Writer {
             Api::Chat | Api::Completions => {
                 let mut s = String::new();
                 if self.usage {
-                    let object = if self.api == Api::Chat { "chat.completion.chunk" } else { "text_completion" };
+                    let object = if self.api == Api::Chat {
+                        "chat.completion.chunk"
+                    } else {
+                        "text_completion"
+                    };
                     let v = json!({"id": id, "object": object, "created": self.created, "model": model, "choices": [], "usage": self.openai_usage(produced)});
                     s = self.sse(None, &v);
                 }
                 s + "data: [DONE]\n\n"
             }
             Api::Responses => {
-                let usage = if self.usage { self.usage_io(produced) } else { Value::Null };
+                let usage = if self.usage {
+                    self.usage_io(produced)
+                } else {
+                    Value::Null
+                };
                 let r = json!({"id": id, "object": "response", "status": "incomplete", "incomplete_details": {"reason": "max_output_tokens"}, "model": model, "usage": usage});
                 self.sse(Some("response.incomplete"), &json!({"type": "response.incomplete", "sequence_number": self.seq, "response": r}))
             }
             Api::Messages => {
-                let mut s = self.sse(Some("content_block_stop"), &json!({"type": "content_block_stop", "index": 0}));
+                let mut s = self.sse(
+                    Some("content_block_stop"),
+                    &json!({"type": "content_block_stop", "index": 0}),
+                );
                 let mut delta = json!({"type": "message_delta", "delta": {"stop_reason": "max_tokens", "stop_sequence": null}});
                 if self.usage {
                     delta["usage"] = json!({"output_tokens": produced});
@@ -263,19 +281,35 @@ impl Writer {
         let text = " tok".repeat(produced as usize);
         let (id, model, p) = (&self.id, &self.model, self.prompt_tokens);
         match self.api {
-            Api::Chat => json!({"id": id, "object": "chat.completion", "created": self.created, "model": model,
+            Api::Chat => {
+                json!({"id": id, "object": "chat.completion", "created": self.created, "model": model,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}],
-                "usage": self.openai_usage(produced)}),
-            Api::Completions => json!({"id": id, "object": "text_completion", "created": self.created, "model": model,
-                "choices": [{"index": 0, "text": text, "finish_reason": "length"}], "usage": self.openai_usage(produced)}),
-            Api::Responses => json!({"id": id, "object": "response", "status": "incomplete", "model": model,
-                "output": [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]}], "usage": self.usage_io(produced)}),
-            Api::Messages => json!({"id": id, "type": "message", "role": "assistant", "model": model, "content": [{"type": "text", "text": text}],
-                "stop_reason": "max_tokens", "usage": {"input_tokens": p, "output_tokens": produced}}),
-            Api::TgiStream | Api::TgiWhole => json!({"generated_text": text, "details": {"finish_reason": "length", "generated_tokens": produced}}),
-            Api::OllamaChat => json!({"model": model, "message": {"role": "assistant", "content": text}, "done": true, "eval_count": produced}),
-            Api::OllamaGenerate => json!({"model": model, "response": text, "done": true, "eval_count": produced}),
-            Api::LlamaCpp => json!({"content": text, "stop": true, "tokens_predicted": produced, "timings": {"predicted_n": produced}}),
+                "usage": self.openai_usage(produced)})
+            }
+            Api::Completions => {
+                json!({"id": id, "object": "text_completion", "created": self.created, "model": model,
+                "choices": [{"index": 0, "text": text, "finish_reason": "length"}], "usage": self.openai_usage(produced)})
+            }
+            Api::Responses => {
+                json!({"id": id, "object": "response", "status": "incomplete", "model": model,
+                "output": [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]}], "usage": self.usage_io(produced)})
+            }
+            Api::Messages => {
+                json!({"id": id, "type": "message", "role": "assistant", "model": model, "content": [{"type": "text", "text": text}],
+                "stop_reason": "max_tokens", "usage": {"input_tokens": p, "output_tokens": produced}})
+            }
+            Api::TgiStream | Api::TgiWhole => {
+                json!({"generated_text": text, "details": {"finish_reason": "length", "generated_tokens": produced}})
+            }
+            Api::OllamaChat => {
+                json!({"model": model, "message": {"role": "assistant", "content": text}, "done": true, "eval_count": produced})
+            }
+            Api::OllamaGenerate => {
+                json!({"model": model, "response": text, "done": true, "eval_count": produced})
+            }
+            Api::LlamaCpp => {
+                json!({"content": text, "stop": true, "tokens_predicted": produced, "timings": {"predicted_n": produced}})
+            }
         }
     }
 

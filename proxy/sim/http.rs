@@ -94,10 +94,16 @@ async fn handle(
             Some(api) => generate(engine, req, api).await,
             None => error(
                 StatusCode::NOT_FOUND,
-                &format!("no route for POST {p} (this simulator speaks {:?})", engine.args.dialect),
+                &format!(
+                    "no route for POST {p} (this simulator speaks {:?})",
+                    engine.args.dialect
+                ),
             ),
         },
-        _ => error(StatusCode::NOT_FOUND, &format!("no route for {method} {path}")),
+        _ => error(
+            StatusCode::NOT_FOUND,
+            &format!("no route for {method} {path}"),
+        ),
     };
     Ok(resp)
 }
@@ -125,7 +131,10 @@ async fn generate(engine: Arc<Engine>, req: Request<Incoming>, api: Api) -> Resp
     };
     let body = body.to_bytes();
     let Ok(v) = serde_json::from_slice::<Value>(&body) else {
-        return error(StatusCode::BAD_REQUEST, "the request body is not valid JSON");
+        return error(
+            StatusCode::BAD_REQUEST,
+            "the request body is not valid JSON",
+        );
     };
     let args = &engine.args;
     let asked = api.asked(&v);
@@ -137,10 +146,20 @@ async fn generate(engine: Arc<Engine>, req: Request<Incoming>, api: Api) -> Resp
         prompt_tokens,
         out: tx,
     }) {
-        return error(StatusCode::SERVICE_UNAVAILABLE, "the simulator is shutting down");
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the simulator is shutting down",
+        );
     }
     let id = format!("sim-{}", NEXT_ID.fetch_add(1, Relaxed));
-    let mut w = Writer::new(api, id, args.model.clone(), prompt_tokens, args.usage, &asked);
+    let mut w = Writer::new(
+        api,
+        id,
+        args.model.clone(),
+        prompt_tokens,
+        args.usage,
+        &asked,
+    );
     if !asked.stream {
         let mut produced = 0;
         while let Some(Emit { tokens, last }) = rx.recv().await {
@@ -177,7 +196,13 @@ async fn generate(engine: Arc<Engine>, req: Request<Incoming>, api: Api) -> Resp
     });
     let mut r = Response::new(SimBody::Stream(out_rx));
     let h = r.headers_mut();
-    h.insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static(content_type));
-    h.insert(hyper::header::CACHE_CONTROL, hyper::header::HeaderValue::from_static("no-cache"));
+    h.insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static(content_type),
+    );
+    h.insert(
+        hyper::header::CACHE_CONTROL,
+        hyper::header::HeaderValue::from_static("no-cache"),
+    );
     r
 }

@@ -33,6 +33,7 @@ pub mod compare;
 pub mod config;
 pub mod demo;
 pub mod dialect;
+pub mod estimate;
 pub mod limit;
 pub mod load;
 pub mod meter;

@@ -14,6 +14,7 @@ use pingora::proxy::{ProxyHttp, Session};
 use pingora::ErrorSource;
 
 use crate::dialect::{tokens_carried, Dialect, Facts, Framing};
+use crate::estimate::{self, Estimate};
 use crate::limit::{Limiter, Permit, Rejected};
 use crate::meter::{Nanos, Outcome, Stream};
 use crate::ndjson::NdjsonParser;
@@ -49,6 +50,8 @@ pub struct Ctx {
     rewritten_body: Option<Bytes>,
     /// Removes the usage-only chunk from the response (the client did not ask for it).
     strip_usage: Option<UsageStripper>,
+    /// Estimate tokens with the tokenizer rather than one per event.
+    tokenize: bool,
     body: Body,
     facts: Facts,
     unparsed: u64,
@@ -80,10 +83,20 @@ impl TokenTap {
     fn observe(&self, ctx: &mut Ctx, now: Nanos, chunk: &[u8]) {
         let Some(dialect) = ctx.dialect else { return };
         let mut facts = Facts::default();
+        let tokenize = ctx.tokenize;
+        let mut on_event = |ev: crate::sse::Event<'_>| {
+            let mut f = dialect.event(&ev);
+            if tokenize && f.tokens > 0 {
+                if let Some(n) = estimate::tokenizer_count(dialect, ev.data) {
+                    f.tokens = n.max(1);
+                }
+            }
+            facts.merge(f);
+        };
         match &mut ctx.body {
             Body::Ignore => return,
-            Body::Sse(parser) => parser.push(chunk, |ev| facts.merge(dialect.event(&ev))),
-            Body::Ndjson(parser) => parser.push(chunk, |ev| facts.merge(dialect.event(&ev))),
+            Body::Sse(parser) => parser.push(chunk, &mut on_event),
+            Body::Ndjson(parser) => parser.push(chunk, &mut on_event),
             Body::Json(buf) => {
                 if buf.len() + chunk.len() > MAX_JSON_BODY {
                     ctx.body = Body::Ignore;
@@ -233,6 +246,7 @@ impl ProxyHttp for TokenTap {
             rejected: false,
             rewritten_body: None,
             strip_usage: None,
+            tokenize: false,
             body: Body::Ignore,
             facts: Facts::default(),
             unparsed: 0,
@@ -253,6 +267,8 @@ impl ProxyHttp for TokenTap {
             .choose(req.uri.path(), &req.headers, |u| limiters[u].has_headroom())
             .ok_or_else(|| Error::explain(HTTPStatus(404), "no route matches"))?;
         ctx.choice = Some(choice);
+        ctx.tokenize =
+            self.shared.config.upstreams[choice.upstream].estimate == Estimate::Tokenizer;
         if ctx.dialect.is_none() {
             return Ok(false); // caps apply to generation requests only
         }

@@ -9,6 +9,7 @@ use serde::Deserialize;
 
 use super::{socket_addr, upstream_url, Config, Listen, Problem, Problems, Route, Upstream};
 use super::{DEFAULT_CONNECT_TIMEOUT_MS, DEFAULT_READ_TIMEOUT_SECS};
+use crate::estimate::Estimate;
 use crate::limit::controller::Slo;
 
 #[derive(Debug, Default, Deserialize)]
@@ -109,6 +110,11 @@ pub struct UpstreamFile {
     /// take the usage chunk out of the response again), so counts are exact. Default false.
     #[serde(default)]
     pub inject_usage: bool,
+    /// How tokens are estimated where the stream gives no exact count: "events" (one per
+    /// token-bearing event) or "tokenizer" (the text through OpenAI's o200k BPE). Default
+    /// "events".
+    #[serde(default)]
+    pub estimate: Estimate,
     /// An adaptive cap that holds a TPOT SLO. Default: none.
     #[serde(default)]
     pub slo: Option<SloFile>,
@@ -283,6 +289,7 @@ impl FileConfig {
                     queue_timeout: Duration::from_millis(queue_timeout),
                     slo,
                     inject_usage: u.inject_usage,
+                    estimate: u.estimate,
                 }),
                 Err(e) => p.add(at("url"), e),
             }

@@ -68,6 +68,8 @@ pub struct Upstream {
     pub slo: Option<Slo>,
     /// Ask streaming OpenAI requests for their usage chunk, and hide it again.
     pub inject_usage: bool,
+    /// How tokens without an exact count are estimated.
+    pub estimate: crate::estimate::Estimate,
 }
 
 #[derive(Debug, Clone)]

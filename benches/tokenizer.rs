@@ -1,5 +1,4 @@
 //! The tokenizer fallback (`estimate = "tokenizer"`): cost per token of counting streamed
-#![allow(clippy::expect_used)]
 //! text with OpenAI's o200k vocabulary, `bpe-openai` (what tokentap uses) against
 //! `tiktoken-rs` (measured to choose).
 //!
@@ -14,6 +13,7 @@
 //! bpe-openai is 5.7× cheaper, and its vocabulary is built in with no regex engine at run
 //! time: tokentap uses it. In tokenizer mode the event's JSON is also read into a value to
 //! find its text (about 1 µs per event on top).
+#![allow(clippy::expect_used)]
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 

@@ -175,6 +175,55 @@ mod tests {
     }
 
     #[test]
+    fn a_full_arm_spills_to_the_heaviest_arm_with_headroom() {
+        let route = |spill| Route {
+            path_prefix: "/".into(),
+            headers: vec![],
+            split: vec![(0, 50), (1, 10), (2, 40)],
+            sticky: None,
+            spill,
+        };
+        let headers = HeaderMap::new();
+        let r = Router::new(&[route(true)]);
+        // Arm 0 is full: its picks go to arm 2 (weight 40), never to the lighter arm 1.
+        let picks: Vec<usize> = (0..10)
+            .map(|_| {
+                r.choose("/v1", &headers, |u| u != 0)
+                    .map(|c| c.upstream)
+                    .unwrap_or(9)
+            })
+            .collect();
+        assert!(!picks.contains(&0), "{picks:?}");
+        assert_eq!(
+            picks.iter().filter(|&&u| u == 1).count(),
+            1,
+            "arm 1 keeps its own share: {picks:?}"
+        );
+        let r = Router::new(&[route(false)]);
+        let picks: Vec<usize> = (0..10)
+            .map(|_| {
+                r.choose("/v1", &headers, |u| u != 0)
+                    .map(|c| c.upstream)
+                    .unwrap_or(9)
+            })
+            .collect();
+        assert_eq!(
+            picks.iter().filter(|&&u| u == 0).count(),
+            5,
+            "without spill the full arm still gets its share (and queues)"
+        );
+        assert_eq!(
+            r.choose("/elsewhere", &headers, |_| true).map(|c| c.route),
+            Some(0)
+        );
+        let none = Router::new(&[Route {
+            path_prefix: "/v1/".into(),
+            ..route(false)
+        }]);
+        assert_eq!(none.choose("/health", &headers, |_| true), None);
+    }
+
+    #[test]
     fn sticky_keys_are_stable_and_follow_weights() {
         let split = [(0, 70), (1, 30)];
         let mut n = [0u32; 2];

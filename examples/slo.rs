@@ -44,19 +44,13 @@ async fn main() -> anyhow::Result<()> {
         "128 clients, SLO p90 TPOT ≤ 30 ms; the reference curve meets 30 ms at ~90 in flight\n"
     );
     let target = LoadArgs {
-        url: format!("http://{proxy}"),
-        path: None,
-        concurrency: vec![],
-        rate: None,
         duration: (before + after) as f64,
         warmup: 0.0,
         max_tokens: 128,
         include_usage: true,
-        headers: vec![],
         model: "m".into(),
         prompt: "p".into(),
-        json: false,
-        dialect: tokentap::sim::SimDialect::Openai,
+        ..LoadArgs::for_url(format!("http://{proxy}"))
     }
     .target()?;
     let total = Duration::from_secs(before + after);

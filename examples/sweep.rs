@@ -33,19 +33,13 @@ async fn main() -> anyhow::Result<()> {
         sim.addr
     );
     let target = LoadArgs {
-        url: format!("http://{proxy}"),
-        path: None,
-        concurrency: vec![],
-        rate: None,
         duration: 15.0,
         warmup: 5.0,
         max_tokens: 128,
         include_usage: true,
-        headers: vec![],
         model: "m".into(),
         prompt: "p".into(),
-        json: false,
-        dialect: tokentap::sim::SimDialect::Openai,
+        ..LoadArgs::for_url(format!("http://{proxy}"))
     }
     .target()?;
     println!(

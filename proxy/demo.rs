@@ -106,19 +106,13 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
             .max(1.0),
     );
     let target = LoadArgs {
-        url: format!("http://{}", args.listen),
-        path: None,
-        concurrency: vec![],
-        rate: None,
         duration: phase.as_secs_f64(),
         warmup: 0.0,
         max_tokens: args.max_tokens,
         include_usage: true,
-        headers: vec![],
         model: "tokentap-sim".into(),
         prompt: "Tell me about lighthouses.".into(),
-        json: false,
-        dialect: crate::sim::SimDialect::Openai,
+        ..LoadArgs::for_url(format!("http://{}", args.listen))
     }
     .target()?;
     let (level_tx, level_rx) = watch::channel(0usize);

@@ -125,6 +125,7 @@ pub fn build(config: Config) -> (Server, Arc<Shared>) {
         graceful_shutdown_timeout_seconds: Some(5),
         // Connect failures are retried once; a request is never replayed after it was sent.
         max_retries: 1,
+        upstream_keepalive_pool_size: config.keepalive_pool,
         ..ServerConf::default()
     };
     let mut server = Server::new_with_opt_and_conf(None, conf);

@@ -33,19 +33,13 @@ async fn compare_names_the_faster_backend() {
     .await;
     let admin = tap.shared.config.listen.admin;
     let target = LoadArgs {
-        url: format!("http://{}", proxy_addr(&tap)),
-        path: None,
-        concurrency: vec![],
-        rate: None,
         duration: 5.0,
         warmup: 0.0,
         max_tokens: 24,
         include_usage: true,
-        headers: vec![],
         model: "m".into(),
         prompt: "p".into(),
-        json: false,
-        dialect: tokentap::sim::SimDialect::Openai,
+        ..LoadArgs::for_url(format!("http://{}", proxy_addr(&tap)))
     }
     .target()
     .unwrap();

@@ -35,19 +35,12 @@ async fn the_backend_never_sees_more_than_the_cap() {
     )
     .await;
     let target = LoadArgs {
-        url: format!("http://{}", proxy_addr(&tap)),
-        path: None,
-        concurrency: vec![],
-        rate: None,
         duration: 2.0,
         warmup: 0.0,
         max_tokens: 30,
-        include_usage: false,
-        headers: vec![],
         model: "m".into(),
         prompt: "p".into(),
-        json: false,
-        dialect: tokentap::sim::SimDialect::Openai,
+        ..LoadArgs::for_url(format!("http://{}", proxy_addr(&tap)))
     }
     .target()
     .unwrap();

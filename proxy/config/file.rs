@@ -87,6 +87,10 @@ pub struct ServerFile {
     pub threads: Option<usize>,
     /// How long SIGTERM lets running streams finish, seconds. Default 30.
     pub grace_period_secs: Option<u64>,
+    /// Idle upstream connections kept for reuse, across upstreams. Default 1024: with many
+    /// long-lived streams, pingora's default of 128 would close most connections as streams
+    /// end and open them again for the next request.
+    pub upstream_keepalive_pool_size: Option<usize>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -364,6 +368,7 @@ impl FileConfig {
             .threads
             .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, usize::from));
         let grace = self.server.grace_period_secs.unwrap_or(30);
+        let keepalive_pool = self.server.upstream_keepalive_pool_size.unwrap_or(1024);
         let window = Duration::from_secs(self.metrics.window_secs);
         let max_event_bytes = self.metrics.max_event_bytes;
         let compare_window = Duration::from_secs(self.compare.window_secs);
@@ -378,6 +383,7 @@ impl FileConfig {
             max_event_bytes,
             threads,
             grace_period: Duration::from_secs(grace),
+            keepalive_pool,
             upstreams,
             routes,
         })

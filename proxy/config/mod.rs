@@ -30,6 +30,8 @@ pub struct Config {
     pub threads: usize,
     /// How long a graceful shutdown (SIGTERM) lets streams run on.
     pub grace_period: Duration,
+    /// Idle upstream connections kept for reuse.
+    pub keepalive_pool: usize,
     pub upstreams: Vec<Upstream>,
     /// Routes in file order; first match wins. Never empty: a config with one upstream and
     /// no route gets one route for `/` to it.

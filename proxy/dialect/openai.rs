@@ -19,6 +19,99 @@ use serde::Deserialize;
 use super::{Facts, NonEmpty};
 use crate::sse::Event;
 
+/// A scan of the bytes for the common chunk, without a JSON parse.
+mod fast {
+    use std::sync::LazyLock;
+
+    use memchr::memmem::Finder;
+
+    use super::Facts;
+
+    /// The byte patterns the scan looks for, each searcher built once.
+    struct Patterns {
+        choices: Finder<'static>,
+        usage: Finder<'static>,
+        error: Finder<'static>,
+        tool_calls: Finder<'static>,
+        index: Finder<'static>,
+        finish_reason: Finder<'static>,
+        token_keys: [Finder<'static>; 5],
+    }
+
+    static P: LazyLock<Patterns> = LazyLock::new(|| Patterns {
+        choices: Finder::new(b"\"choices\":["),
+        usage: Finder::new(b"\"usage\":{"),
+        error: Finder::new(b"\"error\""),
+        tool_calls: Finder::new(b"\"tool_calls\""),
+        index: Finder::new(b"\"index\":"),
+        finish_reason: Finder::new(b"\"finish_reason\":"),
+        token_keys: [
+            Finder::new(b"\"content\":\""),
+            Finder::new(b"\"reasoning_content\":\""),
+            Finder::new(b"\"reasoning\":\""),
+            Finder::new(b"\"refusal\":\""),
+            Finder::new(b"\"text\":\""),
+        ],
+    });
+
+    /// Whether `"key":"` is followed by at least one character of the string.
+    fn non_empty_string(data: &[u8], key: &Finder<'_>) -> bool {
+        let mut from = 0;
+        while let Some(i) = key.find(&data[from..]) {
+            let after = from + i + key.needle().len();
+            if data.get(after).is_some_and(|&b| b != b'"') {
+                return true;
+            }
+            from = after;
+        }
+        false
+    }
+
+    /// The facts of an ordinary streamed chunk — one choice, a content/reasoning/refusal/
+    /// text delta or none, an optional finish reason, no usage, tool calls or error — read
+    /// straight from the bytes. Anything else (or anything doubtful) is `None`, and the
+    /// caller parses the chunk as JSON.
+    ///
+    /// Sound because an unescaped `"` cannot occur inside a JSON string: a byte pattern
+    /// such as `"content":"` can only be a key followed by a string value.
+    pub fn event(data: &[u8]) -> Option<Facts> {
+        let p = &*P;
+        let data = data.trim_ascii();
+        if data.first() != Some(&b'{') || data.last() != Some(&b'}') {
+            return None;
+        }
+        // Shapes the scan does not handle go to the parser.
+        let one_choice = p.index.find_iter(data).take(2).count() == 1;
+        if !one_choice
+            || p.choices.find(data).is_none()
+            || p.usage.find(data).is_some()
+            || p.error.find(data).is_some()
+            || p.tool_calls.find(data).is_some()
+        {
+            return None;
+        }
+        let tokens = p.token_keys.iter().any(|k| non_empty_string(data, k));
+        let finished = match p.finish_reason.find(data) {
+            Some(i) => {
+                let v = data[i + p.finish_reason.needle().len()..].trim_ascii_start();
+                if v.starts_with(b"null") {
+                    false
+                } else if v.starts_with(b"\"") {
+                    true
+                } else {
+                    return None;
+                }
+            }
+            None => false,
+        };
+        Some(Facts {
+            tokens: u32::from(tokens),
+            finished,
+            ..Facts::default()
+        })
+    }
+}
+
 /// Facts of one SSE event.
 pub fn event(event: &Event<'_>) -> Facts {
     let data = event.data;
@@ -27,6 +120,9 @@ pub fn event(event: &Event<'_>) -> Facts {
             finished: true,
             ..Facts::default()
         };
+    }
+    if let Some(facts) = fast::event(data) {
+        return facts;
     }
     match serde_json::from_slice::<Chunk>(data) {
         Ok(chunk) => chunk.facts(),
@@ -242,6 +338,40 @@ mod tests {
         assert!(facts("[DONE]").finished);
         assert_eq!(facts(r#"{"choices":[{"delta":{"content":"x"#).unparsed, 1);
         assert_eq!(facts("not json").unparsed, 1);
+    }
+
+    /// The scan agrees with the parser wherever it answers.
+    #[test]
+    fn fast_path_agrees_with_the_parser() {
+        let chunks = [
+            r#"{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"Hi"},"logprobs":null,"finish_reason":null}]}"#,
+            r#"{"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}"#,
+            r#"{"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"content":"a \"quoted\" word"},"finish_reason":null}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"reasoning_content":"hmm"},"finish_reason":null}]}"#,
+            r#"{"choices":[{"index":0,"text":"w","finish_reason":"length"}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"content":"\"content\":\"x"},"finish_reason":null}]}"#,
+            r#"  {"choices":[{"index" : 0,"delta":{"content":""},"finish_reason" : null}]}  "#,
+            r#"{"choices":[{"index":0,"delta":{"content":"x"},"finish_reason":null}],"usage":{"completion_tokens":3}}"#,
+            r#"{"choices":[{"index":0,"delta":{"content":"a"}},{"index":1,"delta":{"content":"b"}}]}"#,
+            r#"{"error":{"message":"boom"}}"#,
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{}"}}]}}]}"#,
+        ];
+        let mut answered = 0;
+        for c in chunks {
+            let parsed = serde_json::from_slice::<Chunk>(c.as_bytes())
+                .map(|c| c.facts())
+                .expect("valid JSON");
+            if let Some(f) = fast::event(c.as_bytes()) {
+                answered += 1;
+                assert_eq!(f, parsed, "{c}");
+            }
+            assert_eq!(facts(c), parsed, "{c}");
+        }
+        assert!(
+            answered >= 5,
+            "the fast path takes the common chunks ({answered})"
+        );
     }
 
     #[test]

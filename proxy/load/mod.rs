@@ -73,6 +73,25 @@ pub struct LoadArgs {
 }
 
 impl LoadArgs {
+    /// The command line's defaults, aimed at `url`.
+    pub fn for_url(url: impl Into<String>) -> LoadArgs {
+        LoadArgs {
+            url: url.into(),
+            dialect: SimDialect::Openai,
+            path: None,
+            concurrency: vec![1],
+            rate: None,
+            duration: 30.0,
+            warmup: 5.0,
+            max_tokens: 128,
+            include_usage: false,
+            headers: vec![],
+            model: "tokentap-sim".into(),
+            prompt: "Tell me a long story about a lighthouse keeper.".into(),
+            json: false,
+        }
+    }
+
     /// The request target these arguments describe.
     pub fn target(&self) -> anyhow::Result<Arc<Target>> {
         let uri: http::Uri = self

@@ -144,15 +144,12 @@ impl TokenTap {
         session: &mut Session,
         limiter: &Arc<Limiter>,
     ) -> Result<Result<Permit, Rejected>> {
-        let len = content_length(session);
-        // Bodies pingora can replay from its retry buffer (64 KiB); a longer or chunked one
-        // waits without disconnect detection, bounded by the queue timeout.
-        if len.is_none_or(|l| l > RETRY_BUFFER) {
+        // A body pingora cannot replay (over 64 KiB, or chunked) waits without disconnect
+        // detection, bounded by the queue timeout.
+        if read_body_ahead(session).await?.is_none() {
             return Ok(limiter.acquire().await);
         }
         let downstream = session.as_mut();
-        downstream.enable_retry_buffering();
-        while downstream.read_request_body().await?.is_some() {}
         let acquire = limiter.acquire();
         tokio::pin!(acquire);
         tokio::select! {
@@ -170,14 +167,7 @@ impl TokenTap {
     /// the count is exact. Reads the body ahead (up to pingora's 64 KiB retry buffer); a
     /// larger, chunked, non-JSON or non-streaming request is forwarded untouched.
     async fn inject_usage(&self, session: &mut Session, ctx: &mut Ctx) -> Result<()> {
-        let len = content_length(session);
-        if len.is_none_or(|l| l == 0 || l > RETRY_BUFFER) {
-            return Ok(());
-        }
-        let downstream = session.as_mut();
-        downstream.enable_retry_buffering();
-        while downstream.read_request_body().await?.is_some() {}
-        let Some(original) = downstream.get_retry_buffer() else {
+        let Some(original) = read_body_ahead(session).await? else {
             return Ok(());
         };
         if let Some(rewritten) = usage::request_with_usage(&original) {
@@ -414,6 +404,20 @@ fn close_unless_body_read(session: &mut Session) {
     if !session.as_mut().is_body_done() {
         session.set_keepalive(None);
     }
+}
+
+/// Reads the whole request body ahead into pingora's retry buffer, which pingora then sends
+/// upstream as the body (through `request_body_filter`). Only a body with a
+/// `Content-Length` that fits the buffer (64 KiB) is read; `None` leaves the body to be
+/// streamed as usual. Reading twice is harmless: the second time returns the same bytes.
+async fn read_body_ahead(session: &mut Session) -> Result<Option<Bytes>> {
+    if content_length(session).is_none_or(|l| l == 0 || l > RETRY_BUFFER) {
+        return Ok(None);
+    }
+    let downstream = session.as_mut();
+    downstream.enable_retry_buffering();
+    while downstream.read_request_body().await?.is_some() {}
+    Ok(downstream.get_retry_buffer())
 }
 
 fn content_length(session: &Session) -> Option<usize> {

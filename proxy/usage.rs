@@ -39,6 +39,8 @@ pub fn request_with_usage(body: &[u8]) -> Option<Bytes> {
 pub struct UsageStripper {
     pending: Vec<u8>,
     max_event_bytes: usize,
+    /// Reads each complete event (its buffers kept from one event to the next).
+    parser: SseParser,
 }
 
 impl UsageStripper {
@@ -46,6 +48,7 @@ impl UsageStripper {
         UsageStripper {
             pending: Vec::new(),
             max_event_bytes,
+            parser: SseParser::new(usize::MAX),
         }
     }
 
@@ -56,7 +59,7 @@ impl UsageStripper {
         let mut start = 0;
         while let Some(end) = event_end(&self.pending[start..], end_of_stream) {
             let event = &self.pending[start..start + end];
-            if !is_usage_only(event) {
+            if !is_usage_only(&mut self.parser, event) {
                 out.extend_from_slice(event);
             }
             start += end;
@@ -100,10 +103,11 @@ fn event_end(buf: &[u8], end_of_stream: bool) -> Option<usize> {
     None
 }
 
-fn is_usage_only(event: &[u8]) -> bool {
+/// Whether one complete event (through its blank line) is OpenAI's usage-only chunk.
+fn is_usage_only(parser: &mut SseParser, event: &[u8]) -> bool {
     let mut usage_only = false;
     let mut any = false;
-    SseParser::new(usize::MAX).push(event, |e| {
+    parser.push(event, |e| {
         any = true;
         usage_only = Dialect::OpenAi.event(&e).usage_only;
     });

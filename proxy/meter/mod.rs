@@ -232,10 +232,6 @@ impl UpstreamMeter {
         &self.name
     }
 
-    pub fn clock(&self) -> Clock {
-        self.clock
-    }
-
     /// A generation request was sent to this upstream at `now`, its client's request having
     /// started at `t0`. It counts as in flight until the returned record is finished or
     /// dropped.
@@ -348,10 +344,6 @@ impl Stream {
     /// Tokens counted so far (the exact count once one arrived).
     pub fn output_tokens(&self) -> u64 {
         self.exact.unwrap_or(self.tokens)
-    }
-
-    pub fn first_token_at(&self) -> Option<Nanos> {
-        self.first
     }
 
     /// The response ended at `now`.

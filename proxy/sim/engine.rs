@@ -104,13 +104,6 @@ impl Engine {
             .tpot_ms(batch as f64)
     }
 
-    pub fn curve(&self) -> Curve {
-        self.curve
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone()
-    }
-
     pub fn shutdown(&self) {
         self.stop.notify_one();
     }

@@ -2,7 +2,8 @@
 //! side, against the same paced SSE origin, measured from one process on one clock.
 //!
 //! Run: `cargo build --release && cargo run --release --example overhead`
-//!      (`-- --shapes 512x20 --secs 10 --reps 3` to choose; nginx is skipped when absent)
+//!      (`-- --shapes 512x20 --secs 10 --reps 3 --modes tokentap,nginx` to choose; nginx is
+//!      skipped when absent)
 //!
 //! The origin sends OpenAI-shaped chunks every `interval` ms on each stream, each carrying
 //! its send time; the client records receive − send per event (HDR histogram), TTFT, stalls
@@ -101,6 +102,7 @@ fn main() -> anyhow::Result<()> {
         .collect();
     let secs: u64 = opt("--secs").map_or(10, |s| s.parse().expect("secs"));
     let reps: usize = opt("--reps").map_or(3, |s| s.parse().expect("reps"));
+    let only = opt("--modes");
     let (soft, hard) = rlimit::getrlimit(rlimit::Resource::NOFILE)?;
     rlimit::setrlimit(rlimit::Resource::NOFILE, hard, hard)?;
     println!("open-file limit raised from {soft} to {hard}; origin + client pinned to CPU 0, proxies to CPU 1 (taskset)");
@@ -120,6 +122,10 @@ fn main() -> anyhow::Result<()> {
         let modes: Vec<Mode> = [Mode::Direct, Mode::Tokentap, Mode::Nginx]
             .into_iter()
             .filter(|m| *m != Mode::Nginx || nginx)
+            .filter(|m| {
+                only.as_ref()
+                    .is_none_or(|o| o.split(',').any(|n| n == m.name()))
+            })
             .collect();
         let mut runs: Vec<(Mode, Run)> = Vec::new();
         for rep in 0..reps {
@@ -350,8 +356,10 @@ async fn start_proxy(mode: Mode, origin: SocketAddr, bin: &Path) -> Option<Proxy
             std::fs::write(
                 &conf,
                 format!(
-                    "[listen]\nproxy = \"{addr}\"\nadmin = \"{}\"\n[server]\nthreads = 1\ngrace_period_secs = 0\n[[upstream]]\nname = \"origin\"\nurl = \"http://{origin}\"\n",
-                    free_port()
+                    "[listen]\nproxy = \"{addr}\"\nadmin = \"{}\"\n[server]\nthreads = 1\ngrace_period_secs = 0\n{}\n[[upstream]]\nname = \"origin\"\nurl = \"http://{origin}\"\n",
+                    free_port(),
+                    // TOKENTAP_OVERHEAD_SERVER="work_stealing = false" adds [server] settings.
+                    std::env::var("TOKENTAP_OVERHEAD_SERVER").unwrap_or_default(),
                 ),
             )
             .ok()?;

@@ -6,6 +6,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use pingora::listeners::{L4BufferSettings, ListenerConfig};
 use pingora::prelude::*;
 use pingora::server::configuration::ServerConf;
 use pingora::server::{RunArgs, ShutdownSignal, ShutdownSignalWatch, ShutdownWatch};
@@ -126,6 +127,7 @@ pub fn build(config: Config) -> (Server, Arc<Shared>) {
         // Connect failures are retried once; a request is never replayed after it was sent.
         max_retries: 1,
         upstream_keepalive_pool_size: config.keepalive_pool,
+        work_stealing: config.work_stealing,
         ..ServerConf::default()
     };
     let mut server = Server::new_with_opt_and_conf(None, conf);
@@ -135,7 +137,14 @@ pub fn build(config: Config) -> (Server, Arc<Shared>) {
         &server.configuration,
         TokenTap::new(Arc::clone(&shared)),
     );
-    proxy.add_tcp(&shared.config.listen.proxy.to_string());
+    // No L4 read buffer downstream: pingora's default is 64 KiB, allocated zeroed for every
+    // connection (most of tokentap's memory per open stream), and a plain-TCP client
+    // connection carries one small request per response, read straight into the header
+    // buffer anyway.
+    proxy.add_listener(
+        ListenerConfig::tcp(shared.config.listen.proxy.to_string())
+            .l4_buffer(L4BufferSettings::default().read(0)),
+    );
     let mut admin = Service::new("tokentap admin".to_owned(), Admin::new(Arc::clone(&shared)));
     admin.threads = Some(1);
     admin.add_tcp(&shared.config.listen.admin.to_string());

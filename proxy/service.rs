@@ -9,6 +9,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use http::header::{CONTENT_ENCODING, CONTENT_TYPE, HOST};
 use pingora::http::{RequestHeader, ResponseHeader};
+use pingora::modules::http::HttpModules;
 use pingora::prelude::*;
 use pingora::proxy::{ProxyHttp, Session};
 use pingora::ErrorSource;
@@ -225,6 +226,10 @@ impl TokenTap {
 #[async_trait]
 impl ProxyHttp for TokenTap {
     type CTX = Ctx;
+
+    /// None: pingora's default adds a (disabled) compression module that still runs on
+    /// every body fragment, and a transparent proxy never re-encodes.
+    fn init_downstream_modules(&self, _modules: &mut HttpModules) {}
 
     fn new_ctx(&self) -> Ctx {
         Ctx {

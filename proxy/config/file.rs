@@ -91,6 +91,8 @@ pub struct ServerFile {
     /// long-lived streams, pingora's default of 128 would close most connections as streams
     /// end and open them again for the next request.
     pub upstream_keepalive_pool_size: Option<usize>,
+    /// Let worker threads steal each other's connections. Default true.
+    pub work_stealing: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -384,6 +386,7 @@ impl FileConfig {
             threads,
             grace_period: Duration::from_secs(grace),
             keepalive_pool,
+            work_stealing: self.server.work_stealing.unwrap_or(true),
             upstreams,
             routes,
         })

@@ -32,6 +32,8 @@ pub struct Config {
     pub grace_period: Duration,
     /// Idle upstream connections kept for reuse.
     pub keepalive_pool: usize,
+    /// Work stealing between the proxy's worker threads.
+    pub work_stealing: bool,
     pub upstreams: Vec<Upstream>,
     /// Routes in file order; first match wins. Never empty: a config with one upstream and
     /// no route gets one route for `/` to it.

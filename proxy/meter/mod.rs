@@ -4,21 +4,24 @@
 //! so the window and curve maths are tested with plain numbers. The service takes one
 //! timestamp per upstream body fragment and hands the meter what the dialect found in it.
 //!
-//! Each upstream has one [`UpstreamMeter`]; its lock is taken once per token-bearing
-//! fragment of that upstream (never a lock shared by all upstreams) and by the admin API
-//! when it reads a [`stats::UpstreamStats`] snapshot.
+//! Each upstream has one [`UpstreamMeter`]. A token event locks only the current worker
+//! thread's shard of it (no lock or written cache line shared with other threads'
+//! connections; the in-flight count it reads is an atomic written only when a request begins
+//! or ends). Beginning and ending a request take the upstream's own lock; the admin API and
+//! the SLO controller take it and every shard's in turn to read.
 
 mod stats;
 mod window;
 
+use std::cell::Cell;
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 pub use stats::{Arm, CurvePoint, Percentiles, SloStats, TokensPerEvent, UpstreamStats};
 pub use window::ControlSample;
-use window::Windows;
+use window::{Shard, Sums, Windows};
 
 /// The curve bucket (0 for 1, 1 for 2, 2 for 3–4, …; labelled `1 << bucket`) of a mean
 /// concurrency.
@@ -162,11 +165,38 @@ pub struct RequestSample {
 /// The most samples an upstream keeps for comparison.
 const MAX_SAMPLES: usize = 200_000;
 
+/// A shard on its own cache lines, so neighbouring shards' writes do not bounce them.
+#[repr(align(128))]
+struct Padded<T>(T);
+
+/// This thread's shard number (modulo the shard count): worker threads are numbered as
+/// they first meter something.
+fn shard_of_thread(shards: usize) -> usize {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    thread_local! {
+        static ID: Cell<Option<usize>> = const { Cell::new(None) };
+    }
+    let id = ID.with(|id| match id.get() {
+        Some(n) => n,
+        None => {
+            let n = NEXT.fetch_add(1, Relaxed);
+            id.set(Some(n));
+            n
+        }
+    });
+    id % shards
+}
+
 /// The live figures of one upstream.
 pub struct UpstreamMeter {
     name: Arc<str>,
     clock: Clock,
+    /// What changes when requests begin and end.
     inner: Mutex<Windows>,
+    /// `inner`'s in-flight count, for token events to read without its lock.
+    in_flight: AtomicU64,
+    /// What changes on every token event, per worker thread.
+    shards: Box<[Padded<Mutex<Shard>>]>,
     hist: Histograms,
     /// Finished requests of the last `sample_window`, oldest first.
     samples: Mutex<VecDeque<RequestSample>>,
@@ -178,11 +208,28 @@ pub struct UpstreamMeter {
 impl UpstreamMeter {
     /// A meter whose sliding window is `window` long, starting at `now`.
     pub fn new(name: &str, window: Duration, clock: Clock, hist: Histograms) -> Arc<Self> {
+        let shards = std::thread::available_parallelism().map_or(1, usize::from);
+        Self::with_shards(name, window, clock, hist, shards)
+    }
+
+    /// [`Self::new`] with `shards` per-thread shards (threads beyond that share them).
+    pub fn with_shards(
+        name: &str,
+        window: Duration,
+        clock: Clock,
+        hist: Histograms,
+        shards: usize,
+    ) -> Arc<Self> {
         let now = clock.now();
+        let shards = shards.max(1);
         Arc::new(UpstreamMeter {
             name: name.into(),
             clock,
             inner: Mutex::new(Windows::new(window, now)),
+            in_flight: AtomicU64::new(0),
+            shards: (0..shards)
+                .map(|_| Padded(Mutex::new(Shard::new(window))))
+                .collect(),
             hist,
             samples: Mutex::new(VecDeque::new()),
             sample_window: AtomicU64::new(600_000_000_000),
@@ -236,9 +283,16 @@ impl UpstreamMeter {
     /// started at `t0`. It counts as in flight until the returned record is finished or
     /// dropped.
     pub fn begin(self: &Arc<Self>, t0: Nanos, now: Nanos) -> Stream {
-        let key = self.lock().begin(t0, now);
+        {
+            // Stored under the lock, so the atomic never goes back to an older count.
+            let mut windows = self.lock();
+            self.in_flight.store(windows.begin(now), Relaxed);
+        }
+        let shard = shard_of_thread(self.shards.len());
+        let key = self.shard(shard).begin(t0, now);
         Stream {
             meter: Arc::clone(self),
+            shard,
             key,
             t0,
             first: None,
@@ -265,23 +319,52 @@ impl UpstreamMeter {
 
     /// The SLO controller's evidence since its previous call.
     pub fn control_sample(&self, now: Nanos, percentile: f64) -> ControlSample {
-        self.lock().control_sample(now, percentile)
+        let mut sums = Sums::new();
+        for i in 0..self.shards.len() {
+            self.shard(i).take_control_gaps(&mut sums);
+        }
+        self.lock().control_sample(now, percentile, &sums)
     }
 
     /// The highest system T/s among curve buckets that meet the SLO.
     pub fn slo_bounded_system_tps(&self, tpot_ms: f64, percentile: f64) -> Option<f64> {
-        self.lock().slo_bounded_system_tps(tpot_ms, percentile)
+        let mut sums = Sums::new();
+        for i in 0..self.shards.len() {
+            self.shard(i).add_curve(&mut sums);
+        }
+        self.lock()
+            .slo_bounded_system_tps(tpot_ms, percentile, &sums)
     }
 
     /// The figures at `now`.
     pub fn stats(&self, now: Nanos) -> UpstreamStats {
-        self.lock().stats(&self.name, now)
+        let (now, span) = self.lock().span(now);
+        let mut sums = Sums::new();
+        for i in 0..self.shards.len() {
+            self.shard(i).add_to(&mut sums, now, span);
+        }
+        self.lock().stats(&self.name, now, span, sums)
     }
 
     fn lock(&self) -> MutexGuard<'_, Windows> {
         // A panic elsewhere cannot leave the windows half-updated in a way that matters more
         // than losing every figure, so a poisoned lock is used as is.
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn shard(&self, i: usize) -> MutexGuard<'_, Shard> {
+        self.shards[i]
+            .0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Records held by all shards: in flight, or finished inside the window.
+    #[cfg(test)]
+    fn records_held(&self) -> usize {
+        (0..self.shards.len())
+            .map(|i| self.shard(i).records_held())
+            .sum()
     }
 }
 
@@ -290,6 +373,8 @@ impl UpstreamMeter {
 /// [`Outcome::Aborted`], so the slot is never leaked.
 pub struct Stream {
     meter: Arc<UpstreamMeter>,
+    /// The shard holding its record: the one of the thread it began on.
+    shard: usize,
     key: usize,
     t0: Nanos,
     first: Option<Nanos>,
@@ -310,7 +395,11 @@ impl Stream {
         if n == 0 || self.done {
             return;
         }
-        let (gap, in_flight) = self.meter.lock().tokens(self.key, now, n);
+        let in_flight = self.meter.in_flight.load(Relaxed);
+        let gap = self
+            .meter
+            .shard(self.shard)
+            .tokens(self.key, now, n, in_flight);
         self.meter.hist.tokens_per_event.record(f64::from(n));
         self.concurrency_sum += in_flight;
         self.events += 1;
@@ -358,8 +447,13 @@ impl Stream {
         self.done = true;
         let total = self.output_tokens();
         self.meter
-            .lock()
-            .finish(self.key, now, outcome, self.tokens, self.exact);
+            .shard(self.shard)
+            .finish(self.key, now, self.tokens, self.exact);
+        {
+            let mut windows = self.meter.lock();
+            let in_flight = windows.finish(now, outcome, self.tokens, self.exact);
+            self.meter.in_flight.store(in_flight, Relaxed);
+        }
         if let Some(first) = self.first {
             if total >= 2 && self.last > first {
                 let tpot = secs(self.last - first) / (total - 1) as f64;
@@ -555,7 +649,7 @@ mod tests {
         assert_eq!(st.in_flight, 0);
         assert_eq!(st.requests_total, 2);
         assert_eq!(
-            m.lock().records_held(),
+            m.records_held(),
             0,
             "finished records leave with the window"
         );
@@ -583,6 +677,67 @@ mod tests {
         }
         let st = m.stats(4 * S);
         assert!(close(st.itl_ms.p50, 20.0, 0.01), "{:?}", st.itl_ms);
+    }
+
+    #[test]
+    fn shards_of_many_threads_add_up() {
+        let m = UpstreamMeter::with_shards(
+            "u",
+            Duration::from_secs(10),
+            Clock::new(),
+            Histograms::noop(),
+            3,
+        );
+        // Four threads (one shard shared by two) run two 20 ms streams each, in step as on
+        // one clock; their streams end on another thread, as a task moved by work stealing
+        // would.
+        let step = std::sync::Barrier::new(4);
+        let streams: Vec<Stream> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..4)
+                .map(|_| {
+                    s.spawn(|| {
+                        let mut mine = vec![m.begin(0, 0), m.begin(0, 0)];
+                        let mut t = 0;
+                        while t < 30 * S {
+                            step.wait();
+                            t += 20 * MS;
+                            for st in &mut mine {
+                                st.tokens(t, 1);
+                            }
+                        }
+                        mine
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .flat_map(|h| h.join().unwrap_or_default())
+                .collect()
+        });
+        let st = m.stats(30 * S);
+        assert_eq!(st.in_flight, 8);
+        assert!(close(st.system_tps, 400.0, 0.01), "{:?}", st.system_tps);
+        assert!(close(st.single_stream_tps, 50.0, 0.001));
+        assert!(close(st.concurrency, 8.0, 0.001), "{:?}", st.concurrency);
+        assert!(close(st.itl_ms.p50, 20.0, 0.01), "{:?}", st.itl_ms);
+        assert_eq!(st.curve.len(), 1);
+        assert_eq!(st.curve[0].concurrency, 8);
+        assert!(close(st.curve[0].system_tps, 400.0, 0.01));
+        assert_eq!(st.tokens_per_event.p50, Some(1));
+        let sample = m.control_sample(30 * S, 90.0);
+        assert!(
+            sample.tpot_ms.is_some_and(|t| (t - 20.0).abs() < 0.3),
+            "{sample:?}"
+        );
+        assert!(m.slo_bounded_system_tps(25.0, 90.0).is_some());
+        for s in streams {
+            s.finish(30 * S, Outcome::Ok);
+        }
+        let st = m.stats(45 * S);
+        assert_eq!(st.in_flight, 0);
+        assert_eq!(st.requests_by_status.get("ok"), Some(&8));
+        assert_eq!(st.output_tokens_total, 8 * 1500);
+        assert_eq!(m.records_held(), 0);
     }
 
     #[test]

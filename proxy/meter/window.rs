@@ -7,6 +7,12 @@
 //! figures (TTFT, TPOT, single-stream T/s) are computed at read time from each request's
 //! per-slot segments, which is what DESIGN §1 asks: each request's TPOT over its own token
 //! events inside the window.
+//!
+//! The state is split by how often it changes. [`Windows`] holds what changes when a request
+//! begins or ends (in flight, the concurrency integrals, totals): one per upstream. A
+//! [`Shard`] holds what changes on every token event (slot tokens and gaps, the records, the
+//! curve's tokens and gaps): one per upstream per worker thread, so a token event touches
+//! only its own thread's shard. A read merges them into [`Sums`].
 
 use std::collections::{BTreeMap, VecDeque};
 use std::time::Duration;
@@ -23,16 +29,6 @@ pub const SLOTS: usize = 20;
 const CURVE_BUCKETS: usize = 21;
 /// Histogram range: 1 µs to one hour, two significant figures (1% resolution).
 const HIST_MAX_US: u64 = 3_600_000_000;
-
-/// One slot of the ring.
-struct Slot {
-    epoch: u64,
-    tokens: u64,
-    /// ∫ in_flight dt over the slot, in request·ns.
-    busy: u128,
-    /// Per-token gaps (ITL), µs.
-    itl: Histogram<u32>,
-}
 
 /// A request's token events inside one slot.
 #[derive(Clone, Copy, Default)]
@@ -53,12 +49,22 @@ struct Record {
     segments: [Segment; SLOTS],
 }
 
+/// The curve's per-event part of one concurrency bucket.
 #[derive(Default)]
 struct CurveBucket {
     tokens: u64,
-    time: Nanos,
     gap_sum_us: f64,
     gaps: Option<Histogram<u32>>,
+}
+
+impl CurveBucket {
+    fn add(&mut self, other: &CurveBucket) {
+        self.tokens += other.tokens;
+        self.gap_sum_us += other.gap_sum_us;
+        if let Some(g) = &other.gaps {
+            let _ = self.gaps.get_or_insert_with(histogram).add(g);
+        }
+    }
 }
 
 #[derive(Default)]
@@ -73,29 +79,6 @@ struct Totals {
     estimate_before_exact: u64,
     exact_after_estimate: u64,
     unparsed_events: u64,
-}
-
-pub(super) struct Windows {
-    slot_ns: Nanos,
-    started: Nanos,
-    /// The latest time seen: timestamps taken just before the lock may arrive out of order.
-    latest: Nanos,
-    ring: Vec<Slot>,
-    in_flight: u64,
-    last_change: Nanos,
-    records: Slab<Record>,
-    /// Finished records in finishing order, removed once they leave the window.
-    retired: VecDeque<(usize, Nanos)>,
-    curve: Vec<CurveBucket>,
-    totals: Totals,
-    metered: bool,
-    /// What the SLO controller reads each tick: per-token gaps and ∫ in_flight dt since
-    /// the last read.
-    control_gaps: Histogram<u32>,
-    control_busy: u128,
-    control_since: Nanos,
-    /// Tokens per token-bearing fragment, since start.
-    tokens_per_event: Histogram<u32>,
 }
 
 /// One controller tick's evidence.
@@ -127,43 +110,111 @@ fn ms(ns: Nanos) -> f64 {
     ns as f64 / 1e6
 }
 
-// === impl Windows ===
+/// The epochs `oldest..=newest` of the window that ends at `now`.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Span {
+    oldest: u64,
+    newest: u64,
+    slot_ns: Nanos,
+}
 
-impl Windows {
-    pub(super) fn new(window: Duration, now: Nanos) -> Self {
-        let window_ns = u64::try_from(window.as_nanos()).unwrap_or(u64::MAX);
-        let slot_ns = (window_ns / SLOTS as u64).max(1);
-        Windows {
+impl Span {
+    fn of(now: Nanos, slot_ns: Nanos) -> Span {
+        let newest = now / slot_ns;
+        Span {
+            oldest: newest.saturating_sub(SLOTS as u64 - 1),
+            newest,
             slot_ns,
-            started: now,
-            latest: now,
+        }
+    }
+
+    fn contains(self, epoch: u64) -> bool {
+        epoch != u64::MAX && epoch >= self.oldest && epoch <= self.newest
+    }
+
+    fn start(self) -> Nanos {
+        self.oldest * self.slot_ns
+    }
+}
+
+/// What the shards hold for one read, merged.
+pub(super) struct Sums {
+    tokens: u64,
+    itl: Histogram<u32>,
+    ttft: Vec<f64>,
+    tpot: Vec<f64>,
+    e2e: Vec<f64>,
+    curve: Vec<CurveBucket>,
+    tokens_per_event: Histogram<u32>,
+    control_gaps: Histogram<u32>,
+}
+
+impl Sums {
+    pub(super) fn new() -> Sums {
+        Sums {
+            tokens: 0,
+            itl: histogram(),
+            ttft: Vec::new(),
+            tpot: Vec::new(),
+            e2e: Vec::new(),
+            curve: (0..CURVE_BUCKETS).map(|_| CurveBucket::default()).collect(),
+            tokens_per_event: histogram(),
+            control_gaps: histogram(),
+        }
+    }
+}
+
+// ===== the per-event half =====
+
+/// One slot of a shard's ring: its tokens and per-token gaps.
+struct Slot {
+    epoch: u64,
+    tokens: u64,
+    /// Per-token gaps (ITL), µs.
+    itl: Histogram<u32>,
+}
+
+/// The per-event state of one upstream on one worker thread.
+pub(super) struct Shard {
+    slot_ns: Nanos,
+    /// The latest time seen: timestamps taken just before the lock may arrive out of order.
+    latest: Nanos,
+    ring: Vec<Slot>,
+    records: Slab<Record>,
+    /// Finished records in finishing order, removed once they leave the window.
+    retired: VecDeque<(usize, Nanos)>,
+    curve: Vec<CurveBucket>,
+    /// Per-token gaps since the SLO controller's last read.
+    control_gaps: Histogram<u32>,
+    /// Tokens per token-bearing fragment, since start.
+    tokens_per_event: Histogram<u32>,
+}
+
+// === impl Shard ===
+
+impl Shard {
+    pub(super) fn new(window: Duration) -> Self {
+        Shard {
+            slot_ns: slot_ns(window),
+            latest: 0,
             ring: (0..SLOTS)
                 .map(|_| Slot {
                     epoch: u64::MAX,
                     tokens: 0,
-                    busy: 0,
                     itl: histogram(),
                 })
                 .collect(),
-            in_flight: 0,
-            last_change: now,
             records: Slab::new(),
             retired: VecDeque::new(),
             curve: (0..CURVE_BUCKETS).map(|_| CurveBucket::default()).collect(),
-            totals: Totals::default(),
-            metered: false,
             control_gaps: histogram(),
-            control_busy: 0,
-            control_since: now,
             tokens_per_event: histogram(),
         }
     }
 
-    /// A request whose client started it at `t0` was sent upstream at `now`.
+    /// The record of a request whose client started it at `t0`, sent upstream at `now`.
     pub(super) fn begin(&mut self, t0: Nanos, now: Nanos) -> usize {
-        let now = self.advance(now);
-        self.in_flight += 1;
-        self.metered = true;
+        let now = self.clamp(now);
         self.records.insert(Record {
             t0,
             first: None,
@@ -173,16 +224,18 @@ impl Windows {
         })
     }
 
-    /// Records `n` tokens of request `key` at `now`; returns the gap since its previous
-    /// token event (`None` for its first) and the requests in flight as they arrived.
-    pub(super) fn tokens(&mut self, key: usize, now: Nanos, n: u32) -> (Option<Nanos>, u64) {
+    /// Records `n` tokens of request `key` at `now`, `in_flight` requests being in flight;
+    /// returns the gap since its previous token event (`None` for its first).
+    pub(super) fn tokens(
+        &mut self,
+        key: usize,
+        now: Nanos,
+        n: u32,
+        in_flight: u64,
+    ) -> Option<Nanos> {
         let now = self.clamp(now);
         let epoch = now / self.slot_ns;
-        let in_flight = self.in_flight;
-        let bucket = bucket(in_flight);
-        let Some(rec) = self.records.get_mut(key) else {
-            return (None, in_flight);
-        };
+        let rec = self.records.get_mut(key)?;
         let gap = rec.first.map(|_| now.saturating_sub(rec.last));
         if rec.first.is_none() {
             rec.first = Some(now);
@@ -205,7 +258,7 @@ impl Windows {
         let _ = self.tokens_per_event.record(u64::from(n));
         let slot = slot_of(&mut self.ring, epoch);
         slot.tokens += u64::from(n);
-        let curve = &mut self.curve[bucket];
+        let curve = &mut self.curve[bucket(in_flight)];
         curve.tokens += u64::from(n);
         if let Some(gap) = gap {
             let per_token_us = gap as f64 / 1e3 / f64::from(n);
@@ -215,45 +268,15 @@ impl Windows {
             let _ = curve.gaps.get_or_insert_with(histogram).record_n(v, n);
             curve.gap_sum_us += per_token_us * f64::from(n);
         }
-        (gap, in_flight)
+        gap
     }
 
-    /// Ends request `key` at `now`. `estimated` is the tokens its events counted; an
-    /// `exact` total replaces that estimate: the difference lands in the slot where the
-    /// request ended and in its last segment, so nothing is counted twice.
-    pub(super) fn finish(
-        &mut self,
-        key: usize,
-        now: Nanos,
-        outcome: Outcome,
-        estimated: u64,
-        exact: Option<u64>,
-    ) {
-        let now = self.advance(now);
-        self.in_flight = self.in_flight.saturating_sub(1);
-        self.count(outcome);
-        let epoch = now / self.slot_ns;
-        match exact {
-            Some(total) => {
-                self.totals.exact_requests += 1;
-                self.totals.output_tokens += total;
-                if estimated > 0 {
-                    self.totals.estimate_before_exact += estimated;
-                    self.totals.exact_after_estimate += total;
-                }
-                self.correct(key, epoch, estimated, total);
-            }
-            // A stream cut short never gets its exact count: it does not make the counts
-            // of completed generations inexact.
-            None if estimated > 0 && outcome == Outcome::Ok => {
-                self.totals.estimated_requests += 1;
-                self.totals.output_tokens += estimated;
-                self.totals.estimated_tokens += estimated;
-            }
-            None => {
-                self.totals.output_tokens += estimated;
-                self.totals.estimated_tokens += estimated;
-            }
+    /// Ends request `key`'s record at `now`. `estimated` is the tokens its events counted;
+    /// an `exact` total replaces that estimate (see [`Self::correct`]).
+    pub(super) fn finish(&mut self, key: usize, now: Nanos, estimated: u64, exact: Option<u64>) {
+        let now = self.clamp(now);
+        if let Some(total) = exact {
+            self.correct(key, now / self.slot_ns, estimated, total);
         }
         if let Some(rec) = self.records.get_mut(key) {
             rec.finished_at = Some(now);
@@ -288,6 +311,166 @@ impl Windows {
         }
     }
 
+    /// Adds this shard's part of the window `span` to `sums`.
+    pub(super) fn add_to(&mut self, sums: &mut Sums, now: Nanos, span: Span) {
+        self.purge(now);
+        for slot in self.ring.iter().filter(|s| span.contains(s.epoch)) {
+            sums.tokens += slot.tokens;
+            let _ = sums.itl.add(&slot.itl);
+        }
+        let window_start = span.start();
+        for (_, rec) in &self.records {
+            if let Some(first) = rec.first.filter(|&f| f >= window_start) {
+                sums.ttft.push(ms(first.saturating_sub(rec.t0)));
+            }
+            if let Some(end) = rec.finished_at.filter(|&f| f >= window_start) {
+                sums.e2e.push(ms(end.saturating_sub(rec.t0)));
+            }
+            if let Some(t) = window_tpot(rec, span) {
+                sums.tpot.push(t);
+            }
+        }
+        for (sum, b) in sums.curve.iter_mut().zip(&self.curve) {
+            sum.add(b);
+        }
+        let _ = sums.tokens_per_event.add(&self.tokens_per_event);
+    }
+
+    /// Moves the per-token gaps since the last call into `sums`.
+    pub(super) fn take_control_gaps(&mut self, sums: &mut Sums) {
+        let _ = sums.control_gaps.add(&self.control_gaps);
+        self.control_gaps.reset();
+    }
+
+    /// Adds this shard's curve to `sums`.
+    pub(super) fn add_curve(&self, sums: &mut Sums) {
+        for (sum, b) in sums.curve.iter_mut().zip(&self.curve) {
+            sum.add(b);
+        }
+    }
+
+    /// Records held: in flight, or finished inside the window.
+    #[cfg(test)]
+    pub(super) fn records_held(&self) -> usize {
+        self.records.len()
+    }
+
+    fn clamp(&mut self, now: Nanos) -> Nanos {
+        self.latest = self.latest.max(now);
+        self.latest
+    }
+
+    fn purge(&mut self, now: Nanos) {
+        let window_start = Span::of(now, self.slot_ns).start();
+        while let Some(&(key, at)) = self.retired.front() {
+            if at >= window_start {
+                break;
+            }
+            self.retired.pop_front();
+            self.records.try_remove(key);
+        }
+    }
+}
+
+// ===== the per-request half =====
+
+/// One slot of the concurrency ring: ∫ in_flight dt over the slot, in request·ns.
+#[derive(Clone, Copy)]
+struct BusySlot {
+    epoch: u64,
+    busy: u128,
+}
+
+/// The per-request state of one upstream.
+pub(super) struct Windows {
+    slot_ns: Nanos,
+    started: Nanos,
+    /// The latest time seen: timestamps taken just before the lock may arrive out of order.
+    latest: Nanos,
+    ring: [BusySlot; SLOTS],
+    in_flight: u64,
+    last_change: Nanos,
+    /// Time spent at each curve bucket's concurrency.
+    curve_time: [Nanos; CURVE_BUCKETS],
+    totals: Totals,
+    metered: bool,
+    /// What the SLO controller reads each tick: ∫ in_flight dt since the last read.
+    control_busy: u128,
+    control_since: Nanos,
+}
+
+fn slot_ns(window: Duration) -> Nanos {
+    let window_ns = u64::try_from(window.as_nanos()).unwrap_or(u64::MAX);
+    (window_ns / SLOTS as u64).max(1)
+}
+
+// === impl Windows ===
+
+impl Windows {
+    pub(super) fn new(window: Duration, now: Nanos) -> Self {
+        Windows {
+            slot_ns: slot_ns(window),
+            started: now,
+            latest: now,
+            ring: [BusySlot {
+                epoch: u64::MAX,
+                busy: 0,
+            }; SLOTS],
+            in_flight: 0,
+            last_change: now,
+            curve_time: [0; CURVE_BUCKETS],
+            totals: Totals::default(),
+            metered: false,
+            control_busy: 0,
+            control_since: now,
+        }
+    }
+
+    /// A request was sent upstream at `now`; returns the requests now in flight.
+    pub(super) fn begin(&mut self, now: Nanos) -> u64 {
+        self.advance(now);
+        self.in_flight += 1;
+        self.metered = true;
+        self.in_flight
+    }
+
+    /// A request ended at `now`, having counted `estimated` tokens from its events and
+    /// reported an `exact` total or not; returns the requests still in flight.
+    pub(super) fn finish(
+        &mut self,
+        now: Nanos,
+        outcome: Outcome,
+        estimated: u64,
+        exact: Option<u64>,
+    ) -> u64 {
+        self.advance(now);
+        self.in_flight = self.in_flight.saturating_sub(1);
+        self.count(outcome);
+        let t = &mut self.totals;
+        match exact {
+            Some(total) => {
+                t.exact_requests += 1;
+                t.output_tokens += total;
+                if estimated > 0 {
+                    t.estimate_before_exact += estimated;
+                    t.exact_after_estimate += total;
+                }
+            }
+            // A stream cut short never gets its exact count: it does not make the counts
+            // of completed generations inexact.
+            None if estimated > 0 && outcome == Outcome::Ok => {
+                t.estimated_requests += 1;
+                t.output_tokens += estimated;
+                t.estimated_tokens += estimated;
+            }
+            None => {
+                t.output_tokens += estimated;
+                t.estimated_tokens += estimated;
+            }
+        }
+        self.in_flight
+    }
+
     pub(super) fn count(&mut self, outcome: Outcome) {
         self.totals.by_outcome[outcome.index()] += 1;
     }
@@ -296,37 +479,32 @@ impl Windows {
         self.totals.unparsed_events += events;
     }
 
-    pub(super) fn stats(&mut self, name: &str, now: Nanos) -> UpstreamStats {
+    /// Brings the integrals up to `now` (clamped to be monotonic) and returns the window
+    /// that ends there, for the shards to add their part to.
+    pub(super) fn span(&mut self, now: Nanos) -> (Nanos, Span) {
         let now = self.advance(now);
-        self.purge(now);
-        let epoch = now / self.slot_ns;
-        let oldest = self.oldest_epoch(epoch);
-        let span = now - (oldest * self.slot_ns).max(self.started);
-        let in_window = |e: u64| e != u64::MAX && e >= oldest && e <= epoch;
+        (now, Span::of(now, self.slot_ns))
+    }
 
-        let (mut tokens, mut busy) = (0u64, 0u128);
-        let mut itl = histogram();
-        for slot in self.ring.iter().filter(|s| in_window(s.epoch)) {
-            tokens += slot.tokens;
-            busy += slot.busy;
-            let _ = itl.add(&slot.itl);
-        }
-        let window_start = oldest * self.slot_ns;
-        let (mut ttft, mut tpot, mut e2e) = (Vec::new(), Vec::new(), Vec::new());
-        for (_, rec) in &self.records {
-            if let Some(first) = rec.first.filter(|&f| f >= window_start) {
-                ttft.push(ms(first.saturating_sub(rec.t0)));
-            }
-            if let Some(end) = rec.finished_at.filter(|&f| f >= window_start) {
-                e2e.push(ms(end.saturating_sub(rec.t0)));
-            }
-            if let Some(t) = window_tpot(rec, oldest, epoch) {
-                tpot.push(t);
-            }
-        }
+    /// The figures of the window `span` ending at `now`, the shards' part being `sums`.
+    pub(super) fn stats(
+        &self,
+        name: &str,
+        now: Nanos,
+        span: Span,
+        mut sums: Sums,
+    ) -> UpstreamStats {
+        let elapsed = now - span.start().max(self.started);
+        let busy: u128 = self
+            .ring
+            .iter()
+            .filter(|s| span.contains(s.epoch))
+            .map(|s| s.busy)
+            .sum();
+        let tpot = &sums.tpot;
         let mean_tpot = (!tpot.is_empty()).then(|| tpot.iter().sum::<f64>() / tpot.len() as f64);
         let metered = self.metered;
-        let rate = |x: f64| (metered && span > 0).then(|| x / (span as f64 / 1e9));
+        let rate = |x: f64| (metered && elapsed > 0).then(|| x / (elapsed as f64 / 1e9));
 
         let t = &self.totals;
         let finished_generations = t.exact_requests + t.estimated_requests;
@@ -350,31 +528,37 @@ impl Windows {
                 .then(|| 100.0 * t.estimated_tokens as f64 / t.output_tokens as f64),
             estimate_to_exact_ratio: (t.exact_after_estimate > 0)
                 .then(|| t.estimate_before_exact as f64 / t.exact_after_estimate as f64),
-            tokens_per_event: TokensPerEvent::of(&self.tokens_per_event),
+            tokens_per_event: TokensPerEvent::of(&sums.tokens_per_event),
             requests_by_status: Outcome::ALL
                 .iter()
                 .map(|o| (o.label(), t.by_outcome[o.index()]))
                 .filter(|(_, n)| *n > 0)
                 .collect(),
             unparsed_events_total: t.unparsed_events,
-            system_tps: rate(tokens as f64),
+            system_tps: rate(sums.tokens as f64),
             single_stream_tps: mean_tpot.filter(|m| *m > 0.0).map(|m| 1000.0 / m),
             concurrency: rate(busy as f64 / 1e9),
-            ttft_ms: Percentiles::of(&mut ttft),
-            tpot_ms: Percentiles::of(&mut tpot),
-            itl_ms: hist_percentiles(&itl),
-            e2e_ms: Percentiles::of(&mut e2e),
-            curve: self.curve(),
+            ttft_ms: Percentiles::of(&mut sums.ttft),
+            tpot_ms: Percentiles::of(&mut sums.tpot),
+            itl_ms: hist_percentiles(&sums.itl),
+            e2e_ms: Percentiles::of(&mut sums.e2e),
+            curve: self.curve(&sums),
             slo: None,
             arms: Vec::new(),
         }
     }
 
-    /// The controller's evidence since its last call, and a fresh start.
-    pub(super) fn control_sample(&mut self, now: Nanos, percentile: f64) -> ControlSample {
+    /// The controller's evidence since its last call (the shards' gaps being in `sums`), and
+    /// a fresh start.
+    pub(super) fn control_sample(
+        &mut self,
+        now: Nanos,
+        percentile: f64,
+        sums: &Sums,
+    ) -> ControlSample {
         let now = self.advance(now);
         let span = now.saturating_sub(self.control_since);
-        let gaps = &self.control_gaps;
+        let gaps = &sums.control_gaps;
         let sample = ControlSample {
             tpot_ms: (!gaps.is_empty()).then(|| quantile_us(gaps, percentile / 100.0) / 1e3),
             concurrency: if span > 0 {
@@ -383,33 +567,39 @@ impl Windows {
                 0.0
             },
         };
-        self.control_gaps.reset();
         self.control_busy = 0;
         self.control_since = now;
         sample
     }
 
     /// The highest system T/s among curve buckets whose `percentile` of per-token gaps meets
-    /// `tpot_ms`.
-    pub(super) fn slo_bounded_system_tps(&self, tpot_ms: f64, percentile: f64) -> Option<f64> {
-        self.curve
+    /// `tpot_ms`, the shards' curve being in `sums`.
+    pub(super) fn slo_bounded_system_tps(
+        &self,
+        tpot_ms: f64,
+        percentile: f64,
+        sums: &Sums,
+    ) -> Option<f64> {
+        sums.curve
             .iter()
-            .filter(|b| {
-                b.time > 0
+            .zip(&self.curve_time)
+            .filter(|(b, &time)| {
+                time > 0
                     && b.gaps.as_ref().is_some_and(|h| {
                         !h.is_empty() && quantile_us(h, percentile / 100.0) / 1e3 <= tpot_ms
                     })
             })
-            .map(|b| b.tokens as f64 / (b.time as f64 / 1e9))
+            .map(|(b, &time)| b.tokens as f64 / (time as f64 / 1e9))
             .max_by(f64::total_cmp)
     }
 
-    fn curve(&self) -> Vec<CurvePoint> {
-        self.curve
+    fn curve(&self, sums: &Sums) -> Vec<CurvePoint> {
+        sums.curve
             .iter()
+            .zip(&self.curve_time)
             .enumerate()
-            .filter(|(_, b)| b.tokens > 0)
-            .map(|(i, b)| {
+            .filter(|(_, (b, _))| b.tokens > 0)
+            .map(|(i, (b, &time))| {
                 let samples = b.gaps.as_ref().map_or(0, Histogram::len);
                 let q = |p: f64| {
                     b.gaps
@@ -423,74 +613,49 @@ impl Windows {
                     tpot_ms_p50: q(0.5),
                     tpot_ms_p90: q(0.9),
                     single_stream_tps: mean_ms.filter(|m| *m > 0.0).map(|m| 1000.0 / m),
-                    system_tps: (b.time > 0).then(|| b.tokens as f64 / (b.time as f64 / 1e9)),
+                    system_tps: (time > 0).then(|| b.tokens as f64 / (time as f64 / 1e9)),
                     samples,
                 }
             })
             .collect()
     }
 
-    /// Records held: in flight, or finished inside the window.
-    #[cfg(test)]
-    pub(super) fn records_held(&self) -> usize {
-        self.records.len()
-    }
-
-    fn oldest_epoch(&self, epoch: u64) -> u64 {
-        epoch.saturating_sub(SLOTS as u64 - 1)
-    }
-
-    fn clamp(&mut self, now: Nanos) -> Nanos {
-        self.latest = self.latest.max(now);
-        self.latest
-    }
-
-    /// Brings the concurrency integral up to `now`; returns `now` clamped to be monotonic.
+    /// Brings the concurrency integrals up to `now`; returns `now` clamped to be monotonic.
     fn advance(&mut self, now: Nanos) -> Nanos {
-        let now = self.clamp(now);
+        self.latest = self.latest.max(now);
+        let now = self.latest;
         let from = self.last_change;
         self.last_change = now;
         if self.in_flight == 0 || now <= from {
             return now;
         }
         let n = self.in_flight;
-        self.curve[bucket(n)].time += now - from;
+        self.curve_time[bucket(n)] += now - from;
         self.control_busy += u128::from(n) * u128::from(now - from);
         // Only the slots still in the window matter for the ring.
-        let mut t = from.max(self.oldest_epoch(now / self.slot_ns) * self.slot_ns);
+        let mut t = from.max(Span::of(now, self.slot_ns).start());
         while t < now {
             let epoch = t / self.slot_ns;
             let end = ((epoch + 1) * self.slot_ns).min(now);
-            self.slot(epoch).busy += u128::from(n) * u128::from(end - t);
+            let slot = &mut self.ring[(epoch % SLOTS as u64) as usize];
+            if slot.epoch != epoch {
+                *slot = BusySlot { epoch, busy: 0 };
+            }
+            slot.busy += u128::from(n) * u128::from(end - t);
             t = end;
         }
         now
     }
-
-    fn slot(&mut self, epoch: u64) -> &mut Slot {
-        slot_of(&mut self.ring, epoch)
-    }
-
-    fn purge(&mut self, now: Nanos) {
-        let window_start = self.oldest_epoch(now / self.slot_ns) * self.slot_ns;
-        while let Some(&(key, at)) = self.retired.front() {
-            if at >= window_start {
-                break;
-            }
-            self.retired.pop_front();
-            self.records.try_remove(key);
-        }
-    }
 }
 
-/// A request's TPOT (ms) over its token events inside epochs `oldest..=newest`: `None`
-/// unless it had at least two events there.
-fn window_tpot(rec: &Record, oldest: u64, newest: u64) -> Option<f64> {
+/// A request's TPOT (ms) over its token events inside the window `span`: `None` unless it
+/// had at least two events there.
+fn window_tpot(rec: &Record, span: Span) -> Option<f64> {
     let (mut first, mut last, mut tokens, mut events) = (u64::MAX, 0, 0u64, 0u32);
     for s in rec
         .segments
         .iter()
-        .filter(|s| s.events > 0 && s.epoch >= oldest && s.epoch <= newest)
+        .filter(|s| s.events > 0 && s.epoch >= span.oldest && s.epoch <= span.newest)
     {
         first = first.min(s.first);
         last = last.max(s.last);
@@ -506,7 +671,6 @@ fn slot_of(ring: &mut [Slot], epoch: u64) -> &mut Slot {
     if slot.epoch != epoch {
         slot.epoch = epoch;
         slot.tokens = 0;
-        slot.busy = 0;
         slot.itl.reset();
     }
     slot

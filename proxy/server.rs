@@ -31,6 +31,8 @@ pub struct Shared {
     pub meters: Vec<Arc<UpstreamMeter>>,
     /// Prebuilt peers, one per upstream, cloned per request.
     pub peers: Vec<HttpPeer>,
+    /// Upstream connections of the streaming path (see `service::stream_through`).
+    pub connector: pingora::connectors::http::Connector,
     pub router: Router,
     pub telemetry: Telemetry,
     /// One per upstream: its concurrency limit (unlimited without a cap or an SLO).
@@ -99,6 +101,9 @@ impl Shared {
             limiters,
             slo,
             peers: config.upstreams.iter().map(peer).collect(),
+            connector: pingora::connectors::http::Connector::new(Some(
+                pingora::connectors::ConnectorOptions::new(config.keepalive_pool),
+            )),
             router: Router::new(&config.routes),
             clock,
             meters,

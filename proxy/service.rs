@@ -24,6 +24,8 @@ use crate::server::Shared;
 use crate::sse::SseParser;
 use crate::usage::{self, UsageStripper};
 
+mod direct;
+
 /// The response header naming the upstream that served a request.
 pub const UPSTREAM_HEADER: &str = "x-tokentap-upstream";
 /// The body pingora keeps to replay upstream (its retry buffer).
@@ -284,6 +286,12 @@ impl ProxyHttp for TokenTap {
                 }
             },
         };
+        if self.shared.config.direct_streaming && direct::eligible(session.req_header()) {
+            if let Some(body) = read_body_ahead(session).await? {
+                self.stream_through(session, ctx, body).await?;
+                return Ok(true);
+            }
+        }
         Ok(false)
     }
 

@@ -93,6 +93,9 @@ pub struct ServerFile {
     pub upstream_keepalive_pool_size: Option<usize>,
     /// Let worker threads steal each other's connections. Default true.
     pub work_stealing: Option<bool>,
+    /// Proxy metered generation requests by tokentap's own streaming loop (on pingora's
+    /// connections and sessions) rather than pingora-proxy's. Default true.
+    pub direct_streaming: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -387,6 +390,7 @@ impl FileConfig {
             grace_period: Duration::from_secs(grace),
             keepalive_pool,
             work_stealing: self.server.work_stealing.unwrap_or(true),
+            direct_streaming: self.server.direct_streaming.unwrap_or(true),
             upstreams,
             routes,
         })

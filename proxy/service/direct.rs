@@ -1,0 +1,200 @@
+//! The direct streaming path: a metered generation request proxied by one loop of
+//! tokentap's own, on pingora's connection pool and HTTP/1 sessions.
+//!
+//! pingora-proxy runs every request as an upstream half and a downstream half that hand
+//! each body fragment over a channel, through its cache, module and range machinery; for a
+//! token stream that is most of the proxy's CPU per event and a re-scheduling per event
+//! (README, "Against nginx"). Here one task reads a fragment from the upstream session,
+//! meters it and writes it to the client session, nothing in between.
+//!
+//! It takes only what it can do exactly as pingora-proxy would: an HTTP/1.1 request
+//! without `Upgrade` whose body (`Content-Length`, at most 64 KiB) was already read whole.
+//! The upstream request is the client's minus its hop-by-hop fields, with the upstream's
+//! `Host` and the length of the body actually sent, so framing cannot be smuggled. The
+//! response is forwarded as pingora-proxy forwards it (pingora's server session sets
+//! `Date`, `Connection` and the framing), through the same filters. Everything else, and
+//! everything when `server.direct_streaming = false`, goes through pingora-proxy.
+
+use std::future::Future;
+
+use bytes::Bytes;
+use http::header::{self, HeaderName};
+use pingora::http::RequestHeader;
+use pingora::prelude::*;
+use pingora::protocols::http::client::HttpSession as UpstreamSession;
+use pingora::protocols::http::ServerSession;
+use pingora::proxy::{ProxyHttp, Session};
+
+use super::{Ctx, TokenTap, HOST};
+use crate::routing::Choice;
+
+/// Whether a request can take the direct path (its body is checked separately).
+pub(super) fn eligible(req: &RequestHeader) -> bool {
+    req.version == http::Version::HTTP_11 && !req.headers.contains_key(header::UPGRADE)
+}
+
+/// Hop-by-hop fields (RFC 9110 §7.6.1, and the obsolete ones proxies still meet), never
+/// forwarded; the fields the client's `Connection` names are removed too.
+const HOP_BY_HOP: [&str; 10] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "expect",
+];
+
+/// Attempts at sending a request: a failed connect, or a pooled connection the upstream had
+/// closed, is tried once more on another connection.
+const ATTEMPTS: usize = 2;
+
+// === impl TokenTap ===
+
+impl TokenTap {
+    /// Proxies the request whose whole body is `body` (the client's; the rewritten one from
+    /// `ctx` when usage is injected). An error before the response header reached the
+    /// client answers 502 (pingora's error path); after, the connection is cut, as
+    /// pingora-proxy does.
+    pub(super) async fn stream_through(
+        &self,
+        session: &mut Session,
+        ctx: &mut Ctx,
+        body: Bytes,
+    ) -> Result<()> {
+        let choice = ctx
+            .choice
+            .ok_or_else(|| Error::explain(InternalError, "no upstream chosen"))?;
+        let peer = &self.shared.peers[choice.upstream];
+        let body = ctx.rewritten_body.clone().unwrap_or(body);
+        let req = self.upstream_request(session.req_header(), choice, body.len())?;
+        ctx.stream = Some(self.shared.meters[choice.upstream].begin(ctx.t0, self.now()));
+
+        let mut watch = true;
+        let mut up = watching(session.as_mut(), &mut watch, self.send(&req, &body, choice)).await?;
+        let mut resp = match up.response_header() {
+            Some(r) => r.clone(),
+            None => return Error::e_explain(InternalError, "no upstream response header"),
+        };
+        self.response_filter(session, &mut resp, ctx).await?;
+        session
+            .write_response_header(Box::new(resp), false)
+            .await
+            .map_err(|e| e.into_down())?;
+
+        loop {
+            let mut chunk = watching(session.as_mut(), &mut watch, up.read_response_body()).await?;
+            let end = chunk.is_none() || up.response_done();
+            self.upstream_response_body_filter(session, &mut chunk, end, ctx)?;
+            session
+                .write_response_body(chunk, end)
+                .await
+                .map_err(|e| e.into_down())?;
+            if end {
+                break;
+            }
+        }
+        self.shared
+            .connector
+            .release_http_session(up, peer, peer.options.idle_timeout)
+            .await;
+        Ok(())
+    }
+
+    /// The request as the upstream gets it.
+    fn upstream_request(
+        &self,
+        client: &RequestHeader,
+        choice: Choice,
+        body_len: usize,
+    ) -> Result<RequestHeader> {
+        let mut req = client.clone();
+        let named: Vec<HeaderName> = req
+            .headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .filter_map(|t| HeaderName::try_from(t.trim()).ok())
+            .collect();
+        for name in named.iter().chain(&HOP_BY_HOP.map(HeaderName::from_static)) {
+            req.remove_header(name);
+        }
+        let host = &self.shared.config.upstreams[choice.upstream].host_header;
+        req.insert_header(HOST, host.as_str())?;
+        req.insert_header(header::CONTENT_LENGTH, body_len.to_string())?;
+        Ok(req)
+    }
+
+    /// Sends the request and reads the response header (past any 1xx).
+    async fn send(
+        &self,
+        req: &RequestHeader,
+        body: &Bytes,
+        choice: Choice,
+    ) -> Result<UpstreamSession> {
+        let peer = &self.shared.peers[choice.upstream];
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let (mut up, reused) = match self.shared.connector.get_http_session(peer).await {
+                Ok(s) => s,
+                Err(_) if attempt < ATTEMPTS => continue,
+                Err(e) => return Err(e.into_up()),
+            };
+            up.set_read_timeout(peer.options.read_timeout);
+            up.set_write_timeout(peer.options.write_timeout);
+            match exchange(&mut up, req, body).await {
+                Ok(()) => return Ok(up),
+                // A pooled connection the upstream closed while it sat idle: the request
+                // never reached it.
+                Err(_) if reused && attempt < ATTEMPTS => {}
+                Err(e) => return Err(e.into_up()),
+            }
+        }
+    }
+}
+
+/// Writes the request and reads the response header, skipping informational responses.
+async fn exchange(up: &mut UpstreamSession, req: &RequestHeader, body: &Bytes) -> Result<()> {
+    up.write_request_header(Box::new(req.clone())).await?;
+    up.write_request_body(body.clone(), true).await?;
+    up.finish_request_body().await?;
+    loop {
+        up.read_response_header().await?;
+        match up.response_header().map(|r| r.status) {
+            Some(s) if s == http::StatusCode::SWITCHING_PROTOCOLS => {
+                return Error::e_explain(InvalidHTTPHeader, "101 to a request without Upgrade");
+            }
+            Some(s) if s.is_informational() => continue,
+            _ => return Ok(()),
+        }
+    }
+}
+
+/// Runs `work` while watching the client: a client that goes away ends it with a downstream
+/// error. Bytes from the client (a pipelined next request) stop the watching for good.
+async fn watching<T>(
+    downstream: &mut ServerSession,
+    watch: &mut bool,
+    work: impl Future<Output = Result<T>>,
+) -> Result<T> {
+    if !*watch {
+        return work.await.map_err(|e| e.into_up());
+    }
+    tokio::pin!(work);
+    tokio::select! {
+        biased;
+        done = &mut work => done.map_err(|e| e.into_up()),
+        gone = downstream.read_body_or_idle(true) => match gone {
+            Err(e) => Err(e.into_down()),
+            Ok(_) => {
+                *watch = false;
+                work.await.map_err(|e| e.into_up())
+            }
+        },
+    }
+}

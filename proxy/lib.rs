@@ -18,7 +18,10 @@
 //! ```
 //!
 //! - [`config`]: the TOML file → a validated runtime config; `tokentap check`.
-//! - [`service`]: `impl ProxyHttp`, each phase a few lines calling the modules below.
+//! - [`service`]: `impl ProxyHttp`, each phase a few lines calling the modules below. A
+//!   metered generation request (HTTP/1.1, body read whole) is then proxied by
+//!   `service::direct`'s single loop on pingora's connector and sessions; everything else
+//!   by pingora-proxy. Both call the same filters.
 //! - [`sse`]: incremental SSE framing, no I/O, never alters a byte.
 //! - [`dialect`]: one file per API dialect; facts, never figures.
 //! - [`meter`]: per-request records and per-upstream windows; time is an argument.

@@ -1,11 +1,13 @@
 //! The direct streaming path (`server.direct_streaming`): what the upstream receives, a
-//! pooled connection the upstream had closed, and the same bytes as pingora-proxy's path.
+//! pooled connection the upstream had closed, the read timeout, and the same bytes as
+//! pingora-proxy's path.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
 
 use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use common::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -42,10 +44,7 @@ async fn backend(once: bool) -> Backend {
                     }
                     tx.send(head).unwrap();
                     let mut out = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n".to_vec();
-                    for e in chat_events(3, true)
-                        .into_iter()
-                        .chain([b"data: [DONE]\n\n".to_vec()])
-                    {
+                    for e in chat_events(3, true) {
                         out.extend_from_slice(format!("{:x}\r\n", e.len()).as_bytes());
                         out.extend_from_slice(&e);
                         out.extend_from_slice(b"\r\n");
@@ -192,4 +191,49 @@ async fn both_paths_forward_the_same_bytes() {
         running.stop();
     }
     assert_eq!(seen[0], seen[1]);
+}
+
+/// `pieces` of a chat stream sent `gap` apart by a backend behind a proxy whose upstream read
+/// timeout is 1 s; returns what the client got and how long it took.
+async fn paced(pieces: Vec<Vec<u8>>, gap: Duration) -> (Resp, Duration, serde_json::Value) {
+    let backend = mock(vec![(
+        "/v1/chat/completions",
+        Reply::Chunked {
+            status: 200,
+            content_type: "text/event-stream",
+            pieces,
+            gap,
+            ending: Ending::Clean,
+        },
+    )])
+    .await;
+    // Appended to the (only) upstream's table.
+    let running = proxy(&[("up", backend.addr)], "read_timeout_secs = 1\n").await;
+    let start = Instant::now();
+    let r = fetch(proxy_addr(&running), "POST", "/v1/chat/completions", BODY).await;
+    let took = start.elapsed();
+    let st = stats_when(&running, |u| u["requests_total"] == 1).await;
+    running.stop();
+    (r, took, st["upstreams"][0].clone())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_silent_past_the_read_timeout_is_cut() {
+    let (r, took, up) = paced(chat_events(2, false), Duration::from_secs(30)).await;
+    assert_eq!(r.status, 200);
+    assert!(r.error, "the body should end in an error, not complete");
+    assert!(String::from_utf8_lossy(&r.body).contains("assistant"));
+    assert!(took >= Duration::from_millis(900), "cut after {took:?}");
+    assert_eq!(up["requests_by_status"]["upstream_error"], 1, "{up}");
+    assert_eq!(up["in_flight"], 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_longer_than_the_read_timeout_with_shorter_gaps_completes() {
+    // 1.35 s in all (four pieces 450 ms apart), never silent for 1 s.
+    let (r, _, up) = paced(chat_events(2, false), Duration::from_millis(450)).await;
+    assert_eq!(r.status, 200);
+    assert!(!r.error);
+    assert!(String::from_utf8_lossy(&r.body).contains("[DONE]"));
+    assert_eq!(up["requests_by_status"]["ok"], 1, "{up}");
 }

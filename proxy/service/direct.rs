@@ -16,6 +16,7 @@
 //! everything when `server.direct_streaming = false`, goes through pingora-proxy.
 
 use std::future::Future;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{self, HeaderName};
@@ -24,6 +25,7 @@ use pingora::prelude::*;
 use pingora::protocols::http::client::HttpSession as UpstreamSession;
 use pingora::protocols::http::ServerSession;
 use pingora::proxy::{ProxyHttp, Session};
+use tokio::time::Instant;
 
 use super::{Ctx, TokenTap, HOST};
 use crate::routing::Choice;
@@ -74,7 +76,10 @@ impl TokenTap {
         ctx.stream = Some(self.shared.meters[choice.upstream].begin(ctx.t0, self.now()));
 
         let mut watch = true;
-        let mut up = watching(session.as_mut(), &mut watch, self.send(&req, &body, choice)).await?;
+        // Boxed: connecting (TCP, TLS, the pool) is a large future, needed only until the
+        // response header; kept inline, every open stream would hold its space.
+        let send = Box::pin(self.send(&req, &body, choice));
+        let mut up = watching(session.as_mut(), &mut watch, send).await?;
         let mut resp = match up.response_header() {
             Some(r) => r.clone(),
             None => return Error::e_explain(InternalError, "no upstream response header"),
@@ -85,8 +90,28 @@ impl TokenTap {
             .await
             .map_err(|e| e.into_down())?;
 
+        // The read timeout, kept lazily: pingora's arms a timer on every read; here one timer
+        // runs per timeout period and, when it fires, checks the time of the last fragment.
+        let read_timeout = peer.options.read_timeout;
+        up.set_read_timeout(None);
+        let mut last = Instant::now();
+        let timer = tokio::time::sleep(read_timeout.unwrap_or(Duration::MAX / 4));
+        tokio::pin!(timer);
         loop {
-            let mut chunk = watching(session.as_mut(), &mut watch, up.read_response_body()).await?;
+            let mut chunk = tokio::select! {
+                biased;
+                chunk = watching(session.as_mut(), &mut watch, up.read_response_body()) => chunk?,
+                () = &mut timer, if read_timeout.is_some() => {
+                    let deadline = last + read_timeout.unwrap_or_default();
+                    if Instant::now() >= deadline {
+                        return Error::e_explain(ReadTimedout, "reading the upstream response body")
+                            .map_err(|e| e.into_up());
+                    }
+                    timer.as_mut().reset(deadline);
+                    continue;
+                }
+            };
+            last = Instant::now();
             let end = chunk.is_none() || up.response_done();
             self.upstream_response_body_filter(session, &mut chunk, end, ctx)?;
             session

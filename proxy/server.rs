@@ -129,7 +129,8 @@ pub fn build(config: Config) -> (Server, Arc<Shared>) {
         threads: config.threads,
         grace_period_seconds: Some(config.grace_period.as_secs()),
         graceful_shutdown_timeout_seconds: Some(5),
-        // Connect failures are retried once; a request is never replayed after it was sent.
+        // One attempt: pingora-proxy never replays a request (the direct path retries only a
+        // connect that failed, when nothing was sent).
         max_retries: 1,
         upstream_keepalive_pool_size: config.keepalive_pool,
         work_stealing: config.work_stealing,

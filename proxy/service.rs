@@ -423,9 +423,22 @@ fn close_unless_body_read(session: &mut Session) {
 /// upstream as the body (through `request_body_filter`). Only a body with a
 /// `Content-Length` that fits the buffer (64 KiB) is read; `None` leaves the body to be
 /// streamed as usual. Reading twice is harmless: the second time returns the same bytes.
+/// A client waiting for `100 Continue` gets it first (and the upstream never sees the
+/// `Expect`: the body it gets is already complete).
 async fn read_body_ahead(session: &mut Session) -> Result<Option<Bytes>> {
     if content_length(session).is_none_or(|l| l == 0 || l > RETRY_BUFFER) {
         return Ok(None);
+    }
+    let expects_continue = session
+        .req_header()
+        .headers
+        .get(http::header::EXPECT)
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+    if expects_continue {
+        session.as_mut().write_continue_response().await?;
+        session
+            .req_header_mut()
+            .remove_header(&http::header::EXPECT);
     }
     let downstream = session.as_mut();
     downstream.enable_retry_buffering();

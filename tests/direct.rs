@@ -1,6 +1,6 @@
 //! The direct streaming path (`server.direct_streaming`): what the upstream receives, a
-//! pooled connection the upstream had closed, the read timeout, and the same bytes as
-//! pingora-proxy's path.
+//! request never sent twice, `100 Continue`, a body ended by close, the read timeout, and
+//! the same bytes as pingora-proxy's path.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -16,41 +16,64 @@ use tokio::sync::mpsc;
 
 const BODY: &[u8] = br#"{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
 
-/// A backend that hands every request head it reads to the test and answers with a short
-/// chat stream. With `once`, a connection serves one request, then closes on the next
-/// without answering: a keep-alive connection the server dropped while it sat in the pool.
+/// How the test backend answers.
+#[derive(Clone, Copy, PartialEq)]
+enum Mode {
+    /// A short chat stream, chunked, keep-alive.
+    Chunked,
+    /// Like `Chunked`, but a connection serves one request, then closes on the next after
+    /// reading it, without answering.
+    Once,
+    /// HTTP/1.0 style: no length, the body ends when the connection closes.
+    UntilClose,
+}
+
+/// A backend that hands every request head it answers to the test.
 struct Backend {
     addr: std::net::SocketAddr,
     heads: mpsc::UnboundedReceiver<String>,
     connections: Arc<AtomicU64>,
+    /// Requests read, answered or not.
+    requests: Arc<AtomicU64>,
 }
 
-async fn backend(once: bool) -> Backend {
+async fn backend(mode: Mode) -> Backend {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (tx, heads) = mpsc::unbounded_channel();
     let connections = Arc::new(AtomicU64::new(0));
-    let conns = Arc::clone(&connections);
+    let requests = Arc::new(AtomicU64::new(0));
+    let (conns, reqs) = (Arc::clone(&connections), Arc::clone(&requests));
     tokio::spawn(async move {
         loop {
             let (mut s, _) = listener.accept().await.unwrap();
             conns.fetch_add(1, SeqCst);
-            let tx = tx.clone();
+            let (tx, reqs) = (tx.clone(), Arc::clone(&reqs));
             tokio::spawn(async move {
                 let mut served = 0;
                 while let Some(head) = read_head_and_body(&mut s).await {
-                    if once && served == 1 {
+                    reqs.fetch_add(1, SeqCst);
+                    if mode == Mode::Once && served == 1 {
                         return; // closes without an answer
                     }
                     tx.send(head).unwrap();
-                    let mut out = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n".to_vec();
-                    for e in chat_events(3, true) {
-                        out.extend_from_slice(format!("{:x}\r\n", e.len()).as_bytes());
-                        out.extend_from_slice(&e);
-                        out.extend_from_slice(b"\r\n");
-                    }
-                    out.extend_from_slice(b"0\r\n\r\n");
-                    if s.write_all(&out).await.is_err() {
+                    let events = chat_events(3, true);
+                    let out = if mode == Mode::UntilClose {
+                        let mut out =
+                            b"HTTP/1.0 200 OK\r\ncontent-type: text/event-stream\r\n\r\n".to_vec();
+                        out.extend(events.concat());
+                        out
+                    } else {
+                        let mut out = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n".to_vec();
+                        for e in events {
+                            out.extend_from_slice(format!("{:x}\r\n", e.len()).as_bytes());
+                            out.extend_from_slice(&e);
+                            out.extend_from_slice(b"\r\n");
+                        }
+                        out.extend_from_slice(b"0\r\n\r\n");
+                        out
+                    };
+                    if s.write_all(&out).await.is_err() || mode == Mode::UntilClose {
                         return;
                     }
                     served += 1;
@@ -62,7 +85,20 @@ async fn backend(once: bool) -> Backend {
         addr,
         heads,
         connections,
+        requests,
     }
+}
+
+/// Reads a chunked response to its last chunk; returns it as text.
+async fn read_chunked_response(s: &mut TcpStream) -> String {
+    let mut got = Vec::new();
+    let mut tmp = [0u8; 4096];
+    while !got.ends_with(b"0\r\n\r\n") {
+        let n = s.read(&mut tmp).await.unwrap();
+        assert!(n > 0, "closed early: {}", String::from_utf8_lossy(&got));
+        got.extend_from_slice(&tmp[..n]);
+    }
+    String::from_utf8_lossy(&got).into_owned()
 }
 
 /// Reads a request head and its `Content-Length` body; returns the head.
@@ -104,7 +140,7 @@ fn header<'a>(head: &'a str, name: &str) -> Option<&'a str> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hop_by_hop_fields_stay_behind() {
-    let mut b = backend(false).await;
+    let mut b = backend(Mode::Chunked).await;
     let running = proxy(&[("up", b.addr)], "").await;
     let mut s = TcpStream::connect(proxy_addr(&running)).await.unwrap();
     let req = format!(
@@ -139,15 +175,8 @@ async fn hop_by_hop_fields_stay_behind() {
         "{head}"
     );
 
-    // The client gets the whole stream, chunked, and the connection stays usable.
-    let mut got = Vec::new();
-    let mut tmp = [0u8; 4096];
-    while !got.ends_with(b"0\r\n\r\n") {
-        let n = s.read(&mut tmp).await.unwrap();
-        assert!(n > 0, "closed early: {}", String::from_utf8_lossy(&got));
-        got.extend_from_slice(&tmp[..n]);
-    }
-    let text = String::from_utf8_lossy(&got);
+    // The client gets the whole stream, chunked.
+    let text = read_chunked_response(&mut s).await;
     assert!(text.starts_with("HTTP/1.1 200"), "{text}");
     assert!(text.contains("x-tokentap-upstream: up"), "{text}");
     assert!(text.contains("data: [DONE]"), "{text}");
@@ -155,19 +184,78 @@ async fn hop_by_hop_fields_stay_behind() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_pooled_connection_the_upstream_closed_is_retried() {
-    let b = backend(true).await;
+async fn a_request_the_upstream_dropped_is_not_sent_again() {
+    // The second request goes out on the pooled connection, which the backend reads and
+    // closes: the client gets a 502, and the generation is not asked for twice.
+    let b = backend(Mode::Once).await;
     let running = proxy(&[("up", b.addr)], "").await;
+    let mut statuses = Vec::new();
     for _ in 0..3 {
         let r = fetch(proxy_addr(&running), "POST", "/v1/chat/completions", BODY).await;
-        assert_eq!(r.status, 200);
-        assert!(!r.error);
-        assert!(String::from_utf8_lossy(&r.body).contains("data: [DONE]"));
+        statuses.push(r.status);
     }
-    // Each request after the first found its pooled connection dead and opened another.
-    assert_eq!(b.connections.load(SeqCst), 3);
+    assert_eq!(statuses, [200, 502, 200]);
+    assert_eq!(b.requests.load(SeqCst), 3, "a request was sent twice");
+    assert_eq!(b.connections.load(SeqCst), 2);
     let st = stats_when(&running, |u| u["requests_total"] == 3).await;
-    assert_eq!(st["upstreams"][0]["requests_by_status"]["ok"], 3, "{st}");
+    let up = &st["upstreams"][0];
+    assert_eq!(up["requests_by_status"]["ok"], 2, "{st}");
+    assert_eq!(up["requests_by_status"]["upstream_error"], 1, "{st}");
+    assert_eq!(up["in_flight"], 0);
+    running.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_expecting_100_continue_gets_it() {
+    let mut b = backend(Mode::Chunked).await;
+    let running = proxy(&[("up", b.addr)], "").await;
+    let mut s = TcpStream::connect(proxy_addr(&running)).await.unwrap();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nexpect: 100-continue\r\ncontent-length: {}\r\n\r\n",
+        BODY.len()
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    // The body goes only after the 100 (a deadline, so a proxy that never sends it fails).
+    let mut tmp = [0u8; 1024];
+    let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut tmp))
+        .await
+        .expect("no 100 Continue")
+        .unwrap();
+    let first = String::from_utf8_lossy(&tmp[..n]).into_owned();
+    assert!(first.starts_with("HTTP/1.1 100"), "{first}");
+    s.write_all(BODY).await.unwrap();
+    let rest = read_chunked_response(&mut s).await;
+    assert!(rest.contains("HTTP/1.1 200"), "{rest}");
+    assert!(rest.contains("data: [DONE]"), "{rest}");
+    let upstream_head = b.heads.recv().await.unwrap();
+    assert_eq!(header(&upstream_head, "expect"), None, "{upstream_head}");
+    running.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_ended_by_close_reaches_the_client_chunked() {
+    let b = backend(Mode::UntilClose).await;
+    let running = proxy(&[("up", b.addr)], "").await;
+    let mut s = TcpStream::connect(proxy_addr(&running)).await.unwrap();
+    for _ in 0..2 {
+        // Twice on one client connection: it survives the upstream's close.
+        let req = format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\r\n",
+            BODY.len()
+        );
+        s.write_all(req.as_bytes()).await.unwrap();
+        s.write_all(BODY).await.unwrap();
+        let text = read_chunked_response(&mut s).await;
+        assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+        assert!(
+            text.to_ascii_lowercase()
+                .contains("transfer-encoding: chunked"),
+            "{text}"
+        );
+        assert!(text.contains("data: [DONE]"), "{text}");
+    }
+    let st = stats_when(&running, |u| u["requests_total"] == 2).await;
+    assert_eq!(st["upstreams"][0]["requests_by_status"]["ok"], 2, "{st}");
     running.stop();
 }
 
@@ -175,7 +263,7 @@ async fn a_pooled_connection_the_upstream_closed_is_retried() {
 async fn both_paths_forward_the_same_bytes() {
     let mut seen = Vec::new();
     for extra in ["", "[server]\ndirect_streaming = false\n"] {
-        let b = backend(false).await;
+        let b = backend(Mode::Chunked).await;
         let running = proxy(&[("up", b.addr)], extra).await;
         let r = fetch(proxy_addr(&running), "POST", "/v1/chat/completions", BODY).await;
         assert_eq!(r.status, 200);

@@ -30,14 +30,18 @@ use tokio::time::Instant;
 use super::{Ctx, TokenTap, HOST};
 use crate::routing::Choice;
 
-/// Whether a request can take the direct path (its body is checked separately).
+/// Whether a request can take the direct path (its body is checked separately): HTTP/1.1,
+/// origin-form (an absolute-form target's authority would need reconciling with `Host`,
+/// which pingora-proxy does), no `Upgrade`.
 pub(super) fn eligible(req: &RequestHeader) -> bool {
-    req.version == http::Version::HTTP_11 && !req.headers.contains_key(header::UPGRADE)
+    req.version == http::Version::HTTP_11
+        && req.raw_path().first() == Some(&b'/')
+        && !req.headers.contains_key(header::UPGRADE)
 }
 
 /// Hop-by-hop fields (RFC 9110 §7.6.1, and the obsolete ones proxies still meet), never
 /// forwarded; the fields the client's `Connection` names are removed too.
-const HOP_BY_HOP: [&str; 10] = [
+const HOP_BY_HOP: [&str; 11] = [
     "connection",
     "keep-alive",
     "proxy-connection",
@@ -47,11 +51,13 @@ const HOP_BY_HOP: [&str; 10] = [
     "trailer",
     "transfer-encoding",
     "upgrade",
+    "http2-settings",
     "expect",
 ];
 
-/// Attempts at sending a request: a failed connect, or a pooled connection the upstream had
-/// closed, is tried once more on another connection.
+/// Attempts at connecting: a connect that failed in a way pingora marks retryable is tried
+/// once more. A request that was sent is never sent again (a generation would run twice),
+/// as on pingora-proxy's path and nginx's default for POST.
 const ATTEMPTS: usize = 2;
 
 // === impl TokenTap ===
@@ -84,6 +90,16 @@ impl TokenTap {
             Some(r) => r.clone(),
             None => return Error::e_explain(InternalError, "no upstream response header"),
         };
+        // As pingora-proxy: a body without a length (HTTP/1.0 style, ended by close) goes on
+        // chunked, so the client connection survives it.
+        let no_body = matches!(resp.status.as_u16(), 204 | 304);
+        if !no_body
+            && !resp.headers.contains_key(header::TRANSFER_ENCODING)
+            && !resp.headers.contains_key(header::CONTENT_LENGTH)
+        {
+            resp.set_version(http::Version::HTTP_11);
+            resp.insert_header(header::TRANSFER_ENCODING, "chunked")?;
+        }
         self.response_filter(session, &mut resp, ctx).await?;
         session
             .write_response_header(Box::new(resp), false)
@@ -111,13 +127,14 @@ impl TokenTap {
                     continue;
                 }
             };
-            last = Instant::now();
             let end = chunk.is_none() || up.response_done();
             self.upstream_response_body_filter(session, &mut chunk, end, ctx)?;
             session
                 .write_response_body(chunk, end)
                 .await
                 .map_err(|e| e.into_down())?;
+            // After the write: time spent on a slow client is not upstream silence.
+            last = Instant::now();
             if end {
                 break;
             }
@@ -165,20 +182,22 @@ impl TokenTap {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let (mut up, reused) = match self.shared.connector.get_http_session(peer).await {
-                Ok(s) => s,
-                Err(_) if attempt < ATTEMPTS => continue,
-                Err(e) => return Err(e.into_up()),
+            let mut up = match self.shared.connector.get_http_session(peer).await {
+                Ok((up, _reused)) => up,
+                Err(mut e) => {
+                    e.retry.decide_reuse(false);
+                    if e.retry() && attempt < ATTEMPTS {
+                        continue;
+                    }
+                    return Err(e.into_up());
+                }
             };
             up.set_read_timeout(peer.options.read_timeout);
             up.set_write_timeout(peer.options.write_timeout);
-            match exchange(&mut up, req, body).await {
-                Ok(()) => return Ok(up),
-                // A pooled connection the upstream closed while it sat idle: the request
-                // never reached it.
-                Err(_) if reused && attempt < ATTEMPTS => {}
-                Err(e) => return Err(e.into_up()),
-            }
+            return match exchange(&mut up, req, body).await {
+                Ok(()) => Ok(up),
+                Err(e) => Err(e.into_up()),
+            };
         }
     }
 }
@@ -201,7 +220,8 @@ async fn exchange(up: &mut UpstreamSession, req: &RequestHeader, body: &Bytes) -
 }
 
 /// Runs `work` while watching the client: a client that goes away ends it with a downstream
-/// error. Bytes from the client (a pipelined next request) stop the watching for good.
+/// error (so does a client that sends bytes after its request, unless pipelining is on:
+/// then pingora keeps them for the next request and the watching stops for good).
 async fn watching<T>(
     downstream: &mut ServerSession,
     watch: &mut bool,
@@ -221,5 +241,37 @@ async fn watching<T>(
                 work.await.map_err(|e| e.into_up())
             }
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(target: &str, version: http::Version) -> RequestHeader {
+        let mut r = RequestHeader::build("POST", target.as_bytes(), None)
+            .unwrap_or_else(|_| unreachable!());
+        r.set_version(version);
+        r
+    }
+
+    #[test]
+    fn eligibility() {
+        assert!(eligible(&req(
+            "/v1/chat/completions",
+            http::Version::HTTP_11
+        )));
+        assert!(!eligible(&req(
+            "/v1/chat/completions",
+            http::Version::HTTP_10
+        )));
+        assert!(!eligible(&req(
+            "http://h/v1/chat/completions",
+            http::Version::HTTP_11
+        )));
+        let mut up = req("/v1/chat/completions", http::Version::HTTP_11);
+        up.insert_header("upgrade", "websocket")
+            .unwrap_or_else(|_| unreachable!());
+        assert!(!eligible(&up));
     }
 }

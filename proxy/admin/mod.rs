@@ -196,7 +196,16 @@ impl ServeHttp for Admin {
                 Err(e) => json_error(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
             },
             "/metrics" => {
-                let text = self.shared.telemetry.render(&stats(&self.shared).upstreams);
+                let distributions: Vec<_> = self
+                    .shared
+                    .meters
+                    .iter()
+                    .map(|m| (m.name(), m.distributions()))
+                    .collect();
+                let text = self
+                    .shared
+                    .telemetry
+                    .render(&stats(&self.shared).upstreams, &distributions);
                 respond(
                     StatusCode::OK,
                     "text/plain; version=0.0.4",

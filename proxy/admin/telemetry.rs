@@ -3,7 +3,11 @@
 //!
 //! The recorder is local to one proxy (not the process-global one), so several proxies in
 //! one process — tests, the demo — never mix their figures. Counters and gauges are set from
-//! the meter's snapshot at scrape time; the histograms are fed by the meter as requests run.
+//! the meter's snapshot at scrape time; the per-request histograms (TTFT, TPOT, queue wait)
+//! are fed as requests end, and the per-event ones (ITL, tokens per event) are written here
+//! from the meter's own histograms, so a token event feeds nothing shared between threads.
+
+use std::fmt::Write as _;
 
 use metrics::{
     counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram, Unit,
@@ -12,7 +16,7 @@ use metrics_exporter_prometheus::{
     Matcher, PrometheusBuilder, PrometheusHandle, PrometheusRecorder,
 };
 
-use crate::meter::{Histograms, Outcome, UpstreamStats};
+use crate::meter::{Distributions, Histograms, Outcome, UpstreamStats};
 
 /// Histogram buckets for latencies, seconds: 1 ms to 5 min.
 const LATENCY_BUCKETS: &[f64] = &[
@@ -54,8 +58,6 @@ impl Telemetry {
         metrics::with_local_recorder(&self.recorder, || Histograms {
             ttft: histogram!("tokentap_ttft_seconds", "upstream" => name.clone()),
             tpot: histogram!("tokentap_tpot_seconds", "upstream" => name.clone()),
-            itl: histogram!("tokentap_itl_seconds", "upstream" => name.clone()),
-            tokens_per_event: histogram!("tokentap_tokens_per_event", "upstream" => name.clone()),
         })
     }
 
@@ -68,8 +70,13 @@ impl Telemetry {
         )
     }
 
-    /// The exposition text, after setting counters and gauges from `stats`.
-    pub fn render(&self, stats: &[UpstreamStats]) -> String {
+    /// The exposition text, after setting counters and gauges from `stats`, with the
+    /// per-event histograms of `distributions` (upstream name, distributions).
+    pub fn render(
+        &self,
+        stats: &[UpstreamStats],
+        distributions: &[(&str, Distributions)],
+    ) -> String {
         metrics::with_local_recorder(&self.recorder, || {
             for s in stats {
                 let up = s.name.clone();
@@ -131,7 +138,9 @@ impl Telemetry {
                 }
             }
         });
-        self.handle.render()
+        let mut text = self.handle.render();
+        render_distributions(&mut text, distributions);
+        text
     }
 
     /// Drains histogram samples into their buckets; call every few seconds so memory stays
@@ -147,12 +156,72 @@ impl Default for Telemetry {
     }
 }
 
+/// `tokentap_itl_seconds` and `tokentap_tokens_per_event` in the text format, from the
+/// meter's histograms. Their resolution is 1%: a sample is counted at the low end of its
+/// 1% range, so one at most 1% above a bucket bound may count under it (and one exactly on
+/// it always does).
+fn render_distributions(text: &mut String, distributions: &[(&str, Distributions)]) {
+    if distributions.is_empty() {
+        return;
+    }
+    let families = [
+        (
+            "tokentap_itl_seconds",
+            "Inter-token latency: the gap between token events divided by the tokens of the later one.",
+            LATENCY_BUCKETS,
+            1e6,
+        ),
+        (
+            "tokentap_tokens_per_event",
+            "Tokens carried by each token-bearing fragment.",
+            TOKEN_BUCKETS,
+            1.0,
+        ),
+    ];
+    for (i, (name, help, bounds, per_unit)) in families.into_iter().enumerate() {
+        let _ = writeln!(text, "# HELP {name} {help}\n# TYPE {name} histogram");
+        for (upstream, d) in distributions {
+            let (h, sum) = if i == 0 {
+                (&d.itl_us, d.itl_sum_us / per_unit)
+            } else {
+                let h = &d.tokens_per_event;
+                (h, h.mean() * h.len() as f64)
+            };
+            let label = escape(upstream);
+            let mut counts = vec![0u64; bounds.len()];
+            for v in h.iter_recorded() {
+                let value = h.lowest_equivalent(v.value_iterated_to()) as f64 / per_unit;
+                if let Some(b) = bounds.iter().position(|&le| value <= le) {
+                    counts[b] += u64::from(v.count_at_value());
+                }
+            }
+            let mut cumulative = 0;
+            for (le, n) in bounds.iter().zip(counts) {
+                cumulative += n;
+                let _ = writeln!(
+                    text,
+                    "{name}_bucket{{upstream=\"{label}\",le=\"{le}\"}} {cumulative}"
+                );
+            }
+            let total = h.len();
+            let _ = writeln!(
+                text,
+                "{name}_bucket{{upstream=\"{label}\",le=\"+Inf\"}} {total}"
+            );
+            let _ = writeln!(text, "{name}_sum{{upstream=\"{label}\"}} {sum}");
+            let _ = writeln!(text, "{name}_count{{upstream=\"{label}\"}} {total}");
+        }
+    }
+}
+
+/// A label value with `\`, `"` and newlines escaped, as the text format wants.
+fn escape(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
 fn describe() {
-    describe_histogram!(
-        "tokentap_tokens_per_event",
-        Unit::Count,
-        "Tokens carried by each token-bearing fragment."
-    );
     describe_gauge!(
         "tokentap_estimate_to_exact_ratio",
         "Σ one-per-event estimate / Σ exact count, over requests that had both."
@@ -250,9 +319,47 @@ fn describe() {
         Unit::Seconds,
         "Time per output token of finished requests: (t_last - t_first) / (N - 1)."
     );
-    describe_histogram!(
-        "tokentap_itl_seconds",
-        Unit::Seconds,
-        "Inter-token latency: the gap between token events divided by the tokens of the later one."
-    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hist() -> hdrhistogram::Histogram<u32> {
+        hdrhistogram::Histogram::new_with_bounds(1, 3_600_000_000, 2)
+            .unwrap_or_else(|_| unreachable!())
+    }
+
+    #[test]
+    fn per_event_histograms_in_text_format() {
+        let (mut itl, mut tpe) = (hist(), hist());
+        let _ = itl.record_n(20_000, 100); // 20 ms
+        let _ = itl.record_n(40_000, 10); // 40 ms
+        let _ = tpe.record_n(1, 100);
+        let _ = tpe.record_n(4, 10);
+        let d = Distributions {
+            itl_us: itl,
+            itl_sum_us: 100.0 * 20_000.0 + 10.0 * 40_000.0,
+            tokens_per_event: tpe,
+        };
+        let mut text = String::new();
+        render_distributions(&mut text, &[("a\"b", d)]);
+        for line in [
+            "# TYPE tokentap_itl_seconds histogram",
+            "tokentap_itl_seconds_bucket{upstream=\"a\\\"b\",le=\"0.015\"} 0",
+            "tokentap_itl_seconds_bucket{upstream=\"a\\\"b\",le=\"0.02\"} 100",
+            "tokentap_itl_seconds_bucket{upstream=\"a\\\"b\",le=\"0.04\"} 110",
+            "tokentap_itl_seconds_bucket{upstream=\"a\\\"b\",le=\"+Inf\"} 110",
+            "tokentap_itl_seconds_sum{upstream=\"a\\\"b\"} 2.4",
+            "tokentap_itl_seconds_count{upstream=\"a\\\"b\"} 110",
+            "# TYPE tokentap_tokens_per_event histogram",
+            "tokentap_tokens_per_event_bucket{upstream=\"a\\\"b\",le=\"1\"} 100",
+            "tokentap_tokens_per_event_bucket{upstream=\"a\\\"b\",le=\"3\"} 100",
+            "tokentap_tokens_per_event_bucket{upstream=\"a\\\"b\",le=\"4\"} 110",
+            "tokentap_tokens_per_event_sum{upstream=\"a\\\"b\"} 140",
+            "tokentap_tokens_per_event_count{upstream=\"a\\\"b\"} 110",
+        ] {
+            assert!(text.lines().any(|l| l == line), "missing {line}:\n{text}");
+        }
+    }
 }

@@ -131,13 +131,14 @@ impl Outcome {
     }
 }
 
-/// Prometheus histogram handles an upstream's records feed (no-ops in unit tests).
+/// Prometheus histogram handles an upstream's finished requests feed (no-ops in unit
+/// tests). The per-event distributions (ITL, tokens per event) are not among them: they are
+/// read from the meter's shards at scrape time ([`UpstreamMeter::distributions`]), so a
+/// token event writes nothing shared with other threads.
 #[derive(Clone)]
 pub struct Histograms {
     pub ttft: metrics::Histogram,
     pub tpot: metrics::Histogram,
-    pub itl: metrics::Histogram,
-    pub tokens_per_event: metrics::Histogram,
 }
 
 impl Histograms {
@@ -145,10 +146,18 @@ impl Histograms {
         Histograms {
             ttft: metrics::Histogram::noop(),
             tpot: metrics::Histogram::noop(),
-            itl: metrics::Histogram::noop(),
-            tokens_per_event: metrics::Histogram::noop(),
         }
     }
+}
+
+/// An upstream's per-event distributions since start.
+pub struct Distributions {
+    /// Per-token gaps (ITL), µs, two significant figures.
+    pub itl_us: hdrhistogram::Histogram<u32>,
+    /// Σ of the per-token gaps, µs.
+    pub itl_sum_us: f64,
+    /// Tokens per token-bearing fragment.
+    pub tokens_per_event: hdrhistogram::Histogram<u32>,
 }
 
 /// One finished streamed request, as the A/B comparison sees it.
@@ -336,6 +345,17 @@ impl UpstreamMeter {
             .slo_bounded_system_tps(tpot_ms, percentile, &sums)
     }
 
+    /// The per-event distributions since start, merged over the shards.
+    pub fn distributions(&self) -> Distributions {
+        let mut sums = Sums::new();
+        for i in 0..self.shards.len() {
+            let shard = self.shard(i);
+            shard.add_curve(&mut sums);
+            shard.add_tokens_per_event(&mut sums);
+        }
+        sums.distributions()
+    }
+
     /// The figures at `now`.
     pub fn stats(&self, now: Nanos) -> UpstreamStats {
         let (now, span) = self.lock().span(now);
@@ -400,21 +420,14 @@ impl Stream {
             .meter
             .shard(self.shard)
             .tokens(self.key, now, n, in_flight);
-        self.meter.hist.tokens_per_event.record(f64::from(n));
         self.concurrency_sum += in_flight;
         self.events += 1;
-        match gap {
-            None => {
-                self.first = Some(now);
-                self.meter
-                    .hist
-                    .ttft
-                    .record(secs(now.saturating_sub(self.t0)));
-            }
-            Some(gap) => {
-                let per_token = secs(gap) / f64::from(n);
-                self.meter.hist.itl.record_many(per_token, n as usize);
-            }
+        if gap.is_none() {
+            self.first = Some(now);
+            self.meter
+                .hist
+                .ttft
+                .record(secs(now.saturating_sub(self.t0)));
         }
         self.last = now;
         self.tokens += u64::from(n);

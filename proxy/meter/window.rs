@@ -150,6 +150,24 @@ pub(super) struct Sums {
 }
 
 impl Sums {
+    /// The curve's gaps over all buckets (every per-token gap since start) and the tokens
+    /// per event.
+    pub(super) fn distributions(self) -> super::Distributions {
+        let mut itl_us = histogram();
+        let mut itl_sum_us = 0.0;
+        for b in &self.curve {
+            if let Some(g) = &b.gaps {
+                let _ = itl_us.add(g);
+            }
+            itl_sum_us += b.gap_sum_us;
+        }
+        super::Distributions {
+            itl_us,
+            itl_sum_us,
+            tokens_per_event: self.tokens_per_event,
+        }
+    }
+
     pub(super) fn new() -> Sums {
         Sums {
             tokens: 0,
@@ -347,6 +365,11 @@ impl Shard {
         for (sum, b) in sums.curve.iter_mut().zip(&self.curve) {
             sum.add(b);
         }
+    }
+
+    /// Adds this shard's tokens-per-event histogram to `sums`.
+    pub(super) fn add_tokens_per_event(&self, sums: &mut Sums) {
+        let _ = sums.tokens_per_event.add(&self.tokens_per_event);
     }
 
     /// Records held: in flight, or finished inside the window.

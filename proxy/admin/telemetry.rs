@@ -9,6 +9,8 @@
 
 use std::fmt::Write as _;
 
+use hdrhistogram::Histogram;
+
 use metrics::{
     counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram, Unit,
 };
@@ -164,29 +166,29 @@ fn render_distributions(text: &mut String, distributions: &[(&str, Distributions
     if distributions.is_empty() {
         return;
     }
-    let families = [
+    type Pick = fn(&Distributions) -> (&Histogram<u32>, f64);
+    // (name, help, bucket bounds, recorded units per exposed unit, histogram and Σ in
+    // exposed units)
+    let families: [(&str, &str, &[f64], f64, Pick); 2] = [
         (
             "tokentap_itl_seconds",
             "Inter-token latency: the gap between token events divided by the tokens of the later one.",
             LATENCY_BUCKETS,
             1e6,
+            |d| (&d.itl_us, d.itl_sum_us / 1e6),
         ),
         (
             "tokentap_tokens_per_event",
             "Tokens carried by each token-bearing fragment.",
             TOKEN_BUCKETS,
             1.0,
+            |d| (&d.tokens_per_event, d.tokens_per_event.mean() * d.tokens_per_event.len() as f64),
         ),
     ];
-    for (i, (name, help, bounds, per_unit)) in families.into_iter().enumerate() {
+    for (name, help, bounds, per_unit, pick) in families {
         let _ = writeln!(text, "# HELP {name} {help}\n# TYPE {name} histogram");
         for (upstream, d) in distributions {
-            let (h, sum) = if i == 0 {
-                (&d.itl_us, d.itl_sum_us / per_unit)
-            } else {
-                let h = &d.tokens_per_event;
-                (h, h.mean() * h.len() as f64)
-            };
+            let (h, sum) = pick(d);
             let label = escape(upstream);
             let mut counts = vec![0u64; bounds.len()];
             for v in h.iter_recorded() {

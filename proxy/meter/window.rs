@@ -348,10 +348,8 @@ impl Shard {
                 sums.tpot.push(t);
             }
         }
-        for (sum, b) in sums.curve.iter_mut().zip(&self.curve) {
-            sum.add(b);
-        }
-        let _ = sums.tokens_per_event.add(&self.tokens_per_event);
+        self.add_curve(sums);
+        self.add_tokens_per_event(sums);
     }
 
     /// Moves the per-token gaps since the last call into `sums`.

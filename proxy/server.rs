@@ -6,7 +6,6 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use pingora::listeners::{L4BufferSettings, ListenerConfig};
 use pingora::prelude::*;
 use pingora::server::configuration::ServerConf;
 use pingora::server::{RunArgs, ShutdownSignal, ShutdownSignalWatch, ShutdownWatch};
@@ -21,7 +20,7 @@ use crate::limit::controller::{Controller, Slo, Tick};
 use crate::limit::{LimitConfig, Limiter};
 use crate::meter::{Clock, UpstreamMeter};
 use crate::routing::Router;
-use crate::service::TokenTap;
+use crate::service::{Front, FrontService, TokenTap};
 
 /// What the proxy, the admin API and the background tasks share.
 pub struct Shared {
@@ -31,8 +30,8 @@ pub struct Shared {
     pub meters: Vec<Arc<UpstreamMeter>>,
     /// Prebuilt peers, one per upstream, cloned per request.
     pub peers: Vec<HttpPeer>,
-    /// Upstream connections of the streaming path (see `service::stream_through`).
-    pub connector: pingora::connectors::http::Connector,
+    /// Upstream connections of the direct path (`service/direct.rs`), pooled.
+    pub connector: pingora::connectors::TransportConnector,
     pub router: Router,
     pub telemetry: Telemetry,
     /// One per upstream: its concurrency limit (unlimited without a cap or an SLO).
@@ -101,7 +100,7 @@ impl Shared {
             limiters,
             slo,
             peers: config.upstreams.iter().map(peer).collect(),
-            connector: pingora::connectors::http::Connector::new(Some(
+            connector: pingora::connectors::TransportConnector::new(Some(
                 pingora::connectors::ConnectorOptions::new(config.keepalive_pool),
             )),
             router: Router::new(&config.routes),
@@ -139,18 +138,11 @@ pub fn build(config: Config) -> (Server, Arc<Shared>) {
     let mut server = Server::new_with_opt_and_conf(None, conf);
     let shared = Shared::new(config);
 
-    let mut proxy = pingora::proxy::http_proxy_service(
+    let proxy = pingora::proxy::http_proxy(
         &server.configuration,
         TokenTap::new(Arc::clone(&shared)),
     );
-    // No L4 read buffer downstream: pingora's default is 64 KiB, allocated zeroed for every
-    // connection (most of tokentap's memory per open stream), and a plain-TCP client
-    // connection carries one small request per response, read straight into the header
-    // buffer anyway.
-    proxy.add_listener(
-        ListenerConfig::tcp(shared.config.listen.proxy.to_string())
-            .l4_buffer(L4BufferSettings::default().read(0)),
-    );
+    let proxy = FrontService::new(Front::new(TokenTap::new(Arc::clone(&shared)), proxy));
     let mut admin = Service::new("tokentap admin".to_owned(), Admin::new(Arc::clone(&shared)));
     admin.threads = Some(1);
     admin.add_tcp(&shared.config.listen.admin.to_string());

@@ -25,6 +25,10 @@ use crate::sse::SseParser;
 use crate::usage::{self, UsageStripper};
 
 mod direct;
+mod front;
+mod h1;
+
+pub use front::{Front, FrontService};
 
 /// The response header naming the upstream that served a request.
 pub const UPSTREAM_HEADER: &str = "x-tokentap-upstream";
@@ -251,6 +255,19 @@ impl ProxyHttp for TokenTap {
         }
     }
 
+    /// The direct path's front door hands over a request it routed but cannot serve itself
+    /// (no free slot): it keeps that choice.
+    fn on_connection_reuse(
+        &self,
+        _session: &mut Session,
+        ctx: &mut Ctx,
+        prev: Box<dyn std::any::Any + Send + Sync>,
+    ) {
+        if let Ok(routed) = prev.downcast::<front::Routed>() {
+            ctx.choice = Some(routed.0);
+        }
+    }
+
     async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
         ctx.t0 = self.now();
         let req = session.req_header();
@@ -258,11 +275,14 @@ impl ProxyHttp for TokenTap {
             ctx.dialect = Dialect::from_path(req.uri.path());
         }
         let limiters = &self.shared.limiters;
-        let choice = self
-            .shared
-            .router
-            .choose(req.uri.path(), &req.headers, |u| limiters[u].has_headroom())
-            .ok_or_else(|| Error::explain(HTTPStatus(404), "no route matches"))?;
+        let choice = match ctx.choice {
+            Some(routed) => routed,
+            None => self
+                .shared
+                .router
+                .choose(req.uri.path(), &req.headers, |u| limiters[u].has_headroom())
+                .ok_or_else(|| Error::explain(HTTPStatus(404), "no route matches"))?,
+        };
         ctx.choice = Some(choice);
         ctx.tokenize =
             self.shared.config.upstreams[choice.upstream].estimate == Estimate::Tokenizer;
@@ -286,12 +306,6 @@ impl ProxyHttp for TokenTap {
                 }
             },
         };
-        if self.shared.config.direct_streaming && direct::eligible(session.req_header()) {
-            if let Some(body) = read_body_ahead(session).await? {
-                self.stream_through(session, ctx, body).await?;
-                return Ok(true);
-            }
-        }
         Ok(false)
     }
 
@@ -343,6 +357,34 @@ impl ProxyHttp for TokenTap {
         resp: &mut ResponseHeader,
         ctx: &mut Ctx,
     ) -> Result<()> {
+        self.on_response_header(resp, ctx)
+    }
+
+    fn upstream_response_body_filter(
+        &self,
+        _session: &mut Session,
+        body: &mut Option<Bytes>,
+        end_of_stream: bool,
+        ctx: &mut Ctx,
+    ) -> Result<Option<std::time::Duration>> {
+        let now = self.now();
+        let payload = body.as_deref().unwrap_or_default();
+        if let Some(kept) = self.on_body(ctx, now, payload, end_of_stream) {
+            *body = (!kept.is_empty()).then_some(kept);
+        }
+        Ok(None)
+    }
+
+    async fn logging(&self, _session: &mut Session, e: Option<&pingora::Error>, ctx: &mut Ctx) {
+        self.finish(ctx, e);
+    }
+}
+
+// === impl TokenTap: the phases both paths share ===
+
+impl TokenTap {
+    /// Reads the response header: the status, how the body is metered, the upstream's name.
+    fn on_response_header(&self, resp: &mut ResponseHeader, ctx: &mut Ctx) -> Result<()> {
         ctx.status = resp.status.as_u16();
         if let Some(c) = ctx.choice {
             let name = &self.shared.config.upstreams[c.upstream].name;
@@ -370,29 +412,22 @@ impl ProxyHttp for TokenTap {
         Ok(())
     }
 
-    fn upstream_response_body_filter(
-        &self,
-        _session: &mut Session,
-        body: &mut Option<Bytes>,
-        end_of_stream: bool,
-        ctx: &mut Ctx,
-    ) -> Result<Option<std::time::Duration>> {
-        let now = self.now();
-        if let Some(chunk) = body.as_ref() {
-            self.observe(ctx, now, chunk);
+    /// Meters one fragment of the response body (`end`: the body ended normally). With the
+    /// usage chunk being taken out, returns the bytes to forward instead.
+    fn on_body(&self, ctx: &mut Ctx, now: Nanos, payload: &[u8], end: bool) -> Option<Bytes> {
+        if !payload.is_empty() {
+            self.observe(ctx, now, payload);
         }
-        if let Some(strip) = ctx.strip_usage.as_mut() {
-            // The usage chunk the proxy asked for, and the client did not, is taken out.
-            let kept = strip.push(body.as_deref().unwrap_or_default(), end_of_stream);
-            *body = (!kept.is_empty()).then_some(kept);
-        }
-        if end_of_stream {
+        // The usage chunk the proxy asked for, and the client did not, is taken out.
+        let kept = ctx.strip_usage.as_mut().map(|s| s.push(payload, end));
+        if end {
             self.body_end(ctx, now);
         }
-        Ok(None)
+        kept
     }
 
-    async fn logging(&self, _session: &mut Session, e: Option<&pingora::Error>, ctx: &mut Ctx) {
+    /// Records how the request ended (`e`: the error that ended it).
+    fn finish(&self, ctx: &mut Ctx, e: Option<&pingora::Error>) {
         let Some(choice) = ctx.choice.filter(|_| !ctx.rejected) else {
             return;
         };

@@ -1,43 +1,49 @@
-//! The direct streaming path: a metered generation request proxied by one loop of
-//! tokentap's own, on pingora's connection pool and HTTP/1 sessions.
+//! The direct streaming path: a metered generation request proxied by tokentap's own
+//! HTTP/1.1 loop on the raw connections, under pingora's listener, runtime and upstream
+//! connection pool.
 //!
 //! pingora-proxy runs every request as an upstream half and a downstream half that hand
-//! each body fragment over a channel, through its cache, module and range machinery; for a
-//! token stream that is most of the proxy's CPU per event and a re-scheduling per event
-//! (README, "Against nginx"). Here one task reads a fragment from the upstream session,
-//! meters it and writes it to the client session, nothing in between.
+//! each body fragment over a channel, through its cache, module and range machinery, in
+//! request futures of ~20 KiB with a 64 KiB upstream body buffer per stream (README,
+//! "Against nginx"). Here one small future reads each upstream fragment into the worker
+//! thread's scratch buffer, meters it and writes it to the client straight from there: an
+//! open stream holds no buffer of its own except bytes a slow client has not taken yet, and
+//! a chunked body is forwarded as it came, its framing decoded in place.
 //!
-//! It takes only what it can do exactly as pingora-proxy would: an HTTP/1.1 request
-//! without `Upgrade` whose body (`Content-Length`, at most 64 KiB) was already read whole.
-//! The upstream request is the client's minus its hop-by-hop fields, with the upstream's
-//! `Host` and the length of the body actually sent, so framing cannot be smuggled. The
-//! response is forwarded as pingora-proxy forwards it (pingora's server session sets
-//! `Date`, `Connection` and the framing), through the same filters. Everything else, and
-//! everything when `server.direct_streaming = false`, goes through pingora-proxy.
+//! [`Front`](super::front::Front) sends a request here only when tokentap can do exactly
+//! what pingora-proxy would: an HTTP/1.1 `POST` to a metered path, origin-form, without
+//! `Upgrade` or an `Expect` other than `100-continue`, with one `Content-Length` of at most 64 KiB and no
+//! `Transfer-Encoding`, on an upstream with a free concurrency slot. The upstream request
+//! is the client's minus its hop-by-hop fields, with the upstream's `Host` and the length
+//! of the body actually sent, so framing cannot be smuggled; the response is forwarded
+//! through the same filters, with `Date` and `Connection` set as pingora's server session
+//! sets them.
 
-use std::future::Future;
+use std::cell::RefCell;
+use std::future::{poll_fn, Future};
+use std::io;
+use std::pin::Pin;
+use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
-use bytes::Bytes;
+use bytes::{Buf, Bytes, BytesMut};
 use http::header::{self, HeaderName};
-use pingora::http::RequestHeader;
+use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::prelude::*;
-use pingora::protocols::http::client::HttpSession as UpstreamSession;
-use pingora::protocols::http::ServerSession;
-use pingora::proxy::{ProxyHttp, Session};
-use tokio::time::Instant;
+use pingora::protocols::http::v1::client::http_req_header_to_wire;
+use pingora::protocols::Stream as Io;
+use pingora::upstreams::peer::Peer;
+use pingora::ErrorSource;
+use tokio::io::{AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::time::{timeout, Instant};
 
+use super::h1::{self, Chunked, Framing, Head};
 use super::{Ctx, TokenTap, HOST};
+use crate::dialect::Dialect;
+use crate::limit::Permit;
+use crate::meter::Nanos;
 use crate::routing::Choice;
-
-/// Whether a request can take the direct path (its body is checked separately): HTTP/1.1,
-/// origin-form (an absolute-form target's authority would need reconciling with `Host`,
-/// which pingora-proxy does), no `Upgrade`.
-pub(super) fn eligible(req: &RequestHeader) -> bool {
-    req.version == http::Version::HTTP_11
-        && req.raw_path().first() == Some(&b'/')
-        && !req.headers.contains_key(header::UPGRADE)
-}
+use crate::usage::{self, UsageStripper};
 
 /// Hop-by-hop fields (RFC 9110 §7.6.1, and the obsolete ones proxies still meet), never
 /// forwarded; the fields the client's `Connection` names are removed too.
@@ -60,90 +66,351 @@ const HOP_BY_HOP: [&str; 11] = [
 /// as on pingora-proxy's path and nginx's default for POST.
 const ATTEMPTS: usize = 2;
 
+/// How long a client may take to send the rest of a request body.
+const BODY_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The worker thread's read buffer: every read lands here and is forwarded from here, so an
+/// open stream waiting for its next token holds no read buffer of its own.
+const SCRATCH: usize = 32 * 1024;
+
+thread_local! {
+    static SCRATCH_BUF: RefCell<Box<[u8]>> = RefCell::new(vec![0; SCRATCH].into_boxed_slice());
+}
+
+/// Reads what `io` has into the thread's scratch buffer and hands it to `f` (an empty slice
+/// at end of stream). `f` must not read from a connection itself.
+fn poll_read_with<R>(
+    io: &mut Io,
+    cx: &mut Context<'_>,
+    f: impl FnOnce(&[u8], &mut Context<'_>) -> R,
+) -> Poll<io::Result<R>> {
+    SCRATCH_BUF.with(|buf| {
+        let mut buf = buf.borrow_mut();
+        let mut read = ReadBuf::new(&mut buf[..]);
+        ready!(Pin::new(&mut **io).poll_read(cx, &mut read))?;
+        Poll::Ready(Ok(f(read.filled(), cx)))
+    })
+}
+
+/// Reads what `io` has next onto `buf`; 0 at end of stream.
+pub(super) async fn read_more(io: &mut Io, buf: &mut BytesMut) -> io::Result<usize> {
+    poll_fn(|cx| {
+        poll_read_with(io, cx, |data, _| {
+            buf.extend_from_slice(data);
+            data.len()
+        })
+    })
+    .await
+}
+
+/// A request [`Front`](super::front::Front) parsed and found fit for the direct path.
+pub(super) struct Admitted {
+    pub(super) req: RequestHeader,
+    pub(super) body_len: usize,
+    pub(super) choice: Choice,
+    pub(super) permit: Permit,
+}
+
+/// What the connection can do after a direct request.
+pub(super) enum After {
+    /// Serve the next request on it.
+    KeepAlive,
+    Close,
+}
+
+/// A request whose response header is on its way to the client and whose body is next.
+struct Open {
+    up: Io,
+    relay: Relay,
+    /// Bytes for the client not written yet (the response header first).
+    out: BytesMut,
+    /// The client is watched for going away (until it sends a pipelined request).
+    watch: bool,
+    /// Bytes the client sent past its request.
+    leftover: BytesMut,
+    keep_alive: bool,
+}
+
+/// A response body being relayed.
+struct Relay {
+    framing: Framing,
+    chunked: Chunked,
+    /// The client gets a body tokentap frames as chunks (usage stripped, or an upstream body
+    /// ended by close); otherwise it gets the upstream's bytes as they are.
+    reframe: bool,
+    /// The upstream body ended.
+    done: bool,
+    /// The upstream connection can go back to the pool at the end.
+    reusable: bool,
+}
+
 // === impl TokenTap ===
 
 impl TokenTap {
-    /// Proxies the request whose whole body is `body` (the client's; the rewritten one from
-    /// `ctx` when usage is injected). An error before the response header reached the
-    /// client answers 502 (pingora's error path); after, the connection is cut, as
-    /// pingora-proxy does.
-    pub(super) async fn stream_through(
+    /// Proxies an admitted request whose head is parsed and whose first body bytes are
+    /// `body`; its outcome is recorded however it ends.
+    pub(super) async fn serve_direct(
         &self,
-        session: &mut Session,
-        ctx: &mut Ctx,
-        body: Bytes,
-    ) -> Result<()> {
-        let choice = ctx
-            .choice
-            .ok_or_else(|| Error::explain(InternalError, "no upstream chosen"))?;
-        let peer = &self.shared.peers[choice.upstream];
-        let body = ctx.rewritten_body.clone().unwrap_or(body);
-        let req = self.upstream_request(session.req_header(), choice, body.len())?;
-        ctx.stream = Some(self.shared.meters[choice.upstream].begin(ctx.t0, self.now()));
+        client: &mut Io,
+        admitted: Admitted,
+        body: BytesMut,
+        shutdown: bool,
+    ) -> After {
+        let Admitted {
+            req,
+            body_len,
+            choice,
+            permit,
+        } = admitted;
+        let mut ctx = self.new_ctx();
+        ctx.dialect = Dialect::from_path(req.uri.path());
+        ctx.choice = Some(choice);
+        ctx.tokenize = self.shared.config.upstreams[choice.upstream].estimate
+            == crate::estimate::Estimate::Tokenizer;
+        ctx.permit = Some(permit);
+        // Boxed: setting up is a large future needed only until the response header; kept
+        // inline, every open stream would hold its space.
+        let opened = Box::pin(self.open(client, &mut ctx, (req, body_len, choice), body, shutdown));
+        let result = match opened.await {
+            Ok(mut open) => {
+                let peer = &self.shared.peers[choice.upstream];
+                let relayed = self
+                    .relay(client, &mut ctx, &mut open, peer.options.read_timeout)
+                    .await;
+                relayed.map(|()| {
+                    if open.relay.reusable {
+                        let idle = peer.options.idle_timeout;
+                        self.shared
+                            .connector
+                            .release_stream(open.up, peer.reuse_hash(), idle);
+                    }
+                    open.keep_alive && open.watch && open.leftover.is_empty()
+                })
+            }
+            Err(e) => Err(e),
+        };
+        self.finish(&mut ctx, result.as_ref().err().map(|e| &**e));
+        match result {
+            Ok(true) => After::KeepAlive,
+            Ok(false) | Err(_) => After::Close,
+        }
+    }
 
+    /// Everything up to the response body: the request body, the upstream request, the
+    /// response header. An error before the response header reached the client answers 502;
+    /// after, the connection is cut, as pingora-proxy does.
+    async fn open(
+        &self,
+        client: &mut Io,
+        ctx: &mut Ctx,
+        (req, body_len, choice): (RequestHeader, usize, Choice),
+        mut body: BytesMut,
+        shutdown: bool,
+    ) -> Result<Open> {
+        // A client waiting for `100 Continue` gets it (the upstream gets no `Expect`: the body
+        // it gets is already complete).
+        if body.len() < body_len && req.headers.contains_key(header::EXPECT) {
+            let write = async {
+                client.write_all(b"HTTP/1.1 100 Continue\r\n\r\n").await?;
+                client.flush().await
+            };
+            write.await.map_err(|e| down_io(WriteError, e))?;
+        }
+        // The rest of the body; bytes past it are a pipelined next request, which (as on
+        // pingora's default) closes the connection after this response.
+        while body.len() < body_len {
+            match timeout(BODY_TIMEOUT, read_more(client, &mut body)).await {
+                Ok(Ok(0)) => {
+                    return Error::e_explain(ConnectionClosed, "client closed mid-body")
+                        .map_err(|e| e.into_down())
+                }
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => return Err(Error::because(ReadError, "reading body", e).into_down()),
+                Err(_) => {
+                    return Error::e_explain(ReadTimedout, "reading body").map_err(|e| e.into_down())
+                }
+            }
+        }
+        let mut leftover = body.split_off(body_len);
+        let mut body = body.freeze();
+        let upstream = &self.shared.config.upstreams[choice.upstream];
+        if ctx.dialect == Some(Dialect::OpenAi) && upstream.inject_usage {
+            if let Some(rewritten) = usage::request_with_usage(&body) {
+                body = rewritten;
+                ctx.strip_usage = Some(UsageStripper::new(self.shared.config.max_event_bytes));
+            }
+        }
+        let mut keep_alive = !shutdown && !h1::has_token(&req.headers, header::CONNECTION, "close");
+        let up_req = self.upstream_request(&req, choice, body.len())?;
+        drop(req);
+        let Some(mut wire) = http_req_header_to_wire(&up_req) else {
+            return Error::e_explain(InvalidHTTPHeader, "request target");
+        };
+        drop(up_req);
+        wire.extend_from_slice(&body);
+        drop(body);
+
+        let meter = &self.shared.meters[choice.upstream];
+        ctx.stream = Some(meter.begin(ctx.t0, self.now()));
+        let peer = &self.shared.peers[choice.upstream];
         let mut watch = true;
         // Boxed: connecting (TCP, TLS, the pool) is a large future, needed only until the
         // response header; kept inline, every open stream would hold its space.
-        let send = Box::pin(self.send(&req, &body, choice));
-        let mut up = watching(session.as_mut(), &mut watch, send).await?;
-        let mut resp = match up.response_header() {
-            Some(r) => r.clone(),
-            None => return Error::e_explain(InternalError, "no upstream response header"),
+        let send = Box::pin(self.send(peer, wire));
+        let sent = watching(client, &mut watch, &mut leftover, send).await;
+        let (up, mut resp, first) = match sent {
+            Ok(s) => s,
+            Err(e) => {
+                if matches!(e.esource(), ErrorSource::Upstream) {
+                    // pingora-proxy's answer when the upstream fails before its header.
+                    let _ = write_error(client, 502).await;
+                }
+                return Err(e);
+            }
         };
-        // As pingora-proxy: a body without a length (HTTP/1.0 style, ended by close) goes on
-        // chunked, so the client connection survives it.
-        let no_body = matches!(resp.status.as_u16(), 204 | 304);
-        if !no_body
-            && !resp.headers.contains_key(header::TRANSFER_ENCODING)
-            && !resp.headers.contains_key(header::CONTENT_LENGTH)
-        {
-            resp.set_version(http::Version::HTTP_11);
+
+        let Some(framing) = Framing::of(&resp) else {
+            let _ = write_error(client, 502).await;
+            return Error::e_explain(InvalidHTTPHeader, "upstream response framing")
+                .map_err(|e| e.into_up());
+        };
+        let reusable = resp.version == http::Version::HTTP_11
+            && framing != Framing::UntilClose
+            && !h1::has_token(&resp.headers, header::CONNECTION, "close");
+        self.on_response_header(&mut resp, ctx)?;
+        let reframe = framing == Framing::UntilClose
+            || (ctx.strip_usage.is_some() && framing != Framing::Empty);
+        if reframe {
+            // As pingora-proxy: a body without a length goes on chunked, so the client
+            // connection survives it; so does a body whose length stripping changes.
+            if framing == Framing::UntilClose {
+                resp.set_version(http::Version::HTTP_11);
+            }
+            resp.remove_header(&header::CONTENT_LENGTH);
             resp.insert_header(header::TRANSFER_ENCODING, "chunked")?;
         }
-        self.response_filter(session, &mut resp, ctx).await?;
-        session
-            .write_response_header(Box::new(resp), false)
-            .await
-            .map_err(|e| e.into_down())?;
+        resp.insert_header(
+            header::DATE,
+            pingora::protocols::http::date::get_cached_date(),
+        )?;
+        keep_alive &= leftover.is_empty() && watch;
+        let connection = if keep_alive { "keep-alive" } else { "close" };
+        resp.insert_header(header::CONNECTION, connection)?;
+        let mut out = BytesMut::with_capacity(512 + first.len());
+        h1::write_response(&resp, &mut out);
+        drop(resp);
 
-        // The read timeout, kept lazily: pingora's arms a timer on every read; here one timer
-        // runs per timeout period and, when it fires, checks the time of the last fragment.
-        let read_timeout = peer.options.read_timeout;
-        up.set_read_timeout(None);
+        let mut relay = Relay {
+            framing,
+            chunked: Chunked::default(),
+            reframe,
+            done: false,
+            reusable,
+        };
+        // The body bytes that came with the header (an empty read is the end of stream).
+        if !first.is_empty() || framing == Framing::Empty {
+            relay
+                .fragment(self, ctx, self.now(), &first, &mut out, None)
+                .map_err(|e| e.into_up())?;
+        }
+        drop(first);
+        Ok(Open {
+            up,
+            relay,
+            out,
+            watch,
+            leftover,
+            keep_alive,
+        })
+    }
+
+    /// Forwards the response body until it ends: each upstream fragment is metered and
+    /// written to the client from the thread's scratch buffer; only what the client has not
+    /// taken yet is copied, into `out`, and the upstream is not read again until it has.
+    async fn relay(
+        &self,
+        client: &mut Io,
+        ctx: &mut Ctx,
+        open: &mut Open,
+        read_timeout: Option<Duration>,
+    ) -> Result<()> {
+        let Open {
+            up,
+            relay,
+            out,
+            watch,
+            leftover,
+            ..
+        } = open;
+        // The read timeout, kept lazily: one timer per timeout period, which when it fires
+        // checks the time of the last fragment written.
         let mut last = Instant::now();
         let timer = tokio::time::sleep(read_timeout.unwrap_or(Duration::MAX / 4));
         tokio::pin!(timer);
-        loop {
-            let mut chunk = tokio::select! {
-                biased;
-                chunk = watching(session.as_mut(), &mut watch, up.read_response_body()) => chunk?,
-                () = &mut timer, if read_timeout.is_some() => {
-                    let deadline = last + read_timeout.unwrap_or_default();
-                    if Instant::now() >= deadline {
-                        return Error::e_explain(ReadTimedout, "reading the upstream response body")
-                            .map_err(|e| e.into_up());
-                    }
-                    timer.as_mut().reset(deadline);
+        let mut flushing = false;
+        poll_fn(|cx| loop {
+            while !out.is_empty() {
+                match Pin::new(&mut *client).poll_write(cx, out) {
+                    Poll::Ready(Ok(0)) => return Poll::Ready(Err(down(WriteError, "client took 0 bytes"))),
+                    Poll::Ready(Ok(n)) if n == out.len() => *out = BytesMut::new(), // its memory too
+                    Poll::Ready(Ok(n)) => out.advance(n),
+                    Poll::Ready(Err(e)) => return Poll::Ready(Err(down_io(WriteError, e))),
+                    Poll::Pending => return Poll::Pending,
+                }
+                flushing = true;
+            }
+            if flushing {
+                match Pin::new(&mut *client).poll_flush(cx) {
+                    Poll::Ready(Ok(())) => flushing = false,
+                    Poll::Ready(Err(e)) => return Poll::Ready(Err(down_io(WriteError, e))),
+                    Poll::Pending => return Poll::Pending,
+                }
+                // After the write: time spent on a slow client is not upstream silence.
+                last = Instant::now();
+            }
+            if relay.done {
+                return Poll::Ready(Ok(()));
+            }
+            let read = poll_read_with(up, cx, |data, cx| {
+                let now = self.now();
+                relay.fragment(self, ctx, now, data, out, Some((&mut *client, cx)))
+            });
+            match read {
+                Poll::Ready(Ok(Ok(()))) => {
+                    flushing = true;
                     continue;
                 }
-            };
-            let end = chunk.is_none() || up.response_done();
-            self.upstream_response_body_filter(session, &mut chunk, end, ctx)?;
-            session
-                .write_response_body(chunk, end)
-                .await
-                .map_err(|e| e.into_down())?;
-            // After the write: time spent on a slow client is not upstream silence.
-            last = Instant::now();
-            if end {
-                break;
+                Poll::Ready(Ok(Err(e))) => return Poll::Ready(Err(e.into_up())),
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(up_io(ReadError, e))),
+                Poll::Pending => {}
             }
-        }
-        self.shared
-            .connector
-            .release_http_session(up, peer, peer.options.idle_timeout)
-            .await;
-        Ok(())
+            if *watch {
+                let seen = poll_read_with(client, cx, |data, _| {
+                    leftover.extend_from_slice(data);
+                    !data.is_empty()
+                });
+                match seen {
+                    // Bytes of a pipelined next request: kept, and the watching stops.
+                    Poll::Ready(Ok(true)) => *watch = false,
+                    Poll::Ready(Ok(false)) | Poll::Ready(Err(_)) => {
+                        return Poll::Ready(Err(down(ConnectionClosed, "client went away")))
+                    }
+                    Poll::Pending => {}
+                }
+            }
+            if let Some(period) = read_timeout {
+                while timer.as_mut().poll(cx).is_ready() {
+                    let deadline = last + period;
+                    if Instant::now() >= deadline {
+                        let e = Error::explain(ReadTimedout, "reading the upstream response body");
+                        return Poll::Ready(Err(e.into_up()));
+                    }
+                    timer.as_mut().reset(deadline);
+                }
+            }
+            return Poll::Pending;
+        })
+        .await
     }
 
     /// The request as the upstream gets it.
@@ -171,19 +438,18 @@ impl TokenTap {
         Ok(req)
     }
 
-    /// Sends the request and reads the response header (past any 1xx).
+    /// Sends the request (head and body in one write) and reads the response header, past
+    /// any 1xx; returns the connection, the header and the body bytes read with it.
     async fn send(
         &self,
-        req: &RequestHeader,
-        body: &Bytes,
-        choice: Choice,
-    ) -> Result<UpstreamSession> {
-        let peer = &self.shared.peers[choice.upstream];
+        peer: &pingora::upstreams::peer::HttpPeer,
+        wire: BytesMut,
+    ) -> Result<(Io, ResponseHeader, BytesMut)> {
         let mut attempt = 0;
-        loop {
+        let mut up = loop {
             attempt += 1;
-            let mut up = match self.shared.connector.get_http_session(peer).await {
-                Ok((up, _reused)) => up,
+            match self.shared.connector.get_stream(peer).await {
+                Ok((up, _reused)) => break up,
                 Err(mut e) => {
                     e.retry.decide_reuse(false);
                     if e.retry() && attempt < ATTEMPTS {
@@ -191,87 +457,202 @@ impl TokenTap {
                     }
                     return Err(e.into_up());
                 }
+            }
+        };
+        let write = async {
+            up.write_all(&wire).await?;
+            up.flush().await
+        };
+        match peer.options.write_timeout {
+            Some(t) => match timeout(t, write).await {
+                Ok(r) => r.map_err(|e| up_io(WriteError, e))?,
+                Err(_) => return Err(up_err(WriteTimedout, "writing the request")),
+            },
+            None => write.await.map_err(|e| up_io(WriteError, e))?,
+        }
+        drop(wire);
+        let mut buf = BytesMut::new();
+        loop {
+            let read = read_more(&mut up, &mut buf);
+            let n = match peer.options.read_timeout {
+                Some(t) => match timeout(t, read).await {
+                    Ok(r) => r.map_err(|e| up_io(ReadError, e))?,
+                    Err(_) => return Err(up_err(ReadTimedout, "reading the response header")),
+                },
+                None => read.await.map_err(|e| up_io(ReadError, e))?,
             };
-            up.set_read_timeout(peer.options.read_timeout);
-            up.set_write_timeout(peer.options.write_timeout);
-            return match exchange(&mut up, req, body).await {
-                Ok(()) => Ok(up),
-                Err(e) => Err(e.into_up()),
-            };
+            if n == 0 {
+                return Err(up_err(ConnectionClosed, "upstream closed before its header"));
+            }
+            // Informational responses are skipped (the client gets the final one).
+            while let Head::Complete(resp, len) = h1::response(&buf) {
+                if resp.status == http::StatusCode::SWITCHING_PROTOCOLS {
+                    return Err(up_err(InvalidHTTPHeader, "101 to a request without Upgrade"));
+                }
+                buf.advance(len);
+                if !resp.status.is_informational() {
+                    return Ok((up, resp, buf));
+                }
+            }
+            match h1::response(&buf) {
+                Head::Invalid => return Err(up_err(InvalidHTTPHeader, "upstream response header")),
+                _ if buf.len() > h1::MAX_HEAD => {
+                    return Err(up_err(InvalidHTTPHeader, "upstream response header too large"))
+                }
+                _ => {}
+            }
         }
     }
 }
 
-/// Writes the request and reads the response header, skipping informational responses.
-async fn exchange(up: &mut UpstreamSession, req: &RequestHeader, body: &Bytes) -> Result<()> {
-    up.write_request_header(Box::new(req.clone())).await?;
-    up.write_request_body(body.clone(), true).await?;
-    up.finish_request_body().await?;
-    loop {
-        up.read_response_header().await?;
-        match up.response_header().map(|r| r.status) {
-            Some(s) if s == http::StatusCode::SWITCHING_PROTOCOLS => {
-                return Error::e_explain(InvalidHTTPHeader, "101 to a request without Upgrade");
+// === impl Relay ===
+
+impl Relay {
+    /// Meters one upstream fragment (empty at end of stream) and forwards it: appended to
+    /// `out`, or, when `out` is empty and `client` is given, written to the client at once.
+    fn fragment(
+        &mut self,
+        tap: &TokenTap,
+        ctx: &mut Ctx,
+        now: Nanos,
+        data: &[u8],
+        out: &mut BytesMut,
+        client: Option<(&mut Io, &mut Context<'_>)>,
+    ) -> Result<()> {
+        if self.done {
+            return Ok(());
+        }
+        // The bytes of `data` that belong to the body, and any rewritten ones.
+        let mut kept = BytesMut::new();
+        let mut keep = |kept_now: Option<Bytes>| {
+            if let Some(k) = kept_now {
+                h1::put_chunk(&mut kept, &k);
             }
-            Some(s) if s.is_informational() => continue,
-            _ => return Ok(()),
+        };
+        let body = match self.framing {
+            Framing::Empty => {
+                self.done = true;
+                &data[..0]
+            }
+            _ if data.is_empty() && self.framing != Framing::UntilClose => {
+                return Error::e_explain(ConnectionClosed, "upstream closed mid-body");
+            }
+            Framing::Length(left) => {
+                let n = data.len().min(usize::try_from(left).unwrap_or(usize::MAX));
+                self.framing = Framing::Length(left - n as u64);
+                self.done = left == n as u64;
+                keep(tap.on_body(ctx, now, &data[..n], false));
+                &data[..n]
+            }
+            Framing::Chunked => {
+                let n = self
+                    .chunked
+                    .feed(data, |payload| keep(tap.on_body(ctx, now, payload, false)))
+                    .or_else(|_| Error::e_explain(InvalidHTTPHeader, "malformed chunked body"))?;
+                self.done = self.chunked.done();
+                &data[..n]
+            }
+            Framing::UntilClose => {
+                self.done = data.is_empty();
+                keep(tap.on_body(ctx, now, data, false));
+                data
+            }
+        };
+        if self.done {
+            // What a stripper held back, and the end of a JSON or NDJSON body.
+            keep(tap.on_body(ctx, now, &[], true));
+        }
+        if body.len() < data.len() {
+            self.reusable = false; // bytes past the body: the connection is not clean
+        }
+        if !self.reframe {
+            return Ok(forward(body, out, client));
+        }
+        if self.framing == Framing::UntilClose && ctx.strip_usage.is_none() {
+            h1::put_chunk(&mut kept, body);
+        }
+        if self.done {
+            kept.extend_from_slice(h1::LAST_CHUNK);
+        }
+        out.extend_from_slice(&kept);
+        Ok(())
+    }
+}
+
+/// Writes `bytes` to the client now when nothing is queued before them, queueing what it
+/// does not take.
+fn forward(bytes: &[u8], out: &mut BytesMut, client: Option<(&mut Io, &mut Context<'_>)>) {
+    let mut written = 0;
+    if let (true, Some((client, cx))) = (out.is_empty(), client) {
+        while written < bytes.len() {
+            match Pin::new(&mut *client).poll_write(cx, &bytes[written..]) {
+                Poll::Ready(Ok(n)) if n > 0 => written += n,
+                // Errors surface on the next write, from `out`.
+                _ => break,
+            }
         }
     }
+    out.extend_from_slice(&bytes[written..]);
 }
 
 /// Runs `work` while watching the client: a client that goes away ends it with a downstream
-/// error (so does a client that sends bytes after its request, unless pipelining is on:
-/// then pingora keeps them for the next request and the watching stops for good).
+/// error; bytes it sends (a pipelined next request) are kept in `leftover`, and the
+/// watching stops.
 async fn watching<T>(
-    downstream: &mut ServerSession,
+    client: &mut Io,
     watch: &mut bool,
+    leftover: &mut BytesMut,
     work: impl Future<Output = Result<T>>,
 ) -> Result<T> {
-    if !*watch {
-        return work.await.map_err(|e| e.into_up());
-    }
     tokio::pin!(work);
-    tokio::select! {
-        biased;
-        done = &mut work => done.map_err(|e| e.into_up()),
-        gone = downstream.read_body_or_idle(true) => match gone {
-            Err(e) => Err(e.into_down()),
-            Ok(_) => {
-                *watch = false;
-                work.await.map_err(|e| e.into_up())
+    poll_fn(|cx| {
+        if let Poll::Ready(done) = work.as_mut().poll(cx) {
+            return Poll::Ready(done);
+        }
+        if *watch {
+            let seen = poll_read_with(client, cx, |data, _| {
+                leftover.extend_from_slice(data);
+                !data.is_empty()
+            });
+            match seen {
+                Poll::Ready(Ok(true)) => *watch = false,
+                Poll::Ready(Ok(false)) | Poll::Ready(Err(_)) => {
+                    return Poll::Ready(Err(down(ConnectionClosed, "client went away")))
+                }
+                Poll::Pending => {}
             }
-        },
-    }
+        }
+        Poll::Pending
+    })
+    .await
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+/// Answers `code` as pingora does when proxying fails, and closes.
+async fn write_error(client: &mut Io, code: u16) -> io::Result<()> {
+    let mut resp = pingora::protocols::http::error_resp::gen_error_response(code);
+    let _ = resp.insert_header(
+        header::DATE,
+        pingora::protocols::http::date::get_cached_date(),
+    );
+    let _ = resp.insert_header(header::CONNECTION, "close");
+    let mut out = BytesMut::with_capacity(256);
+    h1::write_response(&resp, &mut out);
+    client.write_all(&out).await?;
+    client.flush().await
+}
 
-    fn req(target: &str, version: http::Version) -> RequestHeader {
-        let mut r = RequestHeader::build("POST", target.as_bytes(), None)
-            .unwrap_or_else(|_| unreachable!());
-        r.set_version(version);
-        r
-    }
+fn down(kind: ErrorType, what: &'static str) -> Box<Error> {
+    Error::explain(kind, what).into_down()
+}
 
-    #[test]
-    fn eligibility() {
-        assert!(eligible(&req(
-            "/v1/chat/completions",
-            http::Version::HTTP_11
-        )));
-        assert!(!eligible(&req(
-            "/v1/chat/completions",
-            http::Version::HTTP_10
-        )));
-        assert!(!eligible(&req(
-            "http://h/v1/chat/completions",
-            http::Version::HTTP_11
-        )));
-        let mut up = req("/v1/chat/completions", http::Version::HTTP_11);
-        up.insert_header("upgrade", "websocket")
-            .unwrap_or_else(|_| unreachable!());
-        assert!(!eligible(&up));
-    }
+fn down_io(kind: ErrorType, e: io::Error) -> Box<Error> {
+    Error::because(kind, "client connection", e).into_down()
+}
+
+fn up_err(kind: ErrorType, what: &'static str) -> Box<Error> {
+    Error::explain(kind, what).into_up()
+}
+
+fn up_io(kind: ErrorType, e: io::Error) -> Box<Error> {
+    Error::because(kind, "upstream connection", e).into_up()
 }

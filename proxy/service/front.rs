@@ -1,0 +1,255 @@
+//! The proxy's front door: accepts client connections, reads each request head, and either
+//! serves the request on the direct path or hands the connection, with the bytes already
+//! read, to pingora-proxy.
+//!
+//! It is a pingora service of its own rather than pingora's listening service, whose task
+//! per connection is ~9 KiB (room for a TLS handshake) plus a 1.4 KiB write buffer: here a
+//! connection is one small task, and between requests it waits with no buffer at all, its
+//! next bytes landing in the worker thread's scratch buffer before being copied out.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::BytesMut;
+use http::header;
+use pingora::apps::HttpServerApp;
+use pingora::http::RequestHeader;
+use pingora::protocols::http::ServerSession;
+use pingora::protocols::l4::stream::Stream as L4Stream;
+use pingora::protocols::Stream;
+use pingora::proxy::HttpProxy;
+use pingora::server::{ListenFds, ShutdownWatch};
+use pingora::services::Service;
+use tokio::net::{TcpListener, TcpSocket};
+
+use super::direct::{read_more, Admitted, After};
+use super::h1::{self, Head};
+use super::{TokenTap, RETRY_BUFFER};
+use crate::dialect::Dialect;
+use crate::routing::Choice;
+
+/// How long an idle client connection is kept (pingora's default keep-alive).
+const KEEPALIVE: Duration = Duration::from_secs(60);
+/// The listen backlog (pingora's default): a burst of thousands of new streams is queued,
+/// not dropped into SYN retries.
+const BACKLOG: u32 = 65_535;
+
+/// The upstream a request handed to pingora-proxy was already routed to.
+pub(super) struct Routed(pub(super) Choice);
+
+/// The proxy listener: tokentap's direct path in front of pingora-proxy.
+pub struct Front {
+    tap: TokenTap,
+    proxy: Arc<HttpProxy<TokenTap>>,
+    listen: SocketAddr,
+}
+
+impl Front {
+    pub fn new(tap: TokenTap, proxy: HttpProxy<TokenTap>) -> Self {
+        let listen = tap.shared.config.listen.proxy;
+        Front {
+            tap,
+            proxy: Arc::new(proxy),
+            listen,
+        }
+    }
+
+    /// Serves one client connection until it closes, fails, idles out or the server shuts
+    /// down.
+    async fn connection(self: Arc<Self>, mut client: Stream, shutdown: ShutdownWatch) {
+        loop {
+            let Some((read, head_len, req)) = read_head(&mut client, &shutdown).await else {
+                return;
+            };
+            let admitted = match self.tap.plan(req) {
+                Plan::Direct(admitted) => admitted,
+                Plan::HandOver(routed) => {
+                    match self.hand_over(client, read, routed, &shutdown).await {
+                        Some(reused) => client = reused,
+                        None => return,
+                    }
+                    continue;
+                }
+            };
+            let mut body = read;
+            let body = body.split_off(head_len);
+            let shutting_down = *shutdown.borrow();
+            let after = self
+                .tap
+                .serve_direct(&mut client, admitted, body, shutting_down)
+                .await;
+            if let After::Close = after {
+                return;
+            }
+        }
+    }
+
+    /// Lets pingora-proxy serve the request whose first bytes are `read`.
+    async fn hand_over(
+        &self,
+        client: Stream,
+        read: BytesMut,
+        routed: Option<Choice>,
+        shutdown: &ShutdownWatch,
+    ) -> Option<Stream> {
+        let mut session = ServerSession::new_http1(client);
+        session.set_keepalive((!*shutdown.borrow()).then_some(KEEPALIVE.as_secs()));
+        session.set_pipelined_prefix(read);
+        if let Some(choice) = routed {
+            session.set_connection_user_context(Some(Box::new(Routed(choice))));
+        }
+        let reused = self.proxy.process_new_http(session, shutdown).await?;
+        Some(reused.consume().0)
+    }
+}
+
+/// Reads a request head: the bytes read (the head and any body bytes after it), the head's
+/// length, and the head parsed. `None` when the connection closed, failed or idled out, or
+/// the server is shutting down; a head tokentap does not parse itself (malformed, HTTP/1.0,
+/// huge) is returned unparsed, for pingora-proxy to answer.
+async fn read_head(
+    client: &mut Stream,
+    shutdown: &ShutdownWatch,
+) -> Option<(BytesMut, usize, Option<RequestHeader>)> {
+    let mut read = BytesMut::new();
+    let mut stop = shutdown.clone();
+    loop {
+        if *stop.borrow_and_update() {
+            return None;
+        }
+        let more = tokio::select! {
+            biased;
+            more = tokio::time::timeout(KEEPALIVE, read_more(client, &mut read)) => more,
+            _ = stop.changed() => return None,
+        };
+        match more {
+            Ok(Ok(0)) | Ok(Err(_)) | Err(_) => return None,
+            Ok(Ok(_)) => {}
+        }
+        match h1::request(&read) {
+            Head::Complete(req, len) => return Some((read, len, Some(req))),
+            Head::Partial if read.len() <= h1::MAX_HEAD => {}
+            _ => return Some((read, 0, None)),
+        }
+    }
+}
+
+/// Where a request goes.
+enum Plan {
+    Direct(Admitted),
+    /// To pingora-proxy, with its upstream when already chosen.
+    HandOver(Option<Choice>),
+}
+
+impl TokenTap {
+    /// Whether the direct path takes `req` (see `direct`'s module docs), routing it and
+    /// taking its concurrency slot if so.
+    fn plan(&self, req: Option<RequestHeader>) -> Plan {
+        let Some(req) = req else {
+            return Plan::HandOver(None);
+        };
+        let h = &req.headers;
+        let body_len = h1::content_length(h).and_then(|l| usize::try_from(l).ok());
+        let eligible = self.shared.config.direct_streaming
+            && req.method == http::Method::POST
+            && req.raw_path().first() == Some(&b'/')
+            && Dialect::from_path(req.uri.path()).is_some()
+            && body_len.is_some_and(|l| l > 0 && l <= RETRY_BUFFER)
+            && !h.contains_key(header::TRANSFER_ENCODING)
+            && !h.contains_key(header::UPGRADE)
+            && h.get_all(header::EXPECT)
+                .iter()
+                .all(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+        let Some(body_len) = body_len.filter(|_| eligible) else {
+            return Plan::HandOver(None);
+        };
+        let limiters = &self.shared.limiters;
+        let Some(choice) = self
+            .shared
+            .router
+            .choose(req.uri.path(), h, |u| limiters[u].has_headroom())
+        else {
+            return Plan::HandOver(None); // pingora-proxy answers 404
+        };
+        match limiters[choice.upstream].try_acquire() {
+            Some(permit) => Plan::Direct(Admitted {
+                req,
+                body_len,
+                choice,
+                permit,
+            }),
+            // Queueing and 429s are pingora-proxy's path's.
+            None => Plan::HandOver(Some(choice)),
+        }
+    }
+}
+
+/// The listener as a pingora service: pingora runs it on a runtime of `server.threads`
+/// workers (work stealing as configured) and signals its shutdown.
+pub struct FrontService(Option<Front>);
+
+impl FrontService {
+    pub fn new(front: Front) -> Self {
+        FrontService(Some(front))
+    }
+}
+
+#[async_trait]
+impl Service for FrontService {
+    async fn start_service(
+        &mut self,
+        _fds: Option<ListenFds>,
+        mut shutdown: ShutdownWatch,
+        _listeners_per_fd: usize,
+    ) {
+        let Some(front) = self.0.take() else { return };
+        let front = Arc::new(front);
+        let listener = match listen(front.listen) {
+            Ok(l) => l,
+            Err(e) => {
+                // As pingora's listening service: a proxy that cannot listen stops.
+                eprintln!("tokentap: cannot listen on {}: {e}", front.listen);
+                std::process::exit(1);
+            }
+        };
+        loop {
+            let accepted = tokio::select! {
+                biased;
+                _ = shutdown.changed() => break,
+                accepted = listener.accept() => accepted,
+            };
+            match accepted {
+                Ok((tcp, _peer)) => {
+                    let _ = tcp.set_nodelay(true);
+                    let client: Stream = Box::new(L4Stream::from(tcp));
+                    let fut = Arc::clone(&front).connection(client, shutdown.clone());
+                    static ONCE: std::sync::Once = std::sync::Once::new();
+                    ONCE.call_once(|| eprintln!("SIZE connection {}", std::mem::size_of_val(&fut)));
+                    tokio::spawn(fut);
+                }
+                // Out of file descriptors (or a connection reset while queued): accept
+                // returns at once again, so back off briefly instead of spinning.
+                Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+            }
+        }
+        // Keep-alive connections idling on pingora-proxy's path close now.
+        front.proxy.http_cleanup().await;
+    }
+
+    fn name(&self) -> &str {
+        "tokentap proxy"
+    }
+}
+
+fn listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        TcpSocket::new_v4()?
+    } else {
+        TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(BACKLOG)
+}

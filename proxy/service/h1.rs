@@ -1,0 +1,358 @@
+//! HTTP/1.1 on the wire for the direct path: request and response heads parsed with
+//! httparse into pingora's header types (names keep their case, as pingora keeps them), the
+//! response head written as pingora's server session writes it, and a chunked-body decoder
+//! that finds the payload and the body's end in place, so the body itself is forwarded as
+//! it came.
+
+use bytes::{BufMut, Bytes, BytesMut};
+use http::header::{self, HeaderValue};
+use pingora::http::{RequestHeader, ResponseHeader};
+use pingora::http::IntoCaseHeaderName;
+
+/// The largest head read (pingora's limit for a request head is 1 MiB; a generation
+/// request's head is a few hundred bytes, and anything larger goes to pingora-proxy).
+pub(super) const MAX_HEAD: usize = 64 * 1024;
+/// The most header fields parsed.
+const MAX_HEADERS: usize = 128;
+
+/// What a buffer holds so far.
+pub(super) enum Head<T> {
+    /// A whole head, and its length in bytes.
+    Complete(T, usize),
+    /// Not yet a whole head.
+    Partial,
+    /// Not a head tokentap reads itself (malformed, too many fields, an odd version).
+    Invalid,
+}
+
+/// Parses a request head.
+pub(super) fn request(buf: &[u8]) -> Head<RequestHeader> {
+    let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut req = httparse::Request::new(&mut fields);
+    let len = match req.parse(buf) {
+        Ok(httparse::Status::Complete(len)) => len,
+        Ok(httparse::Status::Partial) => return Head::Partial,
+        Err(_) => return Head::Invalid,
+    };
+    let (Some(method), Some(path), Some(1)) = (req.method, req.path, req.version) else {
+        return Head::Invalid;
+    };
+    let Ok(mut header) = RequestHeader::build(method, path.as_bytes(), Some(req.headers.len()))
+    else {
+        return Head::Invalid;
+    };
+    header.set_version(http::Version::HTTP_11);
+    for f in req.headers.iter() {
+        let name = Bytes::copy_from_slice(f.name.as_bytes()).into_case_header_name();
+        if header
+            .append_header(name, pingora::http::header_value_from_slice(f.value))
+            .is_err()
+        {
+            return Head::Invalid;
+        }
+    }
+    Head::Complete(header, len)
+}
+
+/// Parses a response head.
+pub(super) fn response(buf: &[u8]) -> Head<ResponseHeader> {
+    let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut resp = httparse::Response::new(&mut fields);
+    let len = match resp.parse(buf) {
+        Ok(httparse::Status::Complete(len)) => len,
+        Ok(httparse::Status::Partial) => return Head::Partial,
+        Err(_) => return Head::Invalid,
+    };
+    let (Some(code), Some(version)) = (resp.code, resp.version) else {
+        return Head::Invalid;
+    };
+    let Ok(mut header) = ResponseHeader::build(code, Some(resp.headers.len())) else {
+        return Head::Invalid;
+    };
+    header.set_version(match version {
+        1 => http::Version::HTTP_11,
+        _ => http::Version::HTTP_10,
+    });
+    if header.set_reason_phrase(resp.reason).is_err() {
+        return Head::Invalid;
+    }
+    for f in resp.headers.iter() {
+        let name = Bytes::copy_from_slice(f.name.as_bytes()).into_case_header_name();
+        if header
+            .append_header(name, pingora::http::header_value_from_slice(f.value))
+            .is_err()
+        {
+            return Head::Invalid;
+        }
+    }
+    Head::Complete(header, len)
+}
+
+/// Appends a response head as pingora's HTTP/1 server session writes it.
+pub(super) fn write_response(resp: &ResponseHeader, out: &mut BytesMut) {
+    out.put_slice(match resp.version {
+        http::Version::HTTP_10 => b"HTTP/1.0 ",
+        _ => b"HTTP/1.1 ",
+    });
+    out.put_slice(resp.status.as_str().as_bytes());
+    out.put_u8(b' ');
+    if let Some(reason) = resp.get_reason_phrase() {
+        out.put_slice(reason.as_bytes());
+    }
+    out.put_slice(b"\r\n");
+    resp.header_to_h1_wire(out);
+    out.put_slice(b"\r\n");
+}
+
+/// A header's value as a number, when it is exactly one well-formed one.
+pub(super) fn content_length(headers: &http::HeaderMap) -> Option<u64> {
+    let mut values = headers.get_all(header::CONTENT_LENGTH).iter();
+    let value = values.next()?;
+    if values.next().is_some() {
+        return None;
+    }
+    let digits = value.as_bytes();
+    if digits.is_empty() || digits.len() > 18 || !digits.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    std::str::from_utf8(digits).ok()?.parse().ok()
+}
+
+/// Whether a comma-separated header holds `token` (case-insensitive).
+pub(super) fn has_token(headers: &http::HeaderMap, name: header::HeaderName, token: &str) -> bool {
+    headers
+        .get_all(name)
+        .iter()
+        .filter_map(|v: &HeaderValue| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|t| t.trim().eq_ignore_ascii_case(token))
+}
+
+/// How a response body ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Framing {
+    /// No body (204, 304).
+    Empty,
+    /// `Content-Length`: this many bytes left.
+    Length(u64),
+    /// `Transfer-Encoding: chunked`.
+    Chunked,
+    /// Neither: the body ends when the upstream closes.
+    UntilClose,
+}
+
+impl Framing {
+    /// The framing of `resp`, or `None` when it cannot be trusted (a transfer coding other
+    /// than chunked last, or a bad `Content-Length`); RFC 9112 §6.3.
+    pub(super) fn of(resp: &ResponseHeader) -> Option<Framing> {
+        let status = resp.status.as_u16();
+        if status == 204 || status == 304 {
+            return Some(Framing::Empty);
+        }
+        let h = &resp.headers;
+        if h.contains_key(header::TRANSFER_ENCODING) {
+            let last = h
+                .get_all(header::TRANSFER_ENCODING)
+                .iter()
+                .filter_map(|v| v.to_str().ok())
+                .flat_map(|v| v.split(','))
+                .map(str::trim)
+                .filter(|t| !t.is_empty())
+                .last();
+            return match last {
+                Some(t) if t.eq_ignore_ascii_case("chunked") => Some(Framing::Chunked),
+                _ => None,
+            };
+        }
+        if h.contains_key(header::CONTENT_LENGTH) {
+            return content_length(h).map(Framing::Length);
+        }
+        Some(Framing::UntilClose)
+    }
+}
+
+/// A malformed chunked body.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) struct BadChunk;
+
+/// Decodes a chunked body incrementally, finding its payload and where it ends without
+/// copying (RFC 9112 §7.1). Chunk extensions and trailer fields are skipped.
+#[derive(Debug, Default)]
+pub(super) struct Chunked {
+    state: ChunkState,
+    /// Bytes left in the current chunk, or the size being read.
+    size: u64,
+    digits: u8,
+}
+
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+enum ChunkState {
+    #[default]
+    Size,
+    Extension,
+    SizeLf,
+    Data,
+    DataCr,
+    DataLf,
+    /// At the start of a trailer line (or the final empty line).
+    TrailerStart,
+    TrailerLine,
+    FinalLf,
+    Done,
+}
+
+impl Chunked {
+    /// Feeds `input`, calling `payload` with each run of payload bytes. Returns how many
+    /// bytes of `input` belong to the body: all of them, unless the body ended inside it.
+    pub(super) fn feed(
+        &mut self,
+        input: &[u8],
+        mut payload: impl FnMut(&[u8]),
+    ) -> Result<usize, BadChunk> {
+        use ChunkState::*;
+        let mut i = 0;
+        while i < input.len() && self.state != Done {
+            if self.state == Data {
+                let n = (input.len() - i).min(usize::try_from(self.size).unwrap_or(usize::MAX));
+                payload(&input[i..i + n]);
+                i += n;
+                self.size -= n as u64;
+                if self.size == 0 {
+                    self.state = DataCr;
+                }
+                continue;
+            }
+            let b = input[i];
+            i += 1;
+            self.state = match (self.state, b) {
+                (Size, b) if b.is_ascii_hexdigit() => {
+                    if self.digits >= 15 {
+                        return Err(BadChunk);
+                    }
+                    self.digits += 1;
+                    self.size = self.size * 16 + u64::from((b as char).to_digit(16).unwrap_or(0));
+                    Size
+                }
+                (Size, b';' | b' ' | b'\t') if self.digits > 0 => Extension,
+                (Size, b'\r') if self.digits > 0 => SizeLf,
+                (Size, b'\n') | (SizeLf | Extension, b'\n') if self.digits > 0 => {
+                    self.digits = 0;
+                    if self.size == 0 {
+                        TrailerStart
+                    } else {
+                        Data
+                    }
+                }
+                (Extension, b'\r') => SizeLf,
+                (Extension, _) => Extension,
+                (DataCr, b'\r') => DataLf,
+                (DataCr | DataLf, b'\n') => Size,
+                (TrailerStart, b'\r') => FinalLf,
+                (TrailerStart | FinalLf, b'\n') => Done,
+                (TrailerLine, b'\n') => TrailerStart,
+                (TrailerStart | TrailerLine, _) => TrailerLine,
+                _ => return Err(BadChunk),
+            };
+        }
+        Ok(i)
+    }
+
+    /// Whether the last chunk and the trailer section were read.
+    pub(super) fn done(&self) -> bool {
+        self.state == ChunkState::Done
+    }
+}
+
+/// Appends `data` as one chunk.
+pub(super) fn put_chunk(out: &mut BytesMut, data: &[u8]) {
+    if data.is_empty() {
+        return;
+    }
+    out.put_slice(format!("{:x}\r\n", data.len()).as_bytes());
+    out.put_slice(data);
+    out.put_slice(b"\r\n");
+}
+
+/// The last chunk of a body tokentap frames itself.
+pub(super) const LAST_CHUNK: &[u8] = b"0\r\n\r\n";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BODY: &[u8] =
+        b"5;ext=1\r\nhello\r\n18\r\ndata: {\"x\":1}\n\ndata: [DO\r\n0\r\nX-Trailer: 1\r\n\r\nNEXT";
+
+    #[test]
+    fn chunked_bodies_decode_the_same_at_every_split() {
+        for split in 0..=BODY.len() {
+            let mut c = Chunked::default();
+            let mut got = Vec::new();
+            let a = c.feed(&BODY[..split], |p| got.extend_from_slice(p)).unwrap();
+            assert_eq!(a, split.min(BODY.len() - 4), "split {split}");
+            let b = c.feed(&BODY[a..], |p| got.extend_from_slice(p)).unwrap();
+            assert!(c.done(), "split {split}");
+            assert_eq!(a + b, BODY.len() - 4, "the body ends before NEXT");
+            assert_eq!(got, b"hellodata: {\"x\":1}\n\ndata: [DO");
+        }
+    }
+
+    #[test]
+    fn malformed_chunks_are_errors() {
+        for bad in [&b"zz\r\n"[..], b"\r\n", b"5\r\nhelloXX", b"fffffffffffffffff\r\n"] {
+            let mut c = Chunked::default();
+            assert_eq!(c.feed(bad, |_| {}), Err(BadChunk), "{bad:?}");
+        }
+        let mut c = Chunked::default();
+        assert_eq!(c.feed(b"0\n\n", |_| {}), Ok(3), "bare LF line ends are read");
+        assert!(c.done());
+    }
+
+    #[test]
+    fn framing_follows_rfc_9112() {
+        let resp = |fields: &[(&str, &str)], status: u16| {
+            let mut r = ResponseHeader::build(status, None).unwrap();
+            for (n, v) in fields {
+                r.append_header(n.to_string(), *v).unwrap();
+            }
+            r
+        };
+        let f = |fields: &[(&str, &str)]| Framing::of(&resp(fields, 200));
+        assert_eq!(f(&[]), Some(Framing::UntilClose));
+        assert_eq!(f(&[("content-length", "12")]), Some(Framing::Length(12)));
+        assert_eq!(f(&[("content-length", "1"), ("content-length", "1")]), None);
+        assert_eq!(f(&[("content-length", "+1")]), None);
+        assert_eq!(f(&[("transfer-encoding", "gzip, chunked")]), Some(Framing::Chunked));
+        assert_eq!(
+            f(&[("transfer-encoding", "chunked"), ("content-length", "3")]),
+            Some(Framing::Chunked)
+        );
+        assert_eq!(f(&[("transfer-encoding", "chunked, gzip")]), None);
+        assert_eq!(Framing::of(&resp(&[], 204)), Some(Framing::Empty));
+    }
+
+    #[test]
+    fn heads_keep_field_case_and_order() {
+        let raw = b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nX-Mixed-Case: 1\r\nContent-Length: 2\r\n\r\n{}";
+        let Head::Complete(req, len) = request(raw) else {
+            panic!("not parsed")
+        };
+        assert_eq!(len, raw.len() - 2);
+        assert_eq!(req.raw_path(), b"/v1/chat/completions");
+        let mut wire = BytesMut::new();
+        req.header_to_h1_wire(&mut wire);
+        assert_eq!(&wire[..], b"Host: a\r\nX-Mixed-Case: 1\r\nContent-Length: 2\r\n");
+        assert!(matches!(request(&raw[..20]), Head::Partial));
+        assert!(matches!(request(b"GET / HTTP/1.0\r\n\r\n"), Head::Invalid));
+        assert!(matches!(request(b"GET /\x01 HTTP/1.1\r\n\r\n"), Head::Invalid));
+
+        let raw = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\ndata";
+        let Head::Complete(resp, len) = response(raw) else {
+            panic!("not parsed")
+        };
+        assert_eq!(len, raw.len() - 4);
+        let mut out = BytesMut::new();
+        write_response(&resp, &mut out);
+        assert_eq!(&out[..], &raw[..len]);
+    }
+}

@@ -32,7 +32,7 @@ use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::prelude::*;
 use pingora::protocols::http::v1::client::http_req_header_to_wire;
 use pingora::protocols::Stream as Io;
-use pingora::upstreams::peer::Peer;
+use pingora::upstreams::peer::{HttpPeer, Peer};
 use pingora::ErrorSource;
 use tokio::io::{AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::time::{timeout, Instant};
@@ -438,18 +438,54 @@ impl TokenTap {
         Ok(req)
     }
 
+    /// A pooled connection to `peer`, else a new one. A plain-TCP connect is tokio's own:
+    /// pingora's connect future (TLS, proxies, socket options tokentap does not set) is
+    /// 8.5 KiB, and a burst of thousands of new streams would leave that much per stream
+    /// behind in the allocator.
+    async fn connect(&self, peer: &HttpPeer) -> Result<Io> {
+        let connector = &self.shared.connector;
+        if let Some(pooled) = connector.reused_stream(peer).await {
+            return Ok(pooled);
+        }
+        let pingora::protocols::l4::socket::SocketAddr::Inet(addr) = peer._address else {
+            return Box::pin(connector.new_stream(peer)).await;
+        };
+        if peer.is_tls() {
+            return Box::pin(connector.new_stream(peer)).await;
+        }
+        let connect = tokio::net::TcpStream::connect(addr);
+        let connected = match peer.options.connection_timeout {
+            Some(t) => timeout(t, connect).await.unwrap_or_else(|_| {
+                Err(io::Error::new(io::ErrorKind::TimedOut, "connect timed out"))
+            }),
+            None => connect.await,
+        };
+        let tcp = connected.map_err(|e| {
+            let kind = match e.kind() {
+                io::ErrorKind::TimedOut => ConnectTimedout,
+                io::ErrorKind::ConnectionRefused => ConnectRefused,
+                _ => ConnectError,
+            };
+            let mut e = Error::because(kind, format!("connecting to {addr}"), e);
+            e.set_retry(true); // nothing was sent
+            e
+        })?;
+        let _ = tcp.set_nodelay(true);
+        Ok(Box::new(pingora::protocols::l4::stream::Stream::from(tcp)))
+    }
+
     /// Sends the request (head and body in one write) and reads the response header, past
     /// any 1xx; returns the connection, the header and the body bytes read with it.
     async fn send(
         &self,
-        peer: &pingora::upstreams::peer::HttpPeer,
+        peer: &HttpPeer,
         wire: BytesMut,
     ) -> Result<(Io, ResponseHeader, BytesMut)> {
         let mut attempt = 0;
         let mut up = loop {
             attempt += 1;
-            match self.shared.connector.get_stream(peer).await {
-                Ok((up, _reused)) => break up,
+            match self.connect(peer).await {
+                Ok(up) => break up,
                 Err(mut e) => {
                     e.retry.decide_reuse(false);
                     if e.retry() && attempt < ATTEMPTS {

@@ -138,10 +138,8 @@ pub fn build(config: Config) -> (Server, Arc<Shared>) {
     let mut server = Server::new_with_opt_and_conf(None, conf);
     let shared = Shared::new(config);
 
-    let proxy = pingora::proxy::http_proxy(
-        &server.configuration,
-        TokenTap::new(Arc::clone(&shared)),
-    );
+    let proxy =
+        pingora::proxy::http_proxy(&server.configuration, TokenTap::new(Arc::clone(&shared)));
     let proxy = FrontService::new(Front::new(TokenTap::new(Arc::clone(&shared)), proxy));
     let mut admin = Service::new("tokentap admin".to_owned(), Admin::new(Arc::clone(&shared)));
     admin.threads = Some(1);

@@ -1,6 +1,7 @@
 //! The direct streaming path (`server.direct_streaming`): what the upstream receives, a
-//! request never sent twice, `100 Continue`, a body ended by close, the read timeout, and
-//! the same bytes as pingora-proxy's path.
+//! request never sent twice, `100 Continue`, every response framing on one connection, a
+//! body ended by close, an upstream dying mid-body, pipelining, the read timeout, and the
+//! same bytes as pingora-proxy's path.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -324,4 +325,176 @@ async fn a_stream_longer_than_the_read_timeout_with_shorter_gaps_completes() {
     assert!(!r.error);
     assert!(String::from_utf8_lossy(&r.body).contains("[DONE]"));
     assert_eq!(up["requests_by_status"]["ok"], 1, "{up}");
+}
+
+/// `raw` cut at the byte offsets `at`, each piece sent on its own.
+fn raw(raw: &[u8], at: &[usize]) -> Reply {
+    let mut pieces = Vec::new();
+    let mut from = 0;
+    for &to in at.iter().chain([&raw.len()]) {
+        pieces.push(raw[from..to].to_vec());
+        from = to;
+    }
+    Reply::Raw {
+        pieces,
+        gap: Duration::from_millis(2),
+        close: false,
+    }
+}
+
+/// POSTs `BODY` to each path in turn on one client connection; the status and body of each.
+async fn on_one_connection(addr: std::net::SocketAddr, paths: &[&str]) -> Vec<(u16, Vec<u8>)> {
+    use http_body_util::{BodyExt, Full};
+    let stream = TcpStream::connect(addr).await.unwrap();
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .unwrap();
+    tokio::spawn(conn);
+    let mut got = Vec::new();
+    for path in paths {
+        sender.ready().await.expect("the connection was not kept");
+        let req = http::Request::builder()
+            .method("POST")
+            .uri(*path)
+            .header("host", "x")
+            .header("content-type", "application/json")
+            .body(Full::new(bytes::Bytes::from_static(BODY)))
+            .unwrap();
+        let resp = sender.send_request(req).await.unwrap();
+        let status = resp.status().as_u16();
+        let body = resp
+            .into_body()
+            .collect()
+            .await
+            .unwrap()
+            .to_bytes()
+            .to_vec();
+        got.push((status, body));
+    }
+    got
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_response_framing_reaches_the_client_intact_on_one_connection() {
+    let events = chat_events(3, true).concat();
+    let head = |framing: &str| {
+        format!("HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n{framing}\r\n").into_bytes()
+    };
+    let mut length = head(&format!("Content-Length: {}\r\n", events.len()));
+    length.extend_from_slice(&events);
+    // Chunk extensions, events cut across chunks, a trailer.
+    let mut chunked = head("Transfer-Encoding: chunked\r\n");
+    for piece in events.chunks(37) {
+        chunked.extend_from_slice(format!("{:x};ext=1\r\n", piece.len()).as_bytes());
+        chunked.extend_from_slice(piece);
+        chunked.extend_from_slice(b"\r\n");
+    }
+    chunked.extend_from_slice(b"0\r\nX-Trailer: 1\r\n\r\n");
+    let mut hinted = b"HTTP/1.1 103 Early Hints\r\nLink: </s>\r\n\r\n".to_vec();
+    hinted.extend_from_slice(&chunked);
+    let bytewise: Vec<usize> = (1..60).chain([chunked.len() - 3]).collect();
+    let empty = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 0\r\n\r\n";
+    let backend = mock(vec![
+        ("/v1/chat/completions?length", raw(&length, &[20, 90, 300])),
+        (
+            "/v1/chat/completions?chunked",
+            raw(&chunked, &[10, 75, 76, 77, 200]),
+        ),
+        ("/v1/chat/completions?bytewise", raw(&chunked, &bytewise)),
+        ("/v1/chat/completions?hinted", raw(&hinted, &[20, 50])),
+        ("/v1/chat/completions?empty", raw(empty, &[])),
+        (
+            "/v1/chat/completions?nocontent",
+            raw(b"HTTP/1.1 204 No Content\r\n\r\n", &[]),
+        ),
+    ])
+    .await;
+    let running = proxy(&[("up", backend.addr)], "").await;
+    let paths = [
+        "/v1/chat/completions?length",
+        "/v1/chat/completions?chunked",
+        "/v1/chat/completions?bytewise",
+        "/v1/chat/completions?hinted",
+        "/v1/chat/completions?empty",
+        "/v1/chat/completions?nocontent",
+    ];
+    let got = on_one_connection(proxy_addr(&running), &paths).await;
+    for (i, (status, body)) in got.iter().enumerate() {
+        let (want_status, want_body) = match i {
+            0..=3 => (200, &events[..]),
+            4 => (200, &b""[..]),
+            _ => (204, &b""[..]),
+        };
+        assert_eq!(*status, want_status, "{}", paths[i]);
+        assert_eq!(body, want_body, "{}", paths[i]);
+    }
+    let st = stats_when(&running, |u| u["requests_total"] == 6).await;
+    let up = &st["upstreams"][0];
+    assert_eq!(up["requests_by_status"]["ok"], 6, "{up}");
+    assert_eq!(up["output_tokens_total"], 12, "{up}");
+    assert_eq!(up["in_flight"], 0);
+    running.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_that_dies_mid_body_cuts_the_client_and_counts_an_error() {
+    let events = chat_events(3, true).concat();
+    let mut chunked =
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+            .to_vec();
+    chunked.extend_from_slice(format!("{:x}\r\n", events.len()).as_bytes());
+    chunked.extend_from_slice(&events[..events.len() / 2]); // the chunk never ends
+    let mut short = format!(
+        "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: {}\r\n\r\n",
+        events.len()
+    )
+    .into_bytes();
+    short.extend_from_slice(&events[..events.len() / 2]);
+    let dies = |bytes: Vec<u8>| Reply::Raw {
+        pieces: vec![bytes],
+        gap: Duration::ZERO,
+        close: true,
+    };
+    let backend = mock(vec![
+        ("/v1/chat/completions?chunked", dies(chunked)),
+        ("/v1/chat/completions?short", dies(short)),
+    ])
+    .await;
+    let running = proxy(&[("up", backend.addr)], "").await;
+    for path in ["/v1/chat/completions?chunked", "/v1/chat/completions?short"] {
+        let r = fetch(proxy_addr(&running), "POST", path, BODY).await;
+        assert_eq!(r.status, 200, "{path}");
+        assert!(r.error, "{path}: the client should see the body cut");
+    }
+    let st = stats_when(&running, |u| u["requests_total"] == 2).await;
+    let up = &st["upstreams"][0];
+    assert_eq!(up["requests_by_status"]["upstream_error"], 2, "{up}");
+    assert_eq!(up["in_flight"], 0);
+    running.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pipelined_request_closes_the_connection_after_the_first_response() {
+    // As pingora-proxy without pipelining: the first response, then the connection closes
+    // (the client retries the second on a new one, RFC 9112 §9.3.2).
+    let b = backend(Mode::Chunked).await;
+    let running = proxy(&[("up", b.addr)], "").await;
+    let one = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\r\n{}",
+        BODY.len(),
+        String::from_utf8_lossy(BODY)
+    );
+    let mut s = TcpStream::connect(proxy_addr(&running)).await.unwrap();
+    s.write_all(format!("{one}{one}").as_bytes()).await.unwrap();
+    let mut got = Vec::new();
+    s.read_to_end(&mut got).await.unwrap();
+    let text = String::from_utf8_lossy(&got);
+    assert_eq!(text.matches("HTTP/1.1 200").count(), 1, "{text}");
+    assert!(
+        text.to_ascii_lowercase().contains("connection: close"),
+        "{text}"
+    );
+    assert!(text.ends_with("0\r\n\r\n"), "{text}");
+    running.stop();
 }

@@ -227,7 +227,8 @@ impl TokenTap {
                 Ok(Ok(_)) => {}
                 Ok(Err(e)) => return Err(Error::because(ReadError, "reading body", e).into_down()),
                 Err(_) => {
-                    return Error::e_explain(ReadTimedout, "reading body").map_err(|e| e.into_down())
+                    return Error::e_explain(ReadTimedout, "reading body")
+                        .map_err(|e| e.into_down())
                 }
             }
         }
@@ -308,7 +309,7 @@ impl TokenTap {
             reusable,
         };
         // The body bytes that came with the header (an empty read is the end of stream).
-        if !first.is_empty() || framing == Framing::Empty {
+        if !first.is_empty() || matches!(framing, Framing::Empty | Framing::Length(0)) {
             relay
                 .fragment(self, ctx, self.now(), &first, &mut out, None)
                 .map_err(|e| e.into_up())?;
@@ -351,7 +352,9 @@ impl TokenTap {
         poll_fn(|cx| loop {
             while !out.is_empty() {
                 match Pin::new(&mut *client).poll_write(cx, out) {
-                    Poll::Ready(Ok(0)) => return Poll::Ready(Err(down(WriteError, "client took 0 bytes"))),
+                    Poll::Ready(Ok(0)) => {
+                        return Poll::Ready(Err(down(WriteError, "client took 0 bytes")))
+                    }
                     Poll::Ready(Ok(n)) if n == out.len() => *out = BytesMut::new(), // its memory too
                     Poll::Ready(Ok(n)) => out.advance(n),
                     Poll::Ready(Err(e)) => return Poll::Ready(Err(down_io(WriteError, e))),
@@ -518,12 +521,18 @@ impl TokenTap {
                 None => read.await.map_err(|e| up_io(ReadError, e))?,
             };
             if n == 0 {
-                return Err(up_err(ConnectionClosed, "upstream closed before its header"));
+                return Err(up_err(
+                    ConnectionClosed,
+                    "upstream closed before its header",
+                ));
             }
             // Informational responses are skipped (the client gets the final one).
             while let Head::Complete(resp, len) = h1::response(&buf) {
                 if resp.status == http::StatusCode::SWITCHING_PROTOCOLS {
-                    return Err(up_err(InvalidHTTPHeader, "101 to a request without Upgrade"));
+                    return Err(up_err(
+                        InvalidHTTPHeader,
+                        "101 to a request without Upgrade",
+                    ));
                 }
                 buf.advance(len);
                 if !resp.status.is_informational() {
@@ -533,7 +542,10 @@ impl TokenTap {
             match h1::response(&buf) {
                 Head::Invalid => return Err(up_err(InvalidHTTPHeader, "upstream response header")),
                 _ if buf.len() > h1::MAX_HEAD => {
-                    return Err(up_err(InvalidHTTPHeader, "upstream response header too large"))
+                    return Err(up_err(
+                        InvalidHTTPHeader,
+                        "upstream response header too large",
+                    ))
                 }
                 _ => {}
             }
@@ -558,51 +570,59 @@ impl Relay {
         if self.done {
             return Ok(());
         }
-        // The bytes of `data` that belong to the body, and any rewritten ones.
+        let nothing_left = matches!(self.framing, Framing::Empty | Framing::Length(0));
+        if data.is_empty() && !nothing_left && self.framing != Framing::UntilClose {
+            return Error::e_explain(ConnectionClosed, "upstream closed mid-body");
+        }
+        // Where the body is in `data`.
+        let chunked_before = self.chunked.clone();
+        let n = match self.framing {
+            Framing::Empty => 0,
+            Framing::Length(left) => {
+                let n = data.len().min(usize::try_from(left).unwrap_or(usize::MAX));
+                self.framing = Framing::Length(left - n as u64);
+                n
+            }
+            Framing::Chunked => self
+                .chunked
+                .feed(data, |_| {})
+                .or_else(|_| Error::e_explain(InvalidHTTPHeader, "malformed chunked body"))?,
+            Framing::UntilClose => data.len(),
+        };
+        self.done = match self.framing {
+            Framing::Empty => true,
+            Framing::Length(left) => left == 0,
+            Framing::Chunked => self.chunked.done(),
+            Framing::UntilClose => data.is_empty(),
+        };
+        let body = &data[..n];
+        if n < data.len() {
+            self.reusable = false; // bytes past the body: the connection is not clean
+        }
+        // Forwarded as it came before it is metered: the client does not wait on the meter.
+        if !self.reframe {
+            forward(body, out, client);
+        }
+        // Metered; with the usage chunk being taken out, `kept` is what the client gets.
         let mut kept = BytesMut::new();
         let mut keep = |kept_now: Option<Bytes>| {
             if let Some(k) = kept_now {
                 h1::put_chunk(&mut kept, &k);
             }
         };
-        let body = match self.framing {
-            Framing::Empty => {
-                self.done = true;
-                &data[..0]
-            }
-            _ if data.is_empty() && self.framing != Framing::UntilClose => {
-                return Error::e_explain(ConnectionClosed, "upstream closed mid-body");
-            }
-            Framing::Length(left) => {
-                let n = data.len().min(usize::try_from(left).unwrap_or(usize::MAX));
-                self.framing = Framing::Length(left - n as u64);
-                self.done = left == n as u64;
-                keep(tap.on_body(ctx, now, &data[..n], false));
-                &data[..n]
-            }
-            Framing::Chunked => {
-                let n = self
-                    .chunked
-                    .feed(data, |payload| keep(tap.on_body(ctx, now, payload, false)))
-                    .or_else(|_| Error::e_explain(InvalidHTTPHeader, "malformed chunked body"))?;
-                self.done = self.chunked.done();
-                &data[..n]
-            }
-            Framing::UntilClose => {
-                self.done = data.is_empty();
-                keep(tap.on_body(ctx, now, data, false));
-                data
-            }
-        };
+        if self.framing == Framing::Chunked {
+            // The same bytes again from the same state: the payload, which cannot fail now.
+            let mut decoder = chunked_before;
+            let _ = decoder.feed(body, |payload| keep(tap.on_body(ctx, now, payload, false)));
+        } else if !body.is_empty() {
+            keep(tap.on_body(ctx, now, body, false));
+        }
         if self.done {
             // What a stripper held back, and the end of a JSON or NDJSON body.
             keep(tap.on_body(ctx, now, &[], true));
         }
-        if body.len() < data.len() {
-            self.reusable = false; // bytes past the body: the connection is not clean
-        }
         if !self.reframe {
-            return Ok(forward(body, out, client));
+            return Ok(());
         }
         if self.framing == Framing::UntilClose && ctx.strip_usage.is_none() {
             h1::put_chunk(&mut kept, body);

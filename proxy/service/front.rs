@@ -137,6 +137,7 @@ async fn read_head(
 }
 
 /// Where a request goes.
+#[allow(clippy::large_enum_variant)] // made and matched once per request, never stored
 enum Plan {
     Direct(Admitted),
     /// To pingora-proxy, with its upstream when already chosen.
@@ -224,10 +225,7 @@ impl Service for FrontService {
                 Ok((tcp, _peer)) => {
                     let _ = tcp.set_nodelay(true);
                     let client: Stream = Box::new(L4Stream::from(tcp));
-                    let fut = Arc::clone(&front).connection(client, shutdown.clone());
-                    static ONCE: std::sync::Once = std::sync::Once::new();
-                    ONCE.call_once(|| eprintln!("SIZE connection {}", std::mem::size_of_val(&fut)));
-                    tokio::spawn(fut);
+                    tokio::spawn(Arc::clone(&front).connection(client, shutdown.clone()));
                 }
                 // Out of file descriptors (or a connection reset while queued): accept
                 // returns at once again, so back off briefly instead of spinning.

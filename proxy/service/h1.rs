@@ -6,8 +6,8 @@
 
 use bytes::{BufMut, Bytes, BytesMut};
 use http::header::{self, HeaderValue};
-use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::http::IntoCaseHeaderName;
+use pingora::http::{RequestHeader, ResponseHeader};
 
 /// The largest head read (pingora's limit for a request head is 1 MiB; a generation
 /// request's head is a few hundred bytes, and anything larger goes to pingora-proxy).
@@ -157,8 +157,7 @@ impl Framing {
                 .filter_map(|v| v.to_str().ok())
                 .flat_map(|v| v.split(','))
                 .map(str::trim)
-                .filter(|t| !t.is_empty())
-                .last();
+                .rfind(|t| !t.is_empty());
             return match last {
                 Some(t) if t.eq_ignore_ascii_case("chunked") => Some(Framing::Chunked),
                 _ => None,
@@ -177,7 +176,7 @@ pub(super) struct BadChunk;
 
 /// Decodes a chunked body incrementally, finding its payload and where it ends without
 /// copying (RFC 9112 §7.1). Chunk extensions and trailer fields are skipped.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub(super) struct Chunked {
     state: ChunkState,
     /// Bytes left in the current chunk, or the size being read.
@@ -288,7 +287,9 @@ mod tests {
         for split in 0..=BODY.len() {
             let mut c = Chunked::default();
             let mut got = Vec::new();
-            let a = c.feed(&BODY[..split], |p| got.extend_from_slice(p)).unwrap();
+            let a = c
+                .feed(&BODY[..split], |p| got.extend_from_slice(p))
+                .unwrap();
             assert_eq!(a, split.min(BODY.len() - 4), "split {split}");
             let b = c.feed(&BODY[a..], |p| got.extend_from_slice(p)).unwrap();
             assert!(c.done(), "split {split}");
@@ -299,12 +300,21 @@ mod tests {
 
     #[test]
     fn malformed_chunks_are_errors() {
-        for bad in [&b"zz\r\n"[..], b"\r\n", b"5\r\nhelloXX", b"fffffffffffffffff\r\n"] {
+        for bad in [
+            &b"zz\r\n"[..],
+            b"\r\n",
+            b"5\r\nhelloXX",
+            b"fffffffffffffffff\r\n",
+        ] {
             let mut c = Chunked::default();
             assert_eq!(c.feed(bad, |_| {}), Err(BadChunk), "{bad:?}");
         }
         let mut c = Chunked::default();
-        assert_eq!(c.feed(b"0\n\n", |_| {}), Ok(3), "bare LF line ends are read");
+        assert_eq!(
+            c.feed(b"0\n\n", |_| {}),
+            Ok(3),
+            "bare LF line ends are read"
+        );
         assert!(c.done());
     }
 
@@ -322,7 +332,10 @@ mod tests {
         assert_eq!(f(&[("content-length", "12")]), Some(Framing::Length(12)));
         assert_eq!(f(&[("content-length", "1"), ("content-length", "1")]), None);
         assert_eq!(f(&[("content-length", "+1")]), None);
-        assert_eq!(f(&[("transfer-encoding", "gzip, chunked")]), Some(Framing::Chunked));
+        assert_eq!(
+            f(&[("transfer-encoding", "gzip, chunked")]),
+            Some(Framing::Chunked)
+        );
         assert_eq!(
             f(&[("transfer-encoding", "chunked"), ("content-length", "3")]),
             Some(Framing::Chunked)
@@ -341,10 +354,16 @@ mod tests {
         assert_eq!(req.raw_path(), b"/v1/chat/completions");
         let mut wire = BytesMut::new();
         req.header_to_h1_wire(&mut wire);
-        assert_eq!(&wire[..], b"Host: a\r\nX-Mixed-Case: 1\r\nContent-Length: 2\r\n");
+        assert_eq!(
+            &wire[..],
+            b"Host: a\r\nX-Mixed-Case: 1\r\nContent-Length: 2\r\n"
+        );
         assert!(matches!(request(&raw[..20]), Head::Partial));
         assert!(matches!(request(b"GET / HTTP/1.0\r\n\r\n"), Head::Invalid));
-        assert!(matches!(request(b"GET /\x01 HTTP/1.1\r\n\r\n"), Head::Invalid));
+        assert!(matches!(
+            request(b"GET /\x01 HTTP/1.1\r\n\r\n"),
+            Head::Invalid
+        ));
 
         let raw = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\ndata";
         let Head::Complete(resp, len) = response(raw) else {

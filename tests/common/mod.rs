@@ -150,6 +150,13 @@ pub enum Reply {
         content_type: &'static str,
         body: Vec<u8>,
     },
+    /// Raw bytes, head and all: each piece written on its own, `gap` apart; `close` ends
+    /// the connection after the last.
+    Raw {
+        pieces: Vec<Vec<u8>>,
+        gap: Duration,
+        close: bool,
+    },
 }
 
 /// A raw-TCP backend answering each request path with a scripted reply.
@@ -242,6 +249,17 @@ async fn read_request(s: &mut TcpStream) -> Option<String> {
 
 async fn write_reply(s: &mut TcpStream, reply: Reply, aborted: &AtomicU64) -> bool {
     match reply {
+        Reply::Raw { pieces, gap, close } => {
+            for (i, p) in pieces.iter().enumerate() {
+                if i > 0 {
+                    tokio::time::sleep(gap).await;
+                }
+                if s.write_all(p).await.is_err() || s.flush().await.is_err() {
+                    return false;
+                }
+            }
+            !close
+        }
         Reply::Whole {
             status,
             content_type,

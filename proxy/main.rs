@@ -64,7 +64,8 @@ fn run(path: PathBuf) -> anyhow::Result<()> {
         config.listen.proxy, config.listen.admin
     );
     let (server, _shared) = tokentap::server::build(config);
-    // SIGTERM: graceful (streams get the grace period), SIGINT: fast, SIGQUIT: upgrade.
+    // SIGTERM: graceful (streams get the grace period), SIGINT: fast. SIGQUIT (pingora's
+    // upgrade) shuts down gracefully too: tokentap hands no listening socket over.
     server.run(RunArgs::default());
     Ok(())
 }

@@ -65,6 +65,14 @@ pub struct Ctx {
     status: u16,
 }
 
+impl Ctx {
+    /// The body is forwarded but neither read nor rewritten.
+    fn ignore_body(&mut self) {
+        self.body = Body::Ignore;
+        self.strip_usage = None;
+    }
+}
+
 /// How the response body is read for metering.
 enum Body {
     /// Not metered (not generation traffic, an error status, an encoded body…).

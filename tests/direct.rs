@@ -342,8 +342,12 @@ fn raw(raw: &[u8], at: &[usize]) -> Reply {
     }
 }
 
-/// POSTs `BODY` to each path in turn on one client connection; the status and body of each.
-async fn on_one_connection(addr: std::net::SocketAddr, paths: &[&str]) -> Vec<(u16, Vec<u8>)> {
+/// POSTs `BODY` to each path in turn on one client connection; the status, whether it had a
+/// `Content-Length`, and the body of each.
+async fn on_one_connection(
+    addr: std::net::SocketAddr,
+    paths: &[&str],
+) -> Vec<(u16, bool, Vec<u8>)> {
     use http_body_util::{BodyExt, Full};
     let stream = TcpStream::connect(addr).await.unwrap();
     let (mut sender, conn) =
@@ -363,6 +367,7 @@ async fn on_one_connection(addr: std::net::SocketAddr, paths: &[&str]) -> Vec<(u
             .unwrap();
         let resp = sender.send_request(req).await.unwrap();
         let status = resp.status().as_u16();
+        let length = resp.headers().contains_key(http::header::CONTENT_LENGTH);
         let body = resp
             .into_body()
             .collect()
@@ -370,7 +375,7 @@ async fn on_one_connection(addr: std::net::SocketAddr, paths: &[&str]) -> Vec<(u
             .unwrap()
             .to_bytes()
             .to_vec();
-        got.push((status, body));
+        got.push((status, length, body));
     }
     got
 }
@@ -393,6 +398,8 @@ async fn every_response_framing_reaches_the_client_intact_on_one_connection() {
     chunked.extend_from_slice(b"0\r\nX-Trailer: 1\r\n\r\n");
     let mut hinted = b"HTTP/1.1 103 Early Hints\r\nLink: </s>\r\n\r\n".to_vec();
     hinted.extend_from_slice(&chunked);
+    // Both framings: `Transfer-Encoding` wins, and the proxy drops the length.
+    let both = [&chunked[..17], b"Content-Length: 5\r\n", &chunked[17..]].concat();
     let bytewise: Vec<usize> = (1..60).chain([chunked.len() - 3]).collect();
     let empty = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 0\r\n\r\n";
     let backend = mock(vec![
@@ -403,6 +410,7 @@ async fn every_response_framing_reaches_the_client_intact_on_one_connection() {
         ),
         ("/v1/chat/completions?bytewise", raw(&chunked, &bytewise)),
         ("/v1/chat/completions?hinted", raw(&hinted, &[20, 50])),
+        ("/v1/chat/completions?both", raw(&both, &[])),
         ("/v1/chat/completions?empty", raw(empty, &[])),
         (
             "/v1/chat/completions?nocontent",
@@ -416,23 +424,26 @@ async fn every_response_framing_reaches_the_client_intact_on_one_connection() {
         "/v1/chat/completions?chunked",
         "/v1/chat/completions?bytewise",
         "/v1/chat/completions?hinted",
+        "/v1/chat/completions?both",
         "/v1/chat/completions?empty",
         "/v1/chat/completions?nocontent",
     ];
     let got = on_one_connection(proxy_addr(&running), &paths).await;
-    for (i, (status, body)) in got.iter().enumerate() {
-        let (want_status, want_body) = match i {
-            0..=3 => (200, &events[..]),
-            4 => (200, &b""[..]),
-            _ => (204, &b""[..]),
+    for (i, (status, length, body)) in got.iter().enumerate() {
+        let (want_status, want_length, want_body) = match i {
+            0 => (200, true, &events[..]),
+            1..=4 => (200, false, &events[..]),
+            5 => (200, true, &b""[..]),
+            _ => (204, false, &b""[..]),
         };
         assert_eq!(*status, want_status, "{}", paths[i]);
+        assert_eq!(*length, want_length, "{}", paths[i]);
         assert_eq!(body, want_body, "{}", paths[i]);
     }
-    let st = stats_when(&running, |u| u["requests_total"] == 6).await;
+    let st = stats_when(&running, |u| u["requests_total"] == 7).await;
     let up = &st["upstreams"][0];
-    assert_eq!(up["requests_by_status"]["ok"], 6, "{up}");
-    assert_eq!(up["output_tokens_total"], 12, "{up}");
+    assert_eq!(up["requests_by_status"]["ok"], 7, "{up}");
+    assert_eq!(up["output_tokens_total"], 15, "{up}");
     assert_eq!(up["in_flight"], 0);
     running.stop();
 }
@@ -496,5 +507,31 @@ async fn a_pipelined_request_closes_the_connection_after_the_first_response() {
         "{text}"
     );
     assert!(text.ends_with("0\r\n\r\n"), "{text}");
+    running.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_slow_to_send_its_body_holds_no_slot() {
+    // One slot. A sends its head and waits for `100 Continue` (so the proxy has read the
+    // head and is waiting for the body); B's whole request must not queue behind it.
+    let b = backend(Mode::Chunked).await;
+    let cap = "max_concurrency = 1\nqueue_timeout_ms = 60000\n";
+    let running = proxy(&[("up", b.addr)], cap).await;
+    let mut a = TcpStream::connect(proxy_addr(&running)).await.unwrap();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nexpect: 100-continue\r\ncontent-length: {}\r\n\r\n",
+        BODY.len()
+    );
+    a.write_all(head.as_bytes()).await.unwrap();
+    let mut tmp = [0u8; 1024];
+    let n = a.read(&mut tmp).await.unwrap();
+    assert!(tmp[..n].starts_with(b"HTTP/1.1 100"));
+    let fetched = fetch(proxy_addr(&running), "POST", "/v1/chat/completions", BODY);
+    let r = tokio::time::timeout(Duration::from_secs(10), fetched)
+        .await
+        .expect("B queued behind a body that never came");
+    assert_eq!(r.status, 200);
+    a.write_all(BODY).await.unwrap();
+    assert!(read_chunked_response(&mut a).await.contains("data: [DONE]"));
     running.stop();
 }

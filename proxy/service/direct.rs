@@ -66,9 +66,6 @@ const HOP_BY_HOP: [&str; 11] = [
 /// as on pingora-proxy's path and nginx's default for POST.
 const ATTEMPTS: usize = 2;
 
-/// How long a client may take to send the rest of a request body.
-const BODY_TIMEOUT: Duration = Duration::from_secs(60);
-
 /// The worker thread's read buffer: every read lands here and is forwarded from here, so an
 /// open stream waiting for its next token holds no read buffer of its own.
 const SCRATCH: usize = 32 * 1024;
@@ -103,7 +100,8 @@ pub(super) async fn read_more(io: &mut Io, buf: &mut BytesMut) -> io::Result<usi
     .await
 }
 
-/// A request [`Front`](super::front::Front) parsed and found fit for the direct path.
+/// A request [`Front`](super::front::Front) parsed, read whole and found fit for the direct
+/// path, with its concurrency slot.
 pub(super) struct Admitted {
     pub(super) req: RequestHeader,
     pub(super) body_len: usize,
@@ -171,7 +169,19 @@ impl TokenTap {
         // Boxed: setting up is a large future needed only until the response header; kept
         // inline, every open stream would hold its space.
         let opened = Box::pin(self.open(client, &mut ctx, (req, body_len, choice), body, shutdown));
-        let result = match opened.await {
+        let opened = opened.await;
+        if let Err(e) = &opened {
+            // Nothing reached the client yet: answer as pingora-proxy would.
+            let status = match e.esource() {
+                ErrorSource::Upstream => Some(502),
+                ErrorSource::Downstream => None,
+                ErrorSource::Internal | ErrorSource::Unset => Some(500),
+            };
+            if let Some(status) = status {
+                let _ = write_error(client, status).await;
+            }
+        }
+        let result = match opened {
             Ok(mut open) => {
                 let peer = &self.shared.peers[choice.upstream];
                 let relayed = self
@@ -196,6 +206,13 @@ impl TokenTap {
         }
     }
 
+    /// Records a request routed to the direct path that ended before it had a slot.
+    pub(super) fn abandoned(&self, choice: Choice, e: &Error) {
+        let mut ctx = self.new_ctx();
+        ctx.choice = Some(choice);
+        self.finish(&mut ctx, Some(e));
+    }
+
     /// Everything up to the response body: the request body, the upstream request, the
     /// response header. An error before the response header reached the client answers 502;
     /// after, the connection is cut, as pingora-proxy does.
@@ -207,31 +224,8 @@ impl TokenTap {
         mut body: BytesMut,
         shutdown: bool,
     ) -> Result<Open> {
-        // A client waiting for `100 Continue` gets it (the upstream gets no `Expect`: the body
-        // it gets is already complete).
-        if body.len() < body_len && req.headers.contains_key(header::EXPECT) {
-            let write = async {
-                client.write_all(b"HTTP/1.1 100 Continue\r\n\r\n").await?;
-                client.flush().await
-            };
-            write.await.map_err(|e| down_io(WriteError, e))?;
-        }
-        // The rest of the body; bytes past it are a pipelined next request, which (as on
-        // pingora's default) closes the connection after this response.
-        while body.len() < body_len {
-            match timeout(BODY_TIMEOUT, read_more(client, &mut body)).await {
-                Ok(Ok(0)) => {
-                    return Error::e_explain(ConnectionClosed, "client closed mid-body")
-                        .map_err(|e| e.into_down())
-                }
-                Ok(Ok(_)) => {}
-                Ok(Err(e)) => return Err(Error::because(ReadError, "reading body", e).into_down()),
-                Err(_) => {
-                    return Error::e_explain(ReadTimedout, "reading body")
-                        .map_err(|e| e.into_down())
-                }
-            }
-        }
+        // Bytes past the body are a pipelined next request, which (as on pingora's default)
+        // closes the connection after this response.
         let mut leftover = body.split_off(body_len);
         let mut body = body.freeze();
         let upstream = &self.shared.config.upstreams[choice.upstream];
@@ -259,34 +253,29 @@ impl TokenTap {
         // response header; kept inline, every open stream would hold its space.
         let send = Box::pin(self.send(peer, wire));
         let sent = watching(client, &mut watch, &mut leftover, send).await;
-        let (up, mut resp, first) = match sent {
-            Ok(s) => s,
-            Err(e) => {
-                if matches!(e.esource(), ErrorSource::Upstream) {
-                    // pingora-proxy's answer when the upstream fails before its header.
-                    let _ = write_error(client, 502).await;
-                }
-                return Err(e);
-            }
-        };
-
+        let (up, mut resp, first) = sent?;
         let Some(framing) = Framing::of(&resp) else {
-            let _ = write_error(client, 502).await;
-            return Error::e_explain(InvalidHTTPHeader, "upstream response framing")
-                .map_err(|e| e.into_up());
+            return Err(up_err(InvalidHTTPHeader, "upstream response framing"));
         };
         let reusable = resp.version == http::Version::HTTP_11
             && framing != Framing::UntilClose
             && !h1::has_token(&resp.headers, header::CONNECTION, "close");
         self.on_response_header(&mut resp, ctx)?;
+        if framing == Framing::Chunked {
+            // RFC 9112 §6.3: `Transfer-Encoding` overrides a `Content-Length`, which a proxy
+            // removes (as pingora does).
+            resp.remove_header(&header::CONTENT_LENGTH);
+            if !h1::only_chunked(&resp.headers) {
+                // A compressed transfer coding: neither read nor rewritten.
+                ctx.ignore_body();
+            }
+        }
         let reframe = framing == Framing::UntilClose
             || (ctx.strip_usage.is_some() && framing != Framing::Empty);
         if reframe {
             // As pingora-proxy: a body without a length goes on chunked, so the client
             // connection survives it; so does a body whose length stripping changes.
-            if framing == Framing::UntilClose {
-                resp.set_version(http::Version::HTTP_11);
-            }
+            resp.set_version(http::Version::HTTP_11);
             resp.remove_header(&header::CONTENT_LENGTH);
             resp.insert_header(header::TRANSFER_ENCODING, "chunked")?;
         }
@@ -541,7 +530,7 @@ impl TokenTap {
             }
             match h1::response(&buf) {
                 Head::Invalid => return Err(up_err(InvalidHTTPHeader, "upstream response header")),
-                _ if buf.len() > h1::MAX_HEAD => {
+                _ if buf.len() > h1::MAX_RESPONSE_HEAD => {
                     return Err(up_err(
                         InvalidHTTPHeader,
                         "upstream response header too large",
@@ -684,7 +673,7 @@ async fn watching<T>(
 }
 
 /// Answers `code` as pingora does when proxying fails, and closes.
-async fn write_error(client: &mut Io, code: u16) -> io::Result<()> {
+pub(super) async fn write_error(client: &mut Io, code: u16) -> io::Result<()> {
     let mut resp = pingora::protocols::http::error_resp::gen_error_response(code);
     let _ = resp.insert_header(
         header::DATE,

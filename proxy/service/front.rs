@@ -16,6 +16,7 @@ use bytes::BytesMut;
 use http::header;
 use pingora::apps::HttpServerApp;
 use pingora::http::RequestHeader;
+use pingora::prelude::*;
 use pingora::protocols::http::ServerSession;
 use pingora::protocols::l4::stream::Stream as L4Stream;
 use pingora::protocols::Stream;
@@ -32,6 +33,8 @@ use crate::routing::Choice;
 
 /// How long an idle client connection is kept (pingora's default keep-alive).
 const KEEPALIVE: Duration = Duration::from_secs(60);
+/// How long a client may take to send a request body, in all.
+const BODY_TIMEOUT: Duration = Duration::from_secs(60);
 /// The listen backlog (pingora's default): a burst of thousands of new streams is queued,
 /// not dropped into SYN retries.
 const BACKLOG: u32 = 65_535;
@@ -63,8 +66,8 @@ impl Front {
             let Some((read, head_len, req)) = read_head(&mut client, &shutdown).await else {
                 return;
             };
-            let admitted = match self.tap.plan(req) {
-                Plan::Direct(admitted) => admitted,
+            let (req, body_len, choice) = match self.tap.plan(req) {
+                Plan::Direct(req, body_len, choice) => (req, body_len, choice),
                 Plan::HandOver(routed) => {
                     match self.hand_over(client, read, routed, &shutdown).await {
                         Some(reused) => client = reused,
@@ -73,8 +76,33 @@ impl Front {
                     continue;
                 }
             };
-            let mut body = read;
-            let body = body.split_off(head_len);
+            // The whole body, before a concurrency slot is taken: a client trickling its body
+            // does not hold one.
+            let mut read = read;
+            let expects_continue = req.headers.contains_key(header::EXPECT);
+            let whole = head_len + body_len;
+            if let Err(e) = read_body(&mut client, &mut read, whole, expects_continue).await {
+                self.tap.abandoned(choice, &e);
+                if e.etype() == &ReadTimedout {
+                    let _ = super::direct::write_error(&mut client, 400).await;
+                }
+                return;
+            }
+            let Some(permit) = self.tap.shared.limiters[choice.upstream].try_acquire() else {
+                // Queueing and 429s are pingora-proxy's path's.
+                match self.hand_over(client, read, Some(choice), &shutdown).await {
+                    Some(reused) => client = reused,
+                    None => return,
+                }
+                continue;
+            };
+            let admitted = Admitted {
+                req,
+                body_len,
+                choice,
+                permit,
+            };
+            let body = read.split_off(head_len);
             let shutting_down = *shutdown.borrow();
             let after = self
                 .tap
@@ -136,17 +164,49 @@ async fn read_head(
     }
 }
 
+/// Reads the request body until `read` holds `whole` bytes, within [`BODY_TIMEOUT`] in all;
+/// a client waiting for `100 Continue` gets it first (the upstream gets no `Expect`: the
+/// body it gets is already complete).
+async fn read_body(
+    client: &mut Stream,
+    read: &mut BytesMut,
+    whole: usize,
+    expects_continue: bool,
+) -> pingora::Result<()> {
+    use tokio::io::AsyncWriteExt;
+    if read.len() >= whole {
+        return Ok(());
+    }
+    let body = async {
+        if expects_continue {
+            client.write_all(b"HTTP/1.1 100 Continue\r\n\r\n").await?;
+            client.flush().await?;
+        }
+        while read.len() < whole {
+            if read_more(client, read).await? == 0 {
+                return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof));
+            }
+        }
+        Ok::<(), std::io::Error>(())
+    };
+    match tokio::time::timeout(BODY_TIMEOUT, body).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(Error::because(ReadError, "reading the request body", e).into_down()),
+        Err(_) => Err(Error::explain(ReadTimedout, "reading the request body").into_down()),
+    }
+}
+
 /// Where a request goes.
 #[allow(clippy::large_enum_variant)] // made and matched once per request, never stored
 enum Plan {
-    Direct(Admitted),
+    /// The direct path: the head, the body's length, the upstream.
+    Direct(RequestHeader, usize, Choice),
     /// To pingora-proxy, with its upstream when already chosen.
     HandOver(Option<Choice>),
 }
 
 impl TokenTap {
-    /// Whether the direct path takes `req` (see `direct`'s module docs), routing it and
-    /// taking its concurrency slot if so.
+    /// Whether the direct path takes `req` (see `direct`'s module docs), routing it if so.
     fn plan(&self, req: Option<RequestHeader>) -> Plan {
         let Some(req) = req else {
             return Plan::HandOver(None);
@@ -174,16 +234,7 @@ impl TokenTap {
         else {
             return Plan::HandOver(None); // pingora-proxy answers 404
         };
-        match limiters[choice.upstream].try_acquire() {
-            Some(permit) => Plan::Direct(Admitted {
-                req,
-                body_len,
-                choice,
-                permit,
-            }),
-            // Queueing and 429s are pingora-proxy's path's.
-            None => Plan::HandOver(Some(choice)),
-        }
+        Plan::Direct(req, body_len, choice)
     }
 }
 

@@ -9,11 +9,13 @@ use http::header::{self, HeaderValue};
 use pingora::http::IntoCaseHeaderName;
 use pingora::http::{RequestHeader, ResponseHeader};
 
-/// The largest head read (pingora's limit for a request head is 1 MiB; a generation
-/// request's head is a few hundred bytes, and anything larger goes to pingora-proxy).
+/// The largest request head read here: a generation request's is a few hundred bytes, and
+/// anything larger goes to pingora-proxy (whose limit is 1 MiB).
 pub(super) const MAX_HEAD: usize = 64 * 1024;
-/// The most header fields parsed.
-const MAX_HEADERS: usize = 128;
+/// The largest response head read (pingora's limit).
+pub(super) const MAX_RESPONSE_HEAD: usize = 1024 * 1024;
+/// The most header fields parsed (pingora's limit).
+const MAX_HEADERS: usize = 256;
 
 /// What a buffer holds so far.
 pub(super) enum Head<T> {
@@ -58,7 +60,12 @@ pub(super) fn request(buf: &[u8]) -> Head<RequestHeader> {
 pub(super) fn response(buf: &[u8]) -> Head<ResponseHeader> {
     let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
     let mut resp = httparse::Response::new(&mut fields);
-    let len = match resp.parse(buf) {
+    // As lenient as pingora's client with what upstreams send.
+    let mut parser = httparse::ParserConfig::default();
+    parser
+        .allow_spaces_after_header_name_in_responses(true)
+        .allow_obsolete_multiline_headers_in_responses(true);
+    let len = match parser.parse_response(&mut resp, buf) {
         Ok(httparse::Status::Complete(len)) => len,
         Ok(httparse::Status::Partial) => return Head::Partial,
         Err(_) => return Head::Invalid,
@@ -104,18 +111,35 @@ pub(super) fn write_response(resp: &ResponseHeader, out: &mut BytesMut) {
     out.put_slice(b"\r\n");
 }
 
-/// A header's value as a number, when it is exactly one well-formed one.
+/// The `Content-Length`, when it is well formed: one number, or the same number repeated
+/// (in several fields or a list, RFC 9110 §8.6).
 pub(super) fn content_length(headers: &http::HeaderMap) -> Option<u64> {
-    let mut values = headers.get_all(header::CONTENT_LENGTH).iter();
-    let value = values.next()?;
-    if values.next().is_some() {
-        return None;
+    let mut length = None;
+    for value in headers.get_all(header::CONTENT_LENGTH) {
+        for digits in value.as_bytes().split(|&b| b == b',') {
+            let digits = digits.trim_ascii();
+            if digits.is_empty() || digits.len() > 18 || !digits.iter().all(u8::is_ascii_digit) {
+                return None;
+            }
+            let n: u64 = std::str::from_utf8(digits).ok()?.parse().ok()?;
+            if length.is_some_and(|l| l != n) {
+                return None;
+            }
+            length = Some(n);
+        }
     }
-    let digits = value.as_bytes();
-    if digits.is_empty() || digits.len() > 18 || !digits.iter().all(u8::is_ascii_digit) {
-        return None;
-    }
-    std::str::from_utf8(digits).ok()?.parse().ok()
+    length
+}
+
+/// Whether `Transfer-Encoding` names `chunked` alone: no compression under the framing.
+pub(super) fn only_chunked(headers: &http::HeaderMap) -> bool {
+    headers
+        .get_all(header::TRANSFER_ENCODING)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|&b| b == b','))
+        .map(<[u8]>::trim_ascii)
+        .filter(|t| !t.is_empty())
+        .all(|t| t.eq_ignore_ascii_case(b"chunked"))
 }
 
 /// Whether a comma-separated header holds `token` (case-insensitive).
@@ -330,7 +354,11 @@ mod tests {
         let f = |fields: &[(&str, &str)]| Framing::of(&resp(fields, 200));
         assert_eq!(f(&[]), Some(Framing::UntilClose));
         assert_eq!(f(&[("content-length", "12")]), Some(Framing::Length(12)));
-        assert_eq!(f(&[("content-length", "1"), ("content-length", "1")]), None);
+        assert_eq!(
+            f(&[("content-length", "1"), ("content-length", "1, 1")]),
+            Some(Framing::Length(1))
+        );
+        assert_eq!(f(&[("content-length", "1"), ("content-length", "2")]), None);
         assert_eq!(f(&[("content-length", "+1")]), None);
         assert_eq!(
             f(&[("transfer-encoding", "gzip, chunked")]),

@@ -8,7 +8,7 @@
 //! The data flow (DESIGN §2), and the module of each step:
 //!
 //! ```text
-//! client ─▶ service (ProxyHttp phases) ─▶ routing (route, weighted split, sticky key) ─▶ upstream
+//! client ─▶ service (front door, phases) ─▶ routing (route, weighted split, sticky key) ─▶ upstream
 //!              │                                                                      │
 //!              ◀──────── each body fragment, forwarded the moment it arrives ◀────────┘
 //!              │
@@ -18,10 +18,11 @@
 //! ```
 //!
 //! - [`config`]: the TOML file → a validated runtime config; `tokentap check`.
-//! - [`service`]: `impl ProxyHttp`, each phase a few lines calling the modules below. A
-//!   metered generation request (HTTP/1.1, body read whole) is then proxied by
-//!   `service::direct`'s single loop on pingora's connector and sessions; everything else
-//!   by pingora-proxy. Both call the same filters.
+//! - [`service`]: tokentap's listener (`service::front`) reads each request head. A metered
+//!   generation request (HTTP/1.1 `POST`, a `Content-Length` body read whole, a free slot)
+//!   is proxied by `service::direct`'s HTTP/1.1 loop on the raw connections; everything
+//!   else is handed to pingora-proxy, whose `impl ProxyHttp` phases are a few lines each.
+//!   Both paths call the same filters.
 //! - [`sse`]: incremental SSE framing, no I/O, never alters a byte.
 //! - [`dialect`]: one file per API dialect; facts, never figures.
 //! - [`meter`]: per-request records and per-upstream windows; time is an argument.

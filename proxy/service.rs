@@ -1,7 +1,12 @@
-//! `impl ProxyHttp`: each phase a few lines that call routing, framing, dialect and meter.
+//! The proxy's two paths and what they share. `front` accepts client connections and reads
+//! each request head; `direct` proxies metered generation requests itself; everything else
+//! goes through pingora-proxy and the `impl ProxyHttp` below. Both paths call the same
+//! filters (`on_response_header`, `on_body`, `finish`), each a few lines calling routing,
+//! framing, dialect and meter.
 //!
-//! The body filter only observes: it never holds, delays or rewrites a fragment, so the
-//! client sees each upstream fragment the moment pingora has it.
+//! The body filter never holds or delays a fragment, so the client sees each upstream
+//! fragment the moment it arrives; it rewrites one only to take out a usage chunk the proxy
+//! asked for and the client did not.
 
 use std::sync::Arc;
 

@@ -268,16 +268,22 @@ impl ProxyHttp for TokenTap {
         }
     }
 
-    /// The direct path's front door hands over a request it routed but cannot serve itself
-    /// (no free slot): it keeps that choice.
+    /// The front door hands over a request it routed but cannot serve itself (no free slot):
+    /// it keeps that choice; a client that already had its `100 Continue` does not get a
+    /// second one.
     fn on_connection_reuse(
         &self,
-        _session: &mut Session,
+        session: &mut Session,
         ctx: &mut Ctx,
         prev: Box<dyn std::any::Any + Send + Sync>,
     ) {
         if let Ok(routed) = prev.downcast::<front::Routed>() {
-            ctx.choice = Some(routed.0);
+            ctx.choice = routed.choice;
+            if routed.continued {
+                session
+                    .req_header_mut()
+                    .remove_header(&http::header::EXPECT);
+            }
         }
     }
 
@@ -495,10 +501,5 @@ async fn read_body_ahead(session: &mut Session) -> Result<Option<Bytes>> {
 }
 
 fn content_length(session: &Session) -> Option<usize> {
-    session
-        .req_header()
-        .headers
-        .get(http::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().parse().ok())
+    h1::content_length(&session.req_header().headers).and_then(|l| usize::try_from(l).ok())
 }

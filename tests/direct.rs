@@ -429,6 +429,30 @@ async fn every_response_framing_reaches_the_client_intact_on_one_connection() {
         "/v1/chat/completions?nocontent",
     ];
     let got = on_one_connection(proxy_addr(&running), &paths).await;
+    // The direct path forwards a chunked body as it came: extensions and trailer included
+    // (pingora-proxy would re-frame it).
+    let mut s = TcpStream::connect(proxy_addr(&running)).await.unwrap();
+    let req = format!(
+        "POST /v1/chat/completions?chunked HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\r\n",
+        BODY.len()
+    );
+    s.write_all(&[req.as_bytes(), BODY].concat()).await.unwrap();
+    let mut raw_resp = Vec::new();
+    let mut tmp = [0u8; 4096];
+    while !raw_resp.ends_with(b"X-Trailer: 1\r\n\r\n") {
+        let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut tmp))
+            .await
+            .expect("the body never ended")
+            .unwrap();
+        assert!(n > 0, "closed early");
+        raw_resp.extend_from_slice(&tmp[..n]);
+    }
+    let body_at = |r: &[u8]| r.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
+    assert_eq!(
+        raw_resp[body_at(&raw_resp)..],
+        chunked[body_at(&chunked)..],
+        "the chunked body was re-framed"
+    );
     for (i, (status, length, body)) in got.iter().enumerate() {
         let (want_status, want_length, want_body) = match i {
             0 => (200, true, &events[..]),
@@ -440,10 +464,10 @@ async fn every_response_framing_reaches_the_client_intact_on_one_connection() {
         assert_eq!(*length, want_length, "{}", paths[i]);
         assert_eq!(body, want_body, "{}", paths[i]);
     }
-    let st = stats_when(&running, |u| u["requests_total"] == 7).await;
+    let st = stats_when(&running, |u| u["requests_total"] == 8).await;
     let up = &st["upstreams"][0];
-    assert_eq!(up["requests_by_status"]["ok"], 7, "{up}");
-    assert_eq!(up["output_tokens_total"], 15, "{up}");
+    assert_eq!(up["requests_by_status"]["ok"], 8, "{up}");
+    assert_eq!(up["output_tokens_total"], 18, "{up}");
     assert_eq!(up["in_flight"], 0);
     running.stop();
 }
@@ -499,7 +523,10 @@ async fn a_pipelined_request_closes_the_connection_after_the_first_response() {
     let mut s = TcpStream::connect(proxy_addr(&running)).await.unwrap();
     s.write_all(format!("{one}{one}").as_bytes()).await.unwrap();
     let mut got = Vec::new();
-    s.read_to_end(&mut got).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut got))
+        .await
+        .expect("the connection was kept open")
+        .unwrap();
     let text = String::from_utf8_lossy(&got);
     assert_eq!(text.matches("HTTP/1.1 200").count(), 1, "{text}");
     assert!(
@@ -524,7 +551,10 @@ async fn a_client_slow_to_send_its_body_holds_no_slot() {
     );
     a.write_all(head.as_bytes()).await.unwrap();
     let mut tmp = [0u8; 1024];
-    let n = a.read(&mut tmp).await.unwrap();
+    let n = tokio::time::timeout(Duration::from_secs(10), a.read(&mut tmp))
+        .await
+        .expect("no 100 Continue")
+        .unwrap();
     assert!(tmp[..n].starts_with(b"HTTP/1.1 100"));
     let fetched = fetch(proxy_addr(&running), "POST", "/v1/chat/completions", BODY);
     let r = tokio::time::timeout(Duration::from_secs(10), fetched)

@@ -107,6 +107,8 @@ pub(super) struct Admitted {
     pub(super) body_len: usize,
     pub(super) choice: Choice,
     pub(super) permit: Permit,
+    /// When its head had arrived.
+    pub(super) t0: Nanos,
 }
 
 /// What the connection can do after a direct request.
@@ -114,6 +116,8 @@ pub(super) enum After {
     /// Serve the next request on it.
     KeepAlive,
     Close,
+    /// Close after a lingering read: the client sent bytes past its request.
+    Linger,
 }
 
 /// A request whose response header is on its way to the client and whose body is next.
@@ -159,8 +163,10 @@ impl TokenTap {
             body_len,
             choice,
             permit,
+            t0,
         } = admitted;
         let mut ctx = self.new_ctx();
+        ctx.t0 = t0;
         ctx.dialect = Dialect::from_path(req.uri.path());
         ctx.choice = Some(choice);
         ctx.tokenize = self.shared.config.upstreams[choice.upstream].estimate
@@ -194,23 +200,19 @@ impl TokenTap {
                             .connector
                             .release_stream(open.up, peer.reuse_hash(), idle);
                     }
-                    open.keep_alive && open.watch && open.leftover.is_empty()
+                    if !open.watch || !open.leftover.is_empty() {
+                        After::Linger
+                    } else if open.keep_alive {
+                        After::KeepAlive
+                    } else {
+                        After::Close
+                    }
                 })
             }
             Err(e) => Err(e),
         };
         self.finish(&mut ctx, result.as_ref().err().map(|e| &**e));
-        match result {
-            Ok(true) => After::KeepAlive,
-            Ok(false) | Err(_) => After::Close,
-        }
-    }
-
-    /// Records a request routed to the direct path that ended before it had a slot.
-    pub(super) fn abandoned(&self, choice: Choice, e: &Error) {
-        let mut ctx = self.new_ctx();
-        ctx.choice = Some(choice);
-        self.finish(&mut ctx, Some(e));
+        result.unwrap_or(After::Close)
     }
 
     /// Everything up to the response body: the request body, the upstream request, the
@@ -263,8 +265,9 @@ impl TokenTap {
         self.on_response_header(&mut resp, ctx)?;
         if framing == Framing::Chunked {
             // RFC 9112 §6.3: `Transfer-Encoding` overrides a `Content-Length`, which a proxy
-            // removes (as pingora does).
+            // removes (as pingora does); and chunked is HTTP/1.1.
             resp.remove_header(&header::CONTENT_LENGTH);
+            resp.set_version(http::Version::HTTP_11);
             if !h1::only_chunked(&resp.headers) {
                 // A compressed transfer coding: neither read nor rewritten.
                 ctx.ignore_body();
@@ -376,19 +379,8 @@ impl TokenTap {
                 Poll::Ready(Err(e)) => return Poll::Ready(Err(up_io(ReadError, e))),
                 Poll::Pending => {}
             }
-            if *watch {
-                let seen = poll_read_with(client, cx, |data, _| {
-                    leftover.extend_from_slice(data);
-                    !data.is_empty()
-                });
-                match seen {
-                    // Bytes of a pipelined next request: kept, and the watching stops.
-                    Poll::Ready(Ok(true)) => *watch = false,
-                    Poll::Ready(Ok(false)) | Poll::Ready(Err(_)) => {
-                        return Poll::Ready(Err(down(ConnectionClosed, "client went away")))
-                    }
-                    Poll::Pending => {}
-                }
+            if let Some(gone) = poll_client_gone(client, cx, watch, leftover) {
+                return Poll::Ready(Err(gone));
             }
             if let Some(period) = read_timeout {
                 while timer.as_mut().poll(cx).is_ready() {
@@ -654,22 +646,39 @@ async fn watching<T>(
         if let Poll::Ready(done) = work.as_mut().poll(cx) {
             return Poll::Ready(done);
         }
-        if *watch {
-            let seen = poll_read_with(client, cx, |data, _| {
-                leftover.extend_from_slice(data);
-                !data.is_empty()
-            });
-            match seen {
-                Poll::Ready(Ok(true)) => *watch = false,
-                Poll::Ready(Ok(false)) | Poll::Ready(Err(_)) => {
-                    return Poll::Ready(Err(down(ConnectionClosed, "client went away")))
-                }
-                Poll::Pending => {}
-            }
+        match poll_client_gone(client, cx, watch, leftover) {
+            Some(gone) => Poll::Ready(Err(gone)),
+            None => Poll::Pending,
         }
-        Poll::Pending
     })
     .await
+}
+
+/// While `watch`ing: the error to end with if the client closed or failed. Bytes it sent (a
+/// pipelined next request) are kept in `leftover`, and the watching stops.
+fn poll_client_gone(
+    client: &mut Io,
+    cx: &mut Context<'_>,
+    watch: &mut bool,
+    leftover: &mut BytesMut,
+) -> Option<Box<Error>> {
+    if !*watch {
+        return None;
+    }
+    let seen = poll_read_with(client, cx, |data, _| {
+        leftover.extend_from_slice(data);
+        !data.is_empty()
+    });
+    match seen {
+        Poll::Ready(Ok(true)) => {
+            *watch = false;
+            None
+        }
+        Poll::Ready(Ok(false)) | Poll::Ready(Err(_)) => {
+            Some(down(ConnectionClosed, "client went away"))
+        }
+        Poll::Pending => None,
+    }
 }
 
 /// Answers `code` as pingora does when proxying fails, and closes.

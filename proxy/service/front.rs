@@ -39,8 +39,14 @@ const BODY_TIMEOUT: Duration = Duration::from_secs(60);
 /// not dropped into SYN retries.
 const BACKLOG: u32 = 65_535;
 
-/// The upstream a request handed to pingora-proxy was already routed to.
-pub(super) struct Routed(pub(super) Choice);
+/// What the front door already did for a request it hands to pingora-proxy.
+#[derive(Default)]
+pub(super) struct Routed {
+    /// The upstream chosen.
+    pub(super) choice: Option<Choice>,
+    /// `100 Continue` sent, and the body read.
+    pub(super) continued: bool,
+}
 
 /// The proxy listener: tokentap's direct path in front of pingora-proxy.
 pub struct Front {
@@ -66,41 +72,50 @@ impl Front {
             let Some((read, head_len, req)) = read_head(&mut client, &shutdown).await else {
                 return;
             };
-            let (req, body_len, choice) = match self.tap.plan(req) {
-                Plan::Direct(req, body_len, choice) => (req, body_len, choice),
-                Plan::HandOver(routed) => {
-                    match self.hand_over(client, read, routed, &shutdown).await {
-                        Some(reused) => client = reused,
-                        None => return,
-                    }
-                    continue;
-                }
-            };
-            // The whole body, before a concurrency slot is taken: a client trickling its body
-            // does not hold one.
-            let mut read = read;
-            let expects_continue = req.headers.contains_key(header::EXPECT);
-            let whole = head_len + body_len;
-            if let Err(e) = read_body(&mut client, &mut read, whole, expects_continue).await {
-                self.tap.abandoned(choice, &e);
-                if e.etype() == &ReadTimedout {
-                    let _ = super::direct::write_error(&mut client, 400).await;
-                }
-                return;
-            }
-            let Some(permit) = self.tap.shared.limiters[choice.upstream].try_acquire() else {
-                // Queueing and 429s are pingora-proxy's path's.
-                match self.hand_over(client, read, Some(choice), &shutdown).await {
+            let t0 = self.tap.now();
+            let Some((req, body_len)) = self.tap.eligible(req) else {
+                let routed = Routed::default();
+                match self.hand_over(client, read, routed, &shutdown).await {
                     Some(reused) => client = reused,
                     None => return,
                 }
                 continue;
             };
-            let admitted = Admitted {
-                req,
-                body_len,
-                choice,
-                permit,
+            // The whole body before the upstream is chosen and a concurrency slot taken: a
+            // client trickling its body holds no slot, and a split's spill sees the slots
+            // free when the request is ready to go.
+            let mut read = read;
+            let continued = req.headers.contains_key(header::EXPECT);
+            let whole = head_len + body_len;
+            if let Err(e) = read_body(&mut client, &mut read, whole, continued).await {
+                if e.etype() == &ReadTimedout {
+                    let _ = super::direct::write_error(&mut client, 400).await;
+                }
+                return;
+            }
+            let routed = self.tap.route(&req);
+            let admitted = routed.and_then(|choice| {
+                let permit = self.tap.shared.limiters[choice.upstream].try_acquire()?;
+                Some(Admitted {
+                    req,
+                    body_len,
+                    choice,
+                    permit,
+                    t0,
+                })
+            });
+            let Some(admitted) = admitted else {
+                // No route (pingora-proxy answers 404), or no free slot (it queues or answers
+                // 429); the client already has its `100 Continue`.
+                let routed = Routed {
+                    choice: routed,
+                    continued,
+                };
+                match self.hand_over(client, read, routed, &shutdown).await {
+                    Some(reused) => client = reused,
+                    None => return,
+                }
+                continue;
             };
             let body = read.split_off(head_len);
             let shutting_down = *shutdown.borrow();
@@ -108,8 +123,10 @@ impl Front {
                 .tap
                 .serve_direct(&mut client, admitted, body, shutting_down)
                 .await;
-            if let After::Close = after {
-                return;
+            match after {
+                After::KeepAlive => {}
+                After::Close => return,
+                After::Linger => return linger(client).await,
             }
         }
     }
@@ -119,14 +136,14 @@ impl Front {
         &self,
         client: Stream,
         read: BytesMut,
-        routed: Option<Choice>,
+        routed: Routed,
         shutdown: &ShutdownWatch,
     ) -> Option<Stream> {
         let mut session = ServerSession::new_http1(client);
         session.set_keepalive((!*shutdown.borrow()).then_some(KEEPALIVE.as_secs()));
         session.set_pipelined_prefix(read);
-        if let Some(choice) = routed {
-            session.set_connection_user_context(Some(Box::new(Routed(choice))));
+        if routed.choice.is_some() || routed.continued {
+            session.set_connection_user_context(Some(Box::new(routed)));
         }
         let reused = self.proxy.process_new_http(session, shutdown).await?;
         Some(reused.consume().0)
@@ -196,21 +213,33 @@ async fn read_body(
     }
 }
 
-/// Where a request goes.
-#[allow(clippy::large_enum_variant)] // made and matched once per request, never stored
-enum Plan {
-    /// The direct path: the head, the body's length, the upstream.
-    Direct(RequestHeader, usize, Choice),
-    /// To pingora-proxy, with its upstream when already chosen.
-    HandOver(Option<Choice>),
+/// After a response the client was sent past its request: the connection's write side is
+/// closed, and what the client still sends is read and dropped for a while, so that closing
+/// with unread bytes does not reset the connection before the client has the response
+/// (nginx's lingering close).
+async fn linger(mut client: Stream) {
+    use tokio::io::AsyncWriteExt;
+    const LINGER: Duration = Duration::from_secs(5);
+    if client.shutdown().await.is_err() {
+        return;
+    }
+    let mut drop_all = BytesMut::new();
+    let drain = async {
+        while let Ok(n) = read_more(&mut client, &mut drop_all).await {
+            if n == 0 {
+                return;
+            }
+            drop_all.clear();
+        }
+    };
+    let _ = tokio::time::timeout(LINGER, drain).await;
 }
 
 impl TokenTap {
-    /// Whether the direct path takes `req` (see `direct`'s module docs), routing it if so.
-    fn plan(&self, req: Option<RequestHeader>) -> Plan {
-        let Some(req) = req else {
-            return Plan::HandOver(None);
-        };
+    /// The head and the body's length of a request the direct path takes (see `direct`'s
+    /// module docs); `None` for pingora-proxy.
+    fn eligible(&self, req: Option<RequestHeader>) -> Option<(RequestHeader, usize)> {
+        let req = req?;
         let h = &req.headers;
         let body_len = h1::content_length(h).and_then(|l| usize::try_from(l).ok());
         let eligible = self.shared.config.direct_streaming
@@ -223,18 +252,16 @@ impl TokenTap {
             && h.get_all(header::EXPECT)
                 .iter()
                 .all(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
-        let Some(body_len) = body_len.filter(|_| eligible) else {
-            return Plan::HandOver(None);
-        };
+        let body_len = body_len.filter(|_| eligible)?;
+        Some((req, body_len))
+    }
+
+    /// The upstream of a request, if a route matches.
+    fn route(&self, req: &RequestHeader) -> Option<Choice> {
         let limiters = &self.shared.limiters;
-        let Some(choice) = self
-            .shared
+        self.shared
             .router
-            .choose(req.uri.path(), h, |u| limiters[u].has_headroom())
-        else {
-            return Plan::HandOver(None); // pingora-proxy answers 404
-        };
-        Plan::Direct(req, body_len, choice)
+            .choose(req.uri.path(), &req.headers, |u| limiters[u].has_headroom())
     }
 }
 

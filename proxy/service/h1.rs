@@ -6,7 +6,6 @@
 
 use bytes::{BufMut, Bytes, BytesMut};
 use http::header::{self, HeaderValue};
-use pingora::http::IntoCaseHeaderName;
 use pingora::http::{RequestHeader, ResponseHeader};
 
 /// The largest request head read here: a generation request's is a few hundred bytes, and
@@ -44,14 +43,8 @@ pub(super) fn request(buf: &[u8]) -> Head<RequestHeader> {
         return Head::Invalid;
     };
     header.set_version(http::Version::HTTP_11);
-    for f in req.headers.iter() {
-        let name = Bytes::copy_from_slice(f.name.as_bytes()).into_case_header_name();
-        if header
-            .append_header(name, pingora::http::header_value_from_slice(f.value))
-            .is_err()
-        {
-            return Head::Invalid;
-        }
+    if !copy_fields(req.headers, |n, v| header.append_header(n, v).map(drop)) {
+        return Head::Invalid;
     }
     Head::Complete(header, len)
 }
@@ -83,16 +76,21 @@ pub(super) fn response(buf: &[u8]) -> Head<ResponseHeader> {
     if header.set_reason_phrase(resp.reason).is_err() {
         return Head::Invalid;
     }
-    for f in resp.headers.iter() {
-        let name = Bytes::copy_from_slice(f.name.as_bytes()).into_case_header_name();
-        if header
-            .append_header(name, pingora::http::header_value_from_slice(f.value))
-            .is_err()
-        {
-            return Head::Invalid;
-        }
+    if !copy_fields(resp.headers, |n, v| header.append_header(n, v).map(drop)) {
+        return Head::Invalid;
     }
     Head::Complete(header, len)
+}
+
+/// Appends parsed fields to a pingora header, names in their case; false if one is refused.
+fn copy_fields(
+    fields: &[httparse::Header<'_>],
+    mut append: impl FnMut(Bytes, HeaderValue) -> pingora::Result<()>,
+) -> bool {
+    fields.iter().all(|f| {
+        let name = Bytes::copy_from_slice(f.name.as_bytes());
+        append(name, pingora::http::header_value_from_slice(f.value)).is_ok()
+    })
 }
 
 /// Appends a response head as pingora's HTTP/1 server session writes it.
@@ -131,15 +129,19 @@ pub(super) fn content_length(headers: &http::HeaderMap) -> Option<u64> {
     length
 }
 
-/// Whether `Transfer-Encoding` names `chunked` alone: no compression under the framing.
+/// Whether `Transfer-Encoding` names `chunked` once and nothing else: no other coding under
+/// the framing.
 pub(super) fn only_chunked(headers: &http::HeaderMap) -> bool {
-    headers
+    let mut codings = headers
         .get_all(header::TRANSFER_ENCODING)
         .iter()
         .flat_map(|v| v.as_bytes().split(|&b| b == b','))
         .map(<[u8]>::trim_ascii)
-        .filter(|t| !t.is_empty())
-        .all(|t| t.eq_ignore_ascii_case(b"chunked"))
+        .filter(|t| !t.is_empty());
+    codings
+        .next()
+        .is_some_and(|t| t.eq_ignore_ascii_case(b"chunked"))
+        && codings.next().is_none()
 }
 
 /// Whether a comma-separated header holds `token` (case-insensitive).
@@ -370,6 +372,9 @@ mod tests {
         );
         assert_eq!(f(&[("transfer-encoding", "chunked, gzip")]), None);
         assert_eq!(Framing::of(&resp(&[], 204)), Some(Framing::Empty));
+        let only = |v: &str| only_chunked(&resp(&[("transfer-encoding", v)], 200).headers);
+        assert!(only("chunked") && only(" Chunked "));
+        assert!(!only("gzip, chunked") && !only("chunked, chunked"));
     }
 
     #[test]

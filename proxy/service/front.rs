@@ -303,7 +303,10 @@ impl Service for FrontService {
                 Ok((tcp, _peer)) => {
                     let _ = tcp.set_nodelay(true);
                     let client: Stream = Box::new(L4Stream::from(tcp));
-                    tokio::spawn(Arc::clone(&front).connection(client, shutdown.clone()));
+                    // On a random worker with `work_stealing = false` (tokio::spawn would put
+                    // every connection on the accept loop's thread), as pingora's listener.
+                    let connection = Arc::clone(&front).connection(client, shutdown.clone());
+                    pingora_runtime::current_handle().spawn(connection);
                 }
                 // Out of file descriptors (or a connection reset while queued): accept
                 // returns at once again, so back off briefly instead of spinning.

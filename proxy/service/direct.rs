@@ -6,14 +6,15 @@
 //! each body fragment over a channel, through its cache, module and range machinery, in
 //! request futures of ~20 KiB with a 64 KiB upstream body buffer per stream (README,
 //! "Against nginx"). Here one small future reads each upstream fragment into the worker
-//! thread's scratch buffer, meters it and writes it to the client straight from there: an
-//! open stream holds no buffer of its own except bytes a slow client has not taken yet, and
-//! a chunked body is forwarded as it came, its framing decoded in place.
+//! thread's scratch buffer, writes it to the client straight from there and then meters
+//! it: an open stream holds no buffer of its own except bytes a slow client has not taken
+//! yet, and a chunked body is forwarded as it came, its framing decoded in place.
 //!
 //! [`Front`](super::front::Front) sends a request here only when tokentap can do exactly
 //! what pingora-proxy would: an HTTP/1.1 `POST` to a metered path, origin-form, without
-//! `Upgrade` or an `Expect` other than `100-continue`, with one `Content-Length` of at most 64 KiB and no
-//! `Transfer-Encoding`, on an upstream with a free concurrency slot. The upstream request
+//! `Upgrade` or an `Expect` other than `100-continue`, with one `Content-Length` of at
+//! most 64 KiB and no `Transfer-Encoding`, its body read whole, on an upstream with a free
+//! concurrency slot. The upstream request
 //! is the client's minus its hop-by-hop fields, with the upstream's `Host` and the length
 //! of the body actually sent, so framing cannot be smuggled; the response is forwarded
 //! through the same filters, with `Date` and `Connection` set as pingora's server session
@@ -215,9 +216,9 @@ impl TokenTap {
         result.unwrap_or(After::Close)
     }
 
-    /// Everything up to the response body: the request body, the upstream request, the
-    /// response header. An error before the response header reached the client answers 502;
-    /// after, the connection is cut, as pingora-proxy does.
+    /// Everything up to the response body: the upstream request (usage injected), the
+    /// connection, the response header. Nothing reaches the client here (`serve_direct`
+    /// answers an error); after, an error cuts the connection, as pingora-proxy does.
     async fn open(
         &self,
         client: &mut Io,
@@ -317,8 +318,8 @@ impl TokenTap {
         })
     }
 
-    /// Forwards the response body until it ends: each upstream fragment is metered and
-    /// written to the client from the thread's scratch buffer; only what the client has not
+    /// Forwards the response body until it ends: each upstream fragment is written to the
+    /// client from the thread's scratch buffer and metered; only what the client has not
     /// taken yet is copied, into `out`, and the upstream is not read again until it has.
     async fn relay(
         &self,

@@ -132,6 +132,26 @@ async fn read_head_and_body(s: &mut TcpStream) -> Option<String> {
     }
 }
 
+/// A connection whose request head (`Expect: 100-continue`, `BODY`'s length) was sent and
+/// answered `100 Continue`; the body is the caller's to send. The wait has a deadline, so a
+/// proxy that never sends the 100 fails.
+async fn continued(addr: std::net::SocketAddr) -> TcpStream {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nexpect: 100-continue\r\ncontent-length: {}\r\n\r\n",
+        BODY.len()
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    let mut tmp = [0u8; 1024];
+    let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut tmp))
+        .await
+        .expect("no 100 Continue")
+        .unwrap();
+    let first = String::from_utf8_lossy(&tmp[..n]).into_owned();
+    assert!(first.starts_with("HTTP/1.1 100"), "{first}");
+    s
+}
+
 fn header<'a>(head: &'a str, name: &str) -> Option<&'a str> {
     head.lines().find_map(|l| {
         let (n, v) = l.split_once(':')?;
@@ -210,20 +230,7 @@ async fn a_request_the_upstream_dropped_is_not_sent_again() {
 async fn a_client_expecting_100_continue_gets_it() {
     let mut b = backend(Mode::Chunked).await;
     let running = proxy(&[("up", b.addr)], "").await;
-    let mut s = TcpStream::connect(proxy_addr(&running)).await.unwrap();
-    let head = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nexpect: 100-continue\r\ncontent-length: {}\r\n\r\n",
-        BODY.len()
-    );
-    s.write_all(head.as_bytes()).await.unwrap();
-    // The body goes only after the 100 (a deadline, so a proxy that never sends it fails).
-    let mut tmp = [0u8; 1024];
-    let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut tmp))
-        .await
-        .expect("no 100 Continue")
-        .unwrap();
-    let first = String::from_utf8_lossy(&tmp[..n]).into_owned();
-    assert!(first.starts_with("HTTP/1.1 100"), "{first}");
+    let mut s = continued(proxy_addr(&running)).await;
     s.write_all(BODY).await.unwrap();
     let rest = read_chunked_response(&mut s).await;
     assert!(rest.contains("HTTP/1.1 200"), "{rest}");
@@ -544,18 +551,7 @@ async fn a_client_slow_to_send_its_body_holds_no_slot() {
     let b = backend(Mode::Chunked).await;
     let cap = "max_concurrency = 1\nqueue_timeout_ms = 60000\n";
     let running = proxy(&[("up", b.addr)], cap).await;
-    let mut a = TcpStream::connect(proxy_addr(&running)).await.unwrap();
-    let head = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nexpect: 100-continue\r\ncontent-length: {}\r\n\r\n",
-        BODY.len()
-    );
-    a.write_all(head.as_bytes()).await.unwrap();
-    let mut tmp = [0u8; 1024];
-    let n = tokio::time::timeout(Duration::from_secs(10), a.read(&mut tmp))
-        .await
-        .expect("no 100 Continue")
-        .unwrap();
-    assert!(tmp[..n].starts_with(b"HTTP/1.1 100"));
+    let mut a = continued(proxy_addr(&running)).await;
     let fetched = fetch(proxy_addr(&running), "POST", "/v1/chat/completions", BODY);
     let r = tokio::time::timeout(Duration::from_secs(10), fetched)
         .await

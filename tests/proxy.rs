@@ -108,7 +108,6 @@ async fn bodies_are_forwarded_byte_for_byte() {
         ("POST", "/v1/chat/completions?malformed", b"{not json"),
     ];
     for &(method, path, body) in cases {
-        eprintln!("CASE {path}");
         let direct = fetch(backend.addr, method, path, body).await;
         let via = fetch(proxy_addr(&tap), method, path, body).await;
         assert_eq!(via.status, direct.status, "{path}");

@@ -93,8 +93,8 @@ pub struct ServerFile {
     pub upstream_keepalive_pool_size: Option<usize>,
     /// Let worker threads steal each other's connections. Default true.
     pub work_stealing: Option<bool>,
-    /// Proxy metered generation requests by tokentap's own streaming loop (on pingora's
-    /// connections and sessions) rather than pingora-proxy's. Default true.
+    /// Proxy metered generation requests by tokentap's own HTTP/1.1 loop on the raw
+    /// connections rather than by pingora-proxy. Default true.
     pub direct_streaming: Option<bool>,
 }
 

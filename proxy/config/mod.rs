@@ -34,7 +34,7 @@ pub struct Config {
     pub keepalive_pool: usize,
     /// Work stealing between the proxy's worker threads.
     pub work_stealing: bool,
-    /// Metered generation requests take `service::direct`'s loop.
+    /// Metered generation requests take `service::direct`'s HTTP/1.1 loop.
     pub direct_streaming: bool,
     pub upstreams: Vec<Upstream>,
     /// Routes in file order; first match wins. Never empty: a config with one upstream and

@@ -509,27 +509,33 @@ impl TokenTap {
                 ));
             }
             // Informational responses are skipped (the client gets the final one).
-            while let Head::Complete(resp, len) = h1::response(&buf) {
-                if resp.status == http::StatusCode::SWITCHING_PROTOCOLS {
-                    return Err(up_err(
-                        InvalidHTTPHeader,
-                        "101 to a request without Upgrade",
-                    ));
+            loop {
+                match h1::response(&buf) {
+                    Head::Complete(resp, _)
+                        if resp.status == http::StatusCode::SWITCHING_PROTOCOLS =>
+                    {
+                        return Err(up_err(
+                            InvalidHTTPHeader,
+                            "101 to a request without Upgrade",
+                        ));
+                    }
+                    Head::Complete(resp, len) => {
+                        buf.advance(len);
+                        if !resp.status.is_informational() {
+                            return Ok((up, resp, buf));
+                        }
+                    }
+                    Head::Invalid => {
+                        return Err(up_err(InvalidHTTPHeader, "upstream response header"))
+                    }
+                    Head::Partial if buf.len() > h1::MAX_RESPONSE_HEAD => {
+                        return Err(up_err(
+                            InvalidHTTPHeader,
+                            "upstream response header too large",
+                        ))
+                    }
+                    Head::Partial => break, // read more
                 }
-                buf.advance(len);
-                if !resp.status.is_informational() {
-                    return Ok((up, resp, buf));
-                }
-            }
-            match h1::response(&buf) {
-                Head::Invalid => return Err(up_err(InvalidHTTPHeader, "upstream response header")),
-                _ if buf.len() > h1::MAX_RESPONSE_HEAD => {
-                    return Err(up_err(
-                        InvalidHTTPHeader,
-                        "upstream response header too large",
-                    ))
-                }
-                _ => {}
             }
         }
     }

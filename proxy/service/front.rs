@@ -52,16 +52,13 @@ pub(super) struct Routed {
 pub struct Front {
     tap: TokenTap,
     proxy: Arc<HttpProxy<TokenTap>>,
-    listen: SocketAddr,
 }
 
 impl Front {
     pub fn new(tap: TokenTap, proxy: HttpProxy<TokenTap>) -> Self {
-        let listen = tap.shared.config.listen.proxy;
         Front {
             tap,
             proxy: Arc::new(proxy),
-            listen,
         }
     }
 
@@ -285,11 +282,12 @@ impl Service for FrontService {
     ) {
         let Some(front) = self.0.take() else { return };
         let front = Arc::new(front);
-        let listener = match listen(front.listen) {
+        let addr = front.tap.shared.config.listen.proxy;
+        let listener = match listen(addr) {
             Ok(l) => l,
             Err(e) => {
                 // As pingora's listening service: a proxy that cannot listen stops.
-                eprintln!("tokentap: cannot listen on {}: {e}", front.listen);
+                eprintln!("tokentap: cannot listen on {addr}: {e}");
                 std::process::exit(1);
             }
         };

@@ -20,15 +20,18 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::fmt::Write as _;
+use std::io::IoSliceMut;
 use std::net::SocketAddr;
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use hdrhistogram::Histogram;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use nix::sys::socket::{recvmsg, setsockopt, sockopt, ControlMessageOwned, MsgFlags};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::{TcpListener, TcpStream};
 
 #[derive(Clone, Copy, Debug)]
@@ -57,8 +60,12 @@ impl Mode {
 /// One run's figures.
 #[derive(Clone, Debug, Default)]
 struct Run {
+    /// Per-event latency to the kernel's receive stamp on the client socket.
     p50_us: f64,
     p99_us: f64,
+    /// Per-event latency to the client task's read: adds the load side's own scheduling.
+    app_p50_us: f64,
+    app_p99_us: f64,
     ttft_p99_us: f64,
     events: u64,
     stalls: u64,
@@ -132,8 +139,8 @@ fn main() -> anyhow::Result<()> {
             for &mode in &modes {
                 let run = rt.block_on(run_once(shape, mode, Duration::from_secs(secs), &bin))?;
                 println!(
-                    "{}x{}ms rep {} {:>8}: p50 {:.0} µs, p99 {:.0} µs, {} events, stalls {}, errors {}, cpu {} µs/event, rss {} KiB/stream",
-                    shape.streams, shape.interval_ms, rep + 1, mode.name(), run.p50_us, run.p99_us, run.events, run.stalls, run.errors,
+                    "{}x{}ms rep {} {:>8}: p50 {:.0} µs, p99 {:.0} µs (at the app {:.0}, {:.0}), {} events, stalls {}, errors {}, cpu {} µs/event, rss {} KiB/stream",
+                    shape.streams, shape.interval_ms, rep + 1, mode.name(), run.p50_us, run.p99_us, run.app_p50_us, run.app_p99_us, run.events, run.stalls, run.errors,
                     run.cpu_us_per_event.map_or("-".into(), |v| format!("{v:.2}")),
                     run.rss_kib_per_stream.map_or("-".into(), |v| format!("{v:.1}")),
                 );
@@ -166,11 +173,13 @@ fn table(shape: Shape, runs: &[(Mode, Run)]) -> String {
     };
     let base50 = of(Mode::Direct, &|r| r.p50_us);
     let base99 = of(Mode::Direct, &|r| r.p99_us);
+    let app50 = of(Mode::Direct, &|r| r.app_p50_us);
+    let app99 = of(Mode::Direct, &|r| r.app_p99_us);
     let base_ttft = of(Mode::Direct, &|r| r.ttft_p99_us);
     let mut out = format!(
-        "{} streams × {} ms (medians of {} runs)\n{:>9} | {:>13} | {:>13} | {:>15} | {:>12} | {:>14} | {:>6} | {:>6}\n",
+        "{} streams × {} ms (medians of {} runs)\n{:>9} | {:>13} | {:>13} | {:>17} | {:>15} | {:>12} | {:>14} | {:>6} | {:>6}\n",
         shape.streams, shape.interval_ms, runs.iter().filter(|(m, _)| *m == Mode::Direct).count(),
-        "", "added p50 µs", "added p99 µs", "TTFT added p99", "CPU µs/event", "RSS KiB/stream", "stalls", "errors"
+        "", "added p50 µs", "added p99 µs", "at the app p50/99", "TTFT added p99", "CPU µs/event", "RSS KiB/stream", "stalls", "errors"
     );
     for m in [Mode::Direct, Mode::Tokentap, Mode::Nginx] {
         if !runs.iter().any(|(x, _)| *x == m) {
@@ -185,10 +194,15 @@ fn table(shape: Shape, runs: &[(Mode, Run)]) -> String {
         };
         let _ = writeln!(
             out,
-            "{:>9} | {:>13} | {:>13} | {:>15} | {:>12} | {:>14} | {:>6} | {:>6}",
+            "{:>9} | {:>13} | {:>13} | {:>17} | {:>15} | {:>12} | {:>14} | {:>6} | {:>6}",
             m.name(),
             f(of(m, &|r| r.p50_us) - base50),
             f(of(m, &|r| r.p99_us) - base99),
+            format!(
+                "{} / {}",
+                f(of(m, &|r| r.app_p50_us) - app50),
+                f(of(m, &|r| r.app_p99_us) - app99)
+            ),
             f(of(m, &|r| r.ttft_p99_us) - base_ttft),
             f(of(m, &|r| r.cpu_us_per_event.unwrap_or(f64::NAN))),
             f(of(m, &|r| r.rss_kib_per_stream.unwrap_or(f64::NAN))),
@@ -230,7 +244,7 @@ struct Origin {
     stop: Arc<tokio::sync::Notify>,
 }
 
-async fn origin(interval: Duration, epoch: Instant) -> Origin {
+async fn origin(interval: Duration, streams: usize, epoch: Instant) -> Origin {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let late = Arc::new(Mutex::new(
@@ -275,8 +289,9 @@ async fn origin(interval: Duration, epoch: Instant) -> Origin {
                 if sock.write_all(head.as_bytes()).await.is_err() {
                     return;
                 }
-                // Streams start spread over one interval, as independent clients would.
-                let offset = interval.mul_f64((k % 997) as f64 / 997.0);
+                // Streams start spread evenly over one interval, as independent clients
+                // would (tokio's timers then fire them in 1 ms groups).
+                let offset = interval.mul_f64((k % streams as u64) as f64 / streams as f64);
                 let mut due = tokio::time::Instant::now() + offset;
                 loop {
                     tokio::time::sleep_until(due).await;
@@ -466,7 +481,9 @@ fn self_cpu_ns() -> u64 {
 /// One client stream's tallies.
 #[derive(Default)]
 struct Tally {
+    /// Send to the kernel's receive stamp, and send to the client task's read, µs.
     lat: Option<Histogram<u64>>,
+    app_lat: Option<Histogram<u64>>,
     ttft: Vec<u64>,
     events: u64,
     stalls: u64,
@@ -476,7 +493,7 @@ struct Tally {
 async fn run_once(shape: Shape, mode: Mode, measure: Duration, bin: &Path) -> anyhow::Result<Run> {
     let interval = Duration::from_millis(shape.interval_ms);
     let epoch = Instant::now();
-    let origin = origin(interval, epoch).await;
+    let origin = origin(interval, shape.streams, epoch).await;
     let proxy = start_proxy(mode, origin.addr, bin).await;
     anyhow::ensure!(
         mode == Mode::Direct || proxy.is_some(),
@@ -491,6 +508,7 @@ async fn run_once(shape: Shape, mode: Mode, measure: Duration, bin: &Path) -> an
     let warm = Duration::from_secs(2).max(interval * 3);
     let tally = Arc::new(Mutex::new(Tally {
         lat: Some(Histogram::new_with_bounds(1, 60_000_000, 3).unwrap()),
+        app_lat: Some(Histogram::new_with_bounds(1, 60_000_000, 3).unwrap()),
         ..Tally::default()
     }));
     let measuring = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -524,6 +542,7 @@ async fn run_once(shape: Shape, mode: Mode, measure: Duration, bin: &Path) -> an
         let mut t = tally.lock().unwrap();
         *t = Tally {
             lat: Some(Histogram::new_with_bounds(1, 60_000_000, 3).unwrap()),
+            app_lat: Some(Histogram::new_with_bounds(1, 60_000_000, 3).unwrap()),
             ttft: std::mem::take(&mut t.ttft),
             ..Tally::default()
         };
@@ -542,6 +561,7 @@ async fn run_once(shape: Shape, mode: Mode, measure: Duration, bin: &Path) -> an
 
     let t = tally.lock().unwrap();
     let lat = t.lat.as_ref().unwrap();
+    let app_lat = t.app_lat.as_ref().unwrap();
     let mut ttft = t.ttft.clone();
     ttft.sort_unstable();
     let late = origin.late.lock().unwrap();
@@ -549,6 +569,8 @@ async fn run_once(shape: Shape, mode: Mode, measure: Duration, bin: &Path) -> an
     Ok(Run {
         p50_us: lat.value_at_quantile(0.5) as f64,
         p99_us: lat.value_at_quantile(0.99) as f64,
+        app_p50_us: app_lat.value_at_quantile(0.5) as f64,
+        app_p99_us: app_lat.value_at_quantile(0.99) as f64,
         ttft_p99_us: ttft
             .get(((ttft.len() as f64 * 0.99) as usize).min(ttft.len().saturating_sub(1)))
             .copied()
@@ -581,6 +603,10 @@ async fn client(
     };
     drop(permit);
     let _ = s.set_nodelay(true);
+    // The kernel stamps each received segment (CLOCK_REALTIME): the receive time that the
+    // load side's own scheduling does not move.
+    let _ = setsockopt(&s, sockopt::ReceiveTimestampns, &true);
+    let mut cmsg = nix::cmsg_space!(nix::sys::time::TimeSpec);
     let body = br#"{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
     let path =
         std::env::var("TOKENTAP_OVERHEAD_PATH").unwrap_or_else(|_| "/v1/chat/completions".into());
@@ -598,11 +624,17 @@ async fn client(
     tokio::pin!(stopped);
     loop {
         let n = tokio::select! {
-            r = s.read(&mut buf) => match r { Ok(0) | Err(_) => { tally.lock().unwrap().errors += 1; return; } Ok(n) => n },
+            r = read_stamped(&s, &mut buf, &mut cmsg) => match r { Ok((0, _)) | Err(_) => { tally.lock().unwrap().errors += 1; return; } Ok(r) => r },
             _ = &mut stopped => return,
         };
+        let (n, stamped) = n;
         let now = Instant::now();
         let now_ns = epoch.elapsed().as_nanos() as u64;
+        // The kernel's stamp on this one clock: now, less how long the bytes waited.
+        let waited = stamped
+            .and_then(|k| SystemTime::now().duration_since(k).ok())
+            .map_or(0, |w| w.as_nanos() as u64);
+        let wire_ns = now_ns.saturating_sub(waited);
         carry.extend_from_slice(&buf[..n]);
         let mut stamps = Vec::new();
         let mut consumed = 0;
@@ -633,11 +665,9 @@ async fn client(
         }
         if measuring.load(Relaxed) {
             for st in &stamps {
-                let _ = t
-                    .lat
-                    .as_mut()
-                    .unwrap()
-                    .record(now_ns.saturating_sub(*st).max(1000) / 1000);
+                let us = |at: u64| at.saturating_sub(*st).max(1000) / 1000;
+                let _ = t.lat.as_mut().unwrap().record(us(wire_ns));
+                let _ = t.app_lat.as_mut().unwrap().record(us(now_ns));
             }
             t.events += stamps.len() as u64;
             if last.is_some_and(|l| now.duration_since(l) > interval * 3) {
@@ -645,5 +675,36 @@ async fn client(
             }
         }
         last = Some(now);
+    }
+}
+
+/// One read, with the kernel's receive stamp of its last segment (none when the kernel
+/// gave none).
+async fn read_stamped(
+    s: &TcpStream,
+    buf: &mut [u8],
+    cmsg: &mut Vec<u8>,
+) -> std::io::Result<(usize, Option<SystemTime>)> {
+    loop {
+        s.readable().await?;
+        let read = s.try_io(Interest::READABLE, || {
+            let mut iov = [IoSliceMut::new(buf)];
+            let msg = recvmsg::<()>(s.as_raw_fd(), &mut iov, Some(&mut *cmsg), MsgFlags::empty())
+                .map_err(std::io::Error::from)?;
+            let stamp = msg.cmsgs().ok().and_then(|mut c| {
+                c.find_map(|c| match c {
+                    ControlMessageOwned::ScmTimestampns(ts) => Some(
+                        SystemTime::UNIX_EPOCH
+                            + Duration::new(ts.tv_sec() as u64, ts.tv_nsec() as u32),
+                    ),
+                    _ => None,
+                })
+            });
+            Ok((msg.bytes, stamp))
+        });
+        match read {
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            r => return r,
+        }
     }
 }

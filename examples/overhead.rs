@@ -5,9 +5,13 @@
 //!      (`-- --shapes 512x20 --secs 10 --reps 3 --modes tokentap,nginx` to choose; nginx is
 //!      skipped when absent)
 //!
-//! The origin sends OpenAI-shaped chunks every `interval` ms on each stream, each carrying
-//! its send time; the client records receive − send per event (HDR histogram), TTFT, stalls
-//! (a gap over 3× the interval) and errors. Measurement starts once every stream has
+//! The origin sends OpenAI-shaped chunks every `interval` ms on each stream (the streams
+//! spread evenly over one interval), each carrying its send time; the client records
+//! receive − send per event (HDR histograms), TTFT, stalls (a gap over 3× the interval) and
+//! errors. The receive time is the kernel's receive stamp on the client socket
+//! (`SO_TIMESTAMPNS`, brought onto the same monotonic clock at each read), so the load
+//! side's own scheduling stays out of it; the time to the client task's read is printed
+//! beside it ("at the app"). Measurement starts once every stream has
 //! received its first event, plus a warm-up. Each shape runs **direct**, **through tokentap**
 //! and **through nginx**, alternating, `reps` times; the table shows medians. "Added" is the
 //! proxied percentile minus the direct one. The proxy runs pinned to CPU 1 with one worker

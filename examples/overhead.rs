@@ -79,6 +79,8 @@ struct Run {
     /// The load side's own state: its CPU share, and how late the origin sent (p99, ms).
     load_cpu_share: f64,
     origin_late_p99_ms: f64,
+    /// The per-event latency at p10, p25, p75, p90 and p99.9, µs.
+    spread_us: [u64; 5],
 }
 
 fn main() -> anyhow::Result<()> {
@@ -148,6 +150,8 @@ fn main() -> anyhow::Result<()> {
                     run.cpu_us_per_event.map_or("-".into(), |v| format!("{v:.2}")),
                     run.rss_kib_per_stream.map_or("-".into(), |v| format!("{v:.1}")),
                 );
+                let [p10, p25, p75, p90, p999] = run.spread_us;
+                println!("    p10 {p10} µs, p25 {p25}, p75 {p75}, p90 {p90}, p99.9 {p999}");
                 runs.push((mode, run));
             }
         }
@@ -588,6 +592,7 @@ async fn run_once(shape: Shape, mode: Mode, measure: Duration, bin: &Path) -> an
             .then(|| rss_open.saturating_sub(rss_before) as f64 / shape.streams as f64),
         load_cpu_share: (self1 - self0) as f64 / wall.as_nanos() as f64,
         origin_late_p99_ms: late.value_at_quantile(0.99) as f64 / 1e3,
+        spread_us: [0.1, 0.25, 0.75, 0.9, 0.999].map(|q| lat.value_at_quantile(q)),
     })
 }
 

@@ -353,6 +353,21 @@ impl Drop for Proxy {
         }
         let _ = self.child.kill();
         let _ = self.child.wait();
+        // What nginx complained about (e.g. too few worker_connections) is worth seeing;
+        // not that its worker_connections exceed the open-file limit, which is deliberate
+        // (see start_proxy).
+        let log = std::fs::read_to_string(self.dir.join("error.log")).unwrap_or_default();
+        let lines: Vec<&str> = log
+            .lines()
+            .filter(|l| !l.contains("[notice]") && !l.contains("exceed open file resource limit"))
+            .collect();
+        if !lines.is_empty() {
+            println!(
+                "    nginx error.log: {} lines, the last: {}",
+                lines.len(),
+                lines[lines.len() - 1]
+            );
+        }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
@@ -401,13 +416,17 @@ async fn start_proxy(mode: Mode, origin: SocketAddr, bin: &Path) -> Option<Proxy
                 .ok()?
         }
         Mode::Nginx => {
+            // nginx starts closing connections once fewer than 1/16 of `worker_connections`
+            // are free ("worker_connections are not enough, reusing connections"): 9,900
+            // streams hold 19,800 connections, so it needs 22,000 slots, more than the
+            // 20,000 files it may open but never more files than that.
             let conf = dir.join("nginx.conf");
             let d = dir.display();
             std::fs::write(
                 &conf,
                 format!(
                     "worker_processes 1;\nworker_rlimit_nofile 20000;\ndaemon off;\npid {d}/nginx.pid;\nerror_log {d}/error.log warn;\n\
-                     events {{ worker_connections 20000; multi_accept on; }}\n\
+                     events {{ worker_connections 22000; multi_accept on; }}\n\
                      http {{ access_log off; client_body_temp_path {d}/body; proxy_temp_path {d}/proxy;\n\
                        upstream origin {{ server {origin}; keepalive 1024; }}\n\
                        server {{ listen {addr}; location / {{ proxy_pass http://origin; proxy_http_version 1.1; proxy_set_header Connection \"\";\n\

@@ -418,8 +418,8 @@ async fn start_proxy(mode: Mode, origin: SocketAddr, bin: &Path) -> Option<Proxy
         Mode::Nginx => {
             // nginx starts closing connections once fewer than 1/16 of `worker_connections`
             // are free ("worker_connections are not enough, reusing connections"): 9,900
-            // streams hold 19,800 connections, so it needs 22,000 slots, more than the
-            // 20,000 files it may open but never more files than that.
+            // streams hold 19,800 connections, so it needs 22,000 slots: more than the
+            // 20,000 files it may open, of which it uses fewer than 19,810.
             let conf = dir.join("nginx.conf");
             let d = dir.display();
             std::fs::write(
@@ -651,11 +651,10 @@ async fn client(
     let stopped = stop.notified();
     tokio::pin!(stopped);
     loop {
-        let n = tokio::select! {
+        let (n, stamped) = tokio::select! {
             r = read_stamped(&s, &mut buf, &mut cmsg) => match r { Ok((0, _)) | Err(_) => { tally.lock().unwrap().errors += 1; return; } Ok(r) => r },
             _ = &mut stopped => return,
         };
-        let (n, stamped) = n;
         let now = Instant::now();
         let now_ns = epoch.elapsed().as_nanos() as u64;
         // The kernel's stamp on this one clock: now, less how long the bytes waited.

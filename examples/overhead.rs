@@ -505,16 +505,30 @@ fn self_cpu_ns() -> u64 {
     cpu_ns(&[std::process::id()])
 }
 
-/// One client stream's tallies.
-#[derive(Default)]
+/// All client streams' tallies.
 struct Tally {
     /// Send to the kernel's receive stamp, and send to the client task's read, µs.
-    lat: Option<Histogram<u64>>,
-    app_lat: Option<Histogram<u64>>,
+    lat: Histogram<u64>,
+    app_lat: Histogram<u64>,
     ttft: Vec<u64>,
     events: u64,
     stalls: u64,
     errors: u64,
+}
+
+impl Tally {
+    /// Empty, keeping the TTFTs already seen.
+    fn new(ttft: Vec<u64>) -> Tally {
+        let hist = || Histogram::new_with_bounds(1, 60_000_000, 3).unwrap();
+        Tally {
+            lat: hist(),
+            app_lat: hist(),
+            ttft,
+            events: 0,
+            stalls: 0,
+            errors: 0,
+        }
+    }
 }
 
 async fn run_once(shape: Shape, mode: Mode, measure: Duration, bin: &Path) -> anyhow::Result<Run> {
@@ -533,11 +547,7 @@ async fn run_once(shape: Shape, mode: Mode, measure: Duration, bin: &Path) -> an
 
     // Open the streams (at most 256 connects in flight), then warm up for two intervals.
     let warm = Duration::from_secs(2).max(interval * 3);
-    let tally = Arc::new(Mutex::new(Tally {
-        lat: Some(Histogram::new_with_bounds(1, 60_000_000, 3).unwrap()),
-        app_lat: Some(Histogram::new_with_bounds(1, 60_000_000, 3).unwrap()),
-        ..Tally::default()
-    }));
+    let tally = Arc::new(Mutex::new(Tally::new(Vec::new())));
     let measuring = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let stop = Arc::new(tokio::sync::Notify::new());
     let sem = Arc::new(tokio::sync::Semaphore::new(256));
@@ -567,12 +577,7 @@ async fn run_once(shape: Shape, mode: Mode, measure: Duration, bin: &Path) -> an
     origin.late.lock().unwrap().reset();
     {
         let mut t = tally.lock().unwrap();
-        *t = Tally {
-            lat: Some(Histogram::new_with_bounds(1, 60_000_000, 3).unwrap()),
-            app_lat: Some(Histogram::new_with_bounds(1, 60_000_000, 3).unwrap()),
-            ttft: std::mem::take(&mut t.ttft),
-            ..Tally::default()
-        };
+        *t = Tally::new(std::mem::take(&mut t.ttft));
     }
     let (cpu0, self0, wall0) = (cpu_ns(&pids), self_cpu_ns(), Instant::now());
     measuring.store(true, Relaxed);
@@ -587,8 +592,7 @@ async fn run_once(shape: Shape, mode: Mode, measure: Duration, bin: &Path) -> an
     drop(proxy);
 
     let t = tally.lock().unwrap();
-    let lat = t.lat.as_ref().unwrap();
-    let app_lat = t.app_lat.as_ref().unwrap();
+    let (lat, app_lat) = (&t.lat, &t.app_lat);
     let mut ttft = t.ttft.clone();
     ttft.sort_unstable();
     let late = origin.late.lock().unwrap();
@@ -693,8 +697,8 @@ async fn client(
         if measuring.load(Relaxed) {
             for st in &stamps {
                 let us = |at: u64| at.saturating_sub(*st).max(1000) / 1000;
-                let _ = t.lat.as_mut().unwrap().record(us(wire_ns));
-                let _ = t.app_lat.as_mut().unwrap().record(us(now_ns));
+                let _ = t.lat.record(us(wire_ns));
+                let _ = t.app_lat.record(us(now_ns));
             }
             t.events += stamps.len() as u64;
             if last.is_some_and(|l| now.duration_since(l) > interval * 3) {

@@ -20,7 +20,7 @@ use crate::limit::controller::{Controller, Slo, Tick};
 use crate::limit::{LimitConfig, Limiter};
 use crate::meter::{Clock, UpstreamMeter};
 use crate::routing::Router;
-use crate::service::{Front, FrontService, TokenTap};
+use crate::service::{Front, FrontService, Pool, TokenTap};
 
 /// What the proxy, the admin API and the background tasks share.
 pub struct Shared {
@@ -30,8 +30,10 @@ pub struct Shared {
     pub meters: Vec<Arc<UpstreamMeter>>,
     /// Prebuilt peers, one per upstream, cloned per request.
     pub peers: Vec<HttpPeer>,
-    /// Upstream connections of the direct path (`service/direct.rs`), pooled.
+    /// The direct path's (`service/direct.rs`) TLS upstream connections, pooled.
     pub connector: pingora::connectors::TransportConnector,
+    /// The direct path's idle plain-TCP upstream connections.
+    pub(crate) pool: Pool,
     pub router: Router,
     pub telemetry: Telemetry,
     /// One per upstream: its concurrency limit (unlimited without a cap or an SLO).
@@ -103,6 +105,7 @@ impl Shared {
             connector: pingora::connectors::TransportConnector::new(Some(
                 pingora::connectors::ConnectorOptions::new(config.keepalive_pool),
             )),
+            pool: Pool::new(config.upstreams.len(), config.keepalive_pool),
             router: Router::new(&config.routes),
             clock,
             meters,
@@ -154,7 +157,8 @@ pub fn build(config: Config) -> (Server, Arc<Shared>) {
     (server, shared)
 }
 
-/// Drains histogram samples every few seconds.
+/// Drains histogram samples every few seconds, and drops idle upstream connections that
+/// expired or were closed.
 struct Upkeep(Arc<Shared>);
 
 #[async_trait]
@@ -163,7 +167,10 @@ impl BackgroundService for Upkeep {
         let mut tick = tokio::time::interval(Duration::from_secs(5));
         loop {
             tokio::select! {
-                _ = tick.tick() => self.0.telemetry.upkeep(),
+                _ = tick.tick() => {
+                    self.0.telemetry.upkeep();
+                    self.0.pool.sweep(std::time::Instant::now());
+                }
                 _ = shutdown.changed() => return,
             }
         }

@@ -29,10 +29,12 @@ use crate::server::Shared;
 use crate::sse::SseParser;
 use crate::usage::{self, UsageStripper};
 
+mod conn;
 mod direct;
 mod front;
 mod h1;
 
+pub(crate) use conn::Pool;
 pub use front::{Front, FrontService};
 
 /// The response header naming the upstream that served a request.

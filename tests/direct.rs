@@ -1,5 +1,5 @@
 //! The direct streaming path (`server.direct_streaming`): what the upstream receives, a
-//! request never sent twice, `100 Continue`, every response framing on one connection, a
+//! request never sent twice, a closed pooled connection not reused, `100 Continue`, every response framing on one connection, a
 //! body ended by close, an upstream dying mid-body, pipelining, the read timeout, and the
 //! same bytes as pingora-proxy's path.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -27,6 +27,9 @@ enum Mode {
     Once,
     /// HTTP/1.0 style: no length, the body ends when the connection closes.
     UntilClose,
+    /// Like `Chunked` (a keep-alive response), but the connection is closed right after;
+    /// the head reaches the test once it is closed.
+    ClosesIdle,
 }
 
 /// A backend that hands every request head it answers to the test.
@@ -57,7 +60,9 @@ async fn backend(mode: Mode) -> Backend {
                     if mode == Mode::Once && served == 1 {
                         return; // closes without an answer
                     }
-                    tx.send(head).unwrap();
+                    if mode != Mode::ClosesIdle {
+                        tx.send(head.clone()).unwrap();
+                    }
                     let events = chat_events(3, true);
                     let out = if mode == Mode::UntilClose {
                         let mut out =
@@ -75,6 +80,11 @@ async fn backend(mode: Mode) -> Backend {
                         out
                     };
                     if s.write_all(&out).await.is_err() || mode == Mode::UntilClose {
+                        return;
+                    }
+                    if mode == Mode::ClosesIdle {
+                        drop(s);
+                        tx.send(head).unwrap();
                         return;
                     }
                     served += 1;
@@ -223,6 +233,24 @@ async fn a_request_the_upstream_dropped_is_not_sent_again() {
     assert_eq!(up["requests_by_status"]["ok"], 2, "{st}");
     assert_eq!(up["requests_by_status"]["upstream_error"], 1, "{st}");
     assert_eq!(up["in_flight"], 0);
+    running.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pooled_connection_the_upstream_closed_is_not_reused() {
+    // Each response is keep-alive, so its connection is pooled; the backend closes it while
+    // it idles there. The next request goes out on a new connection instead of failing.
+    let mut b = backend(Mode::ClosesIdle).await;
+    let running = proxy(&[("up", b.addr)], "").await;
+    for _ in 0..3 {
+        let r = fetch(proxy_addr(&running), "POST", "/v1/chat/completions", BODY).await;
+        assert_eq!(r.status, 200);
+        b.heads.recv().await.unwrap(); // closed by now
+    }
+    assert_eq!(b.requests.load(SeqCst), 3);
+    assert_eq!(b.connections.load(SeqCst), 3);
+    let st = stats_when(&running, |u| u["requests_total"] == 3).await;
+    assert_eq!(st["upstreams"][0]["requests_by_status"]["ok"], 3, "{st}");
     running.stop();
 }
 

@@ -1,6 +1,5 @@
 //! The direct streaming path: a metered generation request proxied by tokentap's own
-//! HTTP/1.1 loop on the raw connections, under pingora's listener, runtime and upstream
-//! connection pool.
+//! HTTP/1.1 loop on tokio's sockets (`conn`), on pingora's runtime.
 //!
 //! pingora-proxy runs every request as an upstream half and a downstream half that hand
 //! each body fragment over a channel, through its cache, module and range machinery, in
@@ -32,12 +31,12 @@ use http::header::{self, HeaderName};
 use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::prelude::*;
 use pingora::protocols::http::v1::client::http_req_header_to_wire;
-use pingora::protocols::Stream as Io;
 use pingora::upstreams::peer::{HttpPeer, Peer};
 use pingora::ErrorSource;
-use tokio::io::{AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::time::{timeout, Instant};
 
+use super::conn::Io;
 use super::h1::{self, Chunked, Framing, Head};
 use super::{Ctx, TokenTap, HOST};
 use crate::dialect::Dialect;
@@ -85,7 +84,7 @@ fn poll_read_with<R>(
     SCRATCH_BUF.with(|buf| {
         let mut buf = buf.borrow_mut();
         let mut read = ReadBuf::new(&mut buf[..]);
-        ready!(Pin::new(&mut **io).poll_read(cx, &mut read))?;
+        ready!(Pin::new(io).poll_read(cx, &mut read))?;
         Poll::Ready(Ok(f(read.filled(), cx)))
     })
 }
@@ -196,10 +195,17 @@ impl TokenTap {
                     .await;
                 relayed.map(|()| {
                     if open.relay.reusable {
-                        let idle = peer.options.idle_timeout;
-                        self.shared
-                            .connector
-                            .release_stream(open.up, peer.reuse_hash(), idle);
+                        let idle = self.shared.config.upstreams[choice.upstream].idle_timeout;
+                        match open.up {
+                            Io::Tcp(tcp) => {
+                                let now = std::time::Instant::now();
+                                self.shared.pool.release(choice.upstream, tcp, now, idle);
+                            }
+                            Io::Pingora(tls) => {
+                                let hash = peer.reuse_hash();
+                                self.shared.connector.release_stream(tls, hash, Some(idle));
+                            }
+                        }
                     }
                     if !open.watch || !open.leftover.is_empty() {
                         After::Linger
@@ -254,7 +260,7 @@ impl TokenTap {
         let mut watch = true;
         // Boxed: connecting (TCP, TLS, the pool) is a large future, needed only until the
         // response header; kept inline, every open stream would hold its space.
-        let send = Box::pin(self.send(peer, wire));
+        let send = Box::pin(self.send(choice.upstream, peer, wire));
         let sent = watching(client, &mut watch, &mut leftover, send).await;
         let (up, mut resp, first) = sent?;
         let Some(framing) = Framing::of(&resp) else {
@@ -423,20 +429,25 @@ impl TokenTap {
         Ok(req)
     }
 
-    /// A pooled connection to `peer`, else a new one. A plain-TCP connect is tokio's own:
-    /// pingora's connect future (TLS, proxies, socket options tokentap does not set) is
-    /// 8.5 KiB, and a burst of thousands of new streams would leave that much per stream
-    /// behind in the allocator.
-    async fn connect(&self, peer: &HttpPeer) -> Result<Io> {
-        let connector = &self.shared.connector;
-        if let Some(pooled) = connector.reused_stream(peer).await {
-            return Ok(pooled);
-        }
-        let pingora::protocols::l4::socket::SocketAddr::Inet(addr) = peer._address else {
-            return Box::pin(connector.new_stream(peer)).await;
+    /// A pooled connection to `upstream`, else a new one. Plain TCP is tokio's own, pooled
+    /// in [`Pool`](super::Pool); TLS is pingora's connector and pool. (pingora's connect
+    /// future, with TLS, proxies and socket options tokentap does not set, is 8.5 KiB: a
+    /// burst of thousands of new streams would leave that much per stream behind in the
+    /// allocator.)
+    async fn connect(&self, upstream: usize, peer: &HttpPeer) -> Result<Io> {
+        let plain = match peer._address {
+            pingora::protocols::l4::socket::SocketAddr::Inet(addr) if !peer.is_tls() => Some(addr),
+            _ => None,
         };
-        if peer.is_tls() {
-            return Box::pin(connector.new_stream(peer)).await;
+        let Some(addr) = plain else {
+            let connector = &self.shared.connector;
+            if let Some(pooled) = connector.reused_stream(peer).await {
+                return Ok(Io::Pingora(pooled));
+            }
+            return Box::pin(connector.new_stream(peer)).await.map(Io::Pingora);
+        };
+        if let Some(pooled) = self.shared.pool.take(upstream, std::time::Instant::now()) {
+            return Ok(Io::Tcp(pooled));
         }
         let connect = tokio::net::TcpStream::connect(addr);
         let connected = match peer.options.connection_timeout {
@@ -456,20 +467,21 @@ impl TokenTap {
             e
         })?;
         let _ = tcp.set_nodelay(true);
-        Ok(Box::new(pingora::protocols::l4::stream::Stream::from(tcp)))
+        Ok(Io::Tcp(tcp))
     }
 
     /// Sends the request (head and body in one write) and reads the response header, past
     /// any 1xx; returns the connection, the header and the body bytes read with it.
     async fn send(
         &self,
+        upstream: usize,
         peer: &HttpPeer,
         wire: BytesMut,
     ) -> Result<(Io, ResponseHeader, BytesMut)> {
         let mut attempt = 0;
         let mut up = loop {
             attempt += 1;
-            match self.connect(peer).await {
+            match self.connect(upstream, peer).await {
                 Ok(up) => break up,
                 Err(mut e) => {
                     e.retry.decide_reuse(false);

@@ -18,13 +18,12 @@ use pingora::apps::HttpServerApp;
 use pingora::http::RequestHeader;
 use pingora::prelude::*;
 use pingora::protocols::http::ServerSession;
-use pingora::protocols::l4::stream::Stream as L4Stream;
-use pingora::protocols::Stream;
 use pingora::proxy::HttpProxy;
 use pingora::server::{ListenFds, ShutdownWatch};
 use pingora::services::Service;
 use tokio::net::{TcpListener, TcpSocket};
 
+use super::conn::Io;
 use super::direct::{read_more, Admitted, After};
 use super::h1::{self, Head};
 use super::{TokenTap, RETRY_BUFFER};
@@ -64,7 +63,7 @@ impl Front {
 
     /// Serves one client connection until it closes, fails, idles out or the server shuts
     /// down.
-    async fn connection(self: Arc<Self>, mut client: Stream, shutdown: ShutdownWatch) {
+    async fn connection(self: Arc<Self>, mut client: Io, shutdown: ShutdownWatch) {
         loop {
             let Some((read, head_len, req)) = read_head(&mut client, &shutdown).await else {
                 return;
@@ -131,19 +130,19 @@ impl Front {
     /// Lets pingora-proxy serve the request whose first bytes are `read`.
     async fn hand_over(
         &self,
-        client: Stream,
+        client: Io,
         read: BytesMut,
         routed: Routed,
         shutdown: &ShutdownWatch,
-    ) -> Option<Stream> {
-        let mut session = ServerSession::new_http1(client);
+    ) -> Option<Io> {
+        let mut session = ServerSession::new_http1(client.into_pingora());
         session.set_keepalive((!*shutdown.borrow()).then_some(KEEPALIVE.as_secs()));
         session.set_pipelined_prefix(read);
         if routed.choice.is_some() || routed.continued {
             session.set_connection_user_context(Some(Box::new(routed)));
         }
         let reused = self.proxy.process_new_http(session, shutdown).await?;
-        Some(reused.consume().0)
+        Some(Io::Pingora(reused.consume().0))
     }
 }
 
@@ -152,7 +151,7 @@ impl Front {
 /// the server is shutting down; a head tokentap does not parse itself (malformed, HTTP/1.0,
 /// huge) is returned unparsed, for pingora-proxy to answer.
 async fn read_head(
-    client: &mut Stream,
+    client: &mut Io,
     shutdown: &ShutdownWatch,
 ) -> Option<(BytesMut, usize, Option<RequestHeader>)> {
     let mut read = BytesMut::new();
@@ -182,7 +181,7 @@ async fn read_head(
 /// a client waiting for `100 Continue` gets it first (the upstream gets no `Expect`: the
 /// body it gets is already complete).
 async fn read_body(
-    client: &mut Stream,
+    client: &mut Io,
     read: &mut BytesMut,
     whole: usize,
     expects_continue: bool,
@@ -214,7 +213,7 @@ async fn read_body(
 /// closed, and what the client still sends is read and dropped for a while, so that closing
 /// with unread bytes does not reset the connection before the client has the response
 /// (nginx's lingering close).
-async fn linger(mut client: Stream) {
+async fn linger(mut client: Io) {
     use tokio::io::AsyncWriteExt;
     const LINGER: Duration = Duration::from_secs(5);
     if client.shutdown().await.is_err() {
@@ -300,7 +299,7 @@ impl Service for FrontService {
             match accepted {
                 Ok((tcp, _peer)) => {
                     let _ = tcp.set_nodelay(true);
-                    let client: Stream = Box::new(L4Stream::from(tcp));
+                    let client = Io::Tcp(tcp);
                     // On a random worker with `work_stealing = false` (tokio::spawn would put
                     // every connection on the accept loop's thread), as pingora's listener.
                     let connection = Arc::clone(&front).connection(client, shutdown.clone());

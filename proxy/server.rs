@@ -1,5 +1,5 @@
 //! Assembles the pingora server from a [`Config`]: the proxy service, the admin service and
-//! the telemetry upkeep task, all sharing one [`Shared`].
+//! the upkeep task (telemetry, idle upstream connections), all sharing one [`Shared`].
 
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
@@ -147,7 +147,7 @@ pub fn build(config: Config) -> (Server, Arc<Shared>) {
     let mut admin = Service::new("tokentap admin".to_owned(), Admin::new(Arc::clone(&shared)));
     admin.threads = Some(1);
     admin.add_tcp(&shared.config.listen.admin.to_string());
-    let upkeep = background_service("telemetry upkeep", Upkeep(Arc::clone(&shared)));
+    let upkeep = background_service("upkeep", Upkeep(Arc::clone(&shared)));
     let control = background_service("slo control", SloControl(Arc::clone(&shared)));
 
     server.add_service(proxy);

@@ -1,7 +1,7 @@
 //! The direct streaming path (`server.direct_streaming`): what the upstream receives, a
-//! request never sent twice, a closed pooled connection not reused, `100 Continue`, every response framing on one connection, a
-//! body ended by close, an upstream dying mid-body, pipelining, the read timeout, and the
-//! same bytes as pingora-proxy's path.
+//! request never sent twice, a closed pooled connection not reused, `100 Continue`, every
+//! response framing on one connection, a body ended by close, an upstream dying mid-body,
+//! pipelining, the read timeout, and the same bytes as pingora-proxy's path.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;

@@ -9,9 +9,10 @@
 //!
 //! pingora's pool holds pingora streams, and spawns a task per released connection to watch
 //! it while idle; [`Pool`] holds tokio sockets and watches nothing: a connection is checked
-//! when it is taken (one non-blocking peek), and the telemetry upkeep drops the expired
-//! and the closed every few seconds.
+//! when it is taken (one non-blocking peek), and the upkeep task drops the expired, the
+//! closed and those with bytes waiting every few seconds.
 
+use std::collections::VecDeque;
 use std::io;
 use std::mem::MaybeUninit;
 use std::pin::Pin;
@@ -85,7 +86,8 @@ impl AsyncWrite for Io {
 /// Idle plain-TCP upstream connections, per upstream, the most recently used taken first;
 /// at most `capacity` in all.
 pub(crate) struct Pool {
-    idle: Box<[Mutex<Vec<Idle>>]>,
+    /// Per upstream, oldest first.
+    idle: Box<[Mutex<VecDeque<Idle>>]>,
     held: AtomicUsize,
     capacity: usize,
 }
@@ -99,7 +101,9 @@ struct Idle {
 impl Pool {
     pub(crate) fn new(upstreams: usize, capacity: usize) -> Self {
         Pool {
-            idle: (0..upstreams).map(|_| Mutex::new(Vec::new())).collect(),
+            idle: (0..upstreams)
+                .map(|_| Mutex::new(VecDeque::new()))
+                .collect(),
             held: AtomicUsize::new(0),
             capacity,
         }
@@ -109,7 +113,7 @@ impl Pool {
     /// recently released first; the ones found closed or expired are dropped.
     pub(crate) fn take(&self, upstream: usize, now: Instant) -> Option<TcpStream> {
         loop {
-            let idle = self.lock(upstream).pop()?;
+            let idle = self.lock(upstream).pop_back()?;
             self.held.fetch_sub(1, Ordering::Relaxed);
             if now < idle.expires && idle.is_clean() {
                 return Some(idle.tcp);
@@ -118,8 +122,8 @@ impl Pool {
     }
 
     /// Keeps `tcp`, whose last response was read whole, for reuse until `now + idle_for`.
-    /// A full pool makes room by dropping this upstream's oldest connection, else drops
-    /// `tcp`.
+    /// A full pool makes room by dropping the oldest connection of this upstream, else of
+    /// another (as pingora's pool, whose least recently used goes), else drops `tcp`.
     pub(crate) fn release(
         &self,
         upstream: usize,
@@ -131,38 +135,45 @@ impl Pool {
             tcp,
             expires: now + idle_for,
         };
-        let mut list = self.lock(upstream);
         let room = self
             .held
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |held| {
                 (held < self.capacity).then_some(held + 1)
             })
             .is_ok();
-        let evicted = match room {
-            true => None,
-            false if list.is_empty() => return,
-            false => Some(list.remove(0)),
-        };
-        list.push(idle);
-        drop(list);
+        // An evicted connection's place (and count) goes to `tcp`.
+        let evicted = if room { None } else { self.oldest(upstream) };
+        if room || evicted.is_some() {
+            self.lock(upstream).push_back(idle);
+        }
         drop(evicted); // closed outside the lock
     }
 
-    /// Drops the connections expired at `now` or closed by their upstream, so that they do
-    /// not hold file descriptors until they are next taken.
+    /// Takes out the oldest idle connection of `upstream`, else of another upstream whose
+    /// list is not locked right now; `held` is left as it is.
+    fn oldest(&self, upstream: usize) -> Option<Idle> {
+        if let Some(own) = self.lock(upstream).pop_front() {
+            return Some(own);
+        }
+        self.idle
+            .iter()
+            .enumerate()
+            .filter(|&(u, _)| u != upstream)
+            .find_map(|(_, list)| list.try_lock().ok()?.pop_front())
+    }
+
+    /// Drops the connections expired at `now`, closed by their upstream or with bytes
+    /// waiting, so that they do not hold file descriptors until they are next taken.
     pub(crate) fn sweep(&self, now: Instant) {
         for upstream in 0..self.idle.len() {
-            let all = std::mem::take(&mut *self.lock(upstream));
-            let before = all.len();
-            let kept: Vec<Idle> = all
-                .into_iter()
-                .filter(|idle| now < idle.expires && idle.is_clean())
-                .collect();
-            self.held.fetch_sub(before - kept.len(), Ordering::Relaxed);
-            // Released while checking: newer, so after the kept ones.
             let mut list = self.lock(upstream);
-            let newer = std::mem::replace(&mut *list, kept);
-            list.extend(newer);
+            let (kept, gone): (VecDeque<Idle>, VecDeque<Idle>) = std::mem::take(&mut *list)
+                .into_iter()
+                .partition(|idle| now < idle.expires && idle.is_clean());
+            *list = kept;
+            drop(list);
+            self.held.fetch_sub(gone.len(), Ordering::Relaxed);
+            drop(gone); // closed outside the lock
         }
     }
 
@@ -172,7 +183,7 @@ impl Pool {
         self.held.load(Ordering::Relaxed)
     }
 
-    fn lock(&self, upstream: usize) -> std::sync::MutexGuard<'_, Vec<Idle>> {
+    fn lock(&self, upstream: usize) -> std::sync::MutexGuard<'_, VecDeque<Idle>> {
         // A panic while holding the lock leaves a list of sockets that is still valid.
         self.idle[upstream]
             .lock()
@@ -281,7 +292,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_full_pool_drops_the_oldest_of_the_upstream_else_the_new_one() {
+    async fn a_full_pool_drops_the_oldest_of_the_upstream_else_of_another() {
         let l = listener().await;
         let pool = Pool::new(2, 2);
         let now = Instant::now();
@@ -289,15 +300,26 @@ mod tests {
         let (b, _b) = pair(&l).await;
         let (c, _c) = pair(&l).await;
         let (d, _d) = pair(&l).await;
-        let (b_port, c_port) = (b.local_addr().unwrap(), c.local_addr().unwrap());
+        let port = |s: &TcpStream| s.local_addr().unwrap();
+        let (c_port, d_port) = (port(&c), port(&d));
         pool.release(0, a, now, IDLE);
         pool.release(0, b, now, IDLE);
         pool.release(0, c, now, IDLE); // `a` makes room
         assert_eq!(pool.len(), 2);
-        pool.release(1, d, now, IDLE); // nothing of upstream 1 to drop: `d` goes
+        pool.release(1, d, now, IDLE); // none of upstream 1's to drop: `b` makes room
         assert_eq!(pool.len(), 2);
-        assert!(pool.take(1, now).is_none());
-        assert_eq!(pool.take(0, now).unwrap().local_addr().unwrap(), c_port);
-        assert_eq!(pool.take(0, now).unwrap().local_addr().unwrap(), b_port);
+        assert_eq!(port(&pool.take(1, now).unwrap()), d_port);
+        assert_eq!(port(&pool.take(0, now).unwrap()), c_port);
+        assert!(pool.take(0, now).is_none());
+    }
+
+    #[tokio::test]
+    async fn a_pool_of_none_keeps_nothing() {
+        let l = listener().await;
+        let pool = Pool::new(1, 0);
+        let (a, _a) = pair(&l).await;
+        pool.release(0, a, Instant::now(), IDLE);
+        assert_eq!(pool.len(), 0);
+        assert!(pool.take(0, Instant::now()).is_none());
     }
 }

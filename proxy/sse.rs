@@ -116,6 +116,20 @@ impl SseParser {
             }
         }
         while let Some(i) = memchr2(b'\n', b'\r', buf) {
+            let between_events =
+                self.line.is_empty() && !self.line_overflow && !self.has_data && !self.overflow;
+            if between_events {
+                if let Some((data, len)) = whole_data_event(buf, i, self.max_event_bytes) {
+                    // Dispatched from the fragment itself, not copied first.
+                    on_event(Event {
+                        name: &self.name,
+                        data,
+                    });
+                    self.name.clear();
+                    buf = &buf[len..];
+                    continue;
+                }
+            }
             if !self.line.is_empty() {
                 self.append_line(&buf[..i]);
             }
@@ -221,6 +235,23 @@ impl SseParser {
     }
 }
 
+/// The usual event, whole: a `data` line ending at `i` and, right after it, the blank line
+/// that dispatches it, both ended alike by LF or CRLF. Its data (unless over `max`) and the
+/// bytes the two lines take.
+fn whole_data_event(buf: &[u8], i: usize, max: usize) -> Option<(&[u8], usize)> {
+    let value = buf[..i].strip_prefix(b"data:")?;
+    let value = value.strip_prefix(b" ").unwrap_or(value);
+    let ends = &buf[i..];
+    let ends_len = if ends.starts_with(b"\n\n") {
+        2
+    } else if ends.starts_with(b"\r\n\r\n") {
+        4
+    } else {
+        return None;
+    };
+    (value.len() <= max).then_some((value, i + ends_len))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -308,6 +339,7 @@ mod tests {
         b"event: only-name\n\ndata: tail-without-blank-line\n",
         b"data: \xF0\x9F\x98\x80 emoji\r\n\r\nfield-without-colon\ndata:  two spaces\n\n",
         b"\xEF\xBBdata: not a bom\n\n",
+        b"data: a\n\r\ndata: b\r\n\ndata:c\n\nevent: e\ndata: d\n\ndata: f\n\ndata\n\ndatax: y\n\n",
     ];
 
     #[test]
@@ -363,6 +395,12 @@ mod tests {
         assert_eq!(got, vec![b"small".to_vec(), b"ok".to_vec()]);
         assert_eq!(p.oversized_events(), 2);
         assert!(!p.has_partial_event());
+        // Whole, each event arrives in one piece with the blank line after it.
+        let mut p = SseParser::new(16);
+        let mut got = Vec::new();
+        p.push(input, |e| got.push(e.data.to_vec()));
+        assert_eq!(got, vec![b"small".to_vec(), b"ok".to_vec()]);
+        assert_eq!(p.oversized_events(), 2);
     }
 
     #[test]

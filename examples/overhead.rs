@@ -36,7 +36,7 @@ use std::time::{Duration, Instant, SystemTime};
 use hdrhistogram::Histogram;
 use nix::sys::socket::{recvmsg, setsockopt, sockopt, ControlMessageOwned, MsgFlags};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpStream;
 
 #[derive(Clone, Copy, Debug)]
 struct Shape {
@@ -151,7 +151,10 @@ fn main() -> anyhow::Result<()> {
                     run.rss_kib_per_stream.map_or("-".into(), |v| format!("{v:.1}")),
                 );
                 let [p10, p25, p75, p90, p999] = run.spread_us;
-                println!("    p10 {p10} µs, p25 {p25}, p75 {p75}, p90 {p90}, p99.9 {p999}");
+                println!(
+                    "    p10 {p10} µs, p25 {p25}, p75 {p75}, p90 {p90}, p99.9 {p999}; TTFT p99 {:.1} ms",
+                    run.ttft_p99_us / 1e3
+                );
                 runs.push((mode, run));
             }
         }
@@ -253,7 +256,12 @@ struct Origin {
 }
 
 async fn origin(interval: Duration, streams: usize, epoch: Instant) -> Origin {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    // A backlog as deep as the kernel allows (`somaxconn`): `TcpListener::bind`'s 128
+    // overflowed in the connection storm, and a proxy that connects upstream faster than
+    // another met SYN retransmissions (1 s TTFTs) the slower one did not.
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let listener = socket.listen(65_535).unwrap();
     let addr = listener.local_addr().unwrap();
     let late = Arc::new(Mutex::new(
         Histogram::<u64>::new_with_bounds(1, 60_000_000, 2).unwrap(),

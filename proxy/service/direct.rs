@@ -101,7 +101,8 @@ pub(super) async fn read_more(io: &mut Io, buf: &mut BytesMut) -> io::Result<usi
 }
 
 /// A request [`Front`](super::front::Front) parsed, read whole and found fit for the direct
-/// path, with its concurrency slot.
+/// path, with its concurrency slot. Passed boxed: an async fn keeps room for its arguments
+/// for its whole life, and the request header is done with once it is sent.
 pub(super) struct Admitted {
     pub(super) req: RequestHeader,
     pub(super) body_len: usize,
@@ -154,7 +155,7 @@ impl TokenTap {
     pub(super) async fn serve_direct(
         &self,
         client: &mut Io,
-        admitted: Admitted,
+        admitted: Box<Admitted>,
         body: BytesMut,
         shutdown: bool,
     ) -> After {
@@ -164,7 +165,7 @@ impl TokenTap {
             choice,
             permit,
             t0,
-        } = admitted;
+        } = *admitted;
         let mut ctx = self.new_ctx();
         ctx.t0 = t0;
         ctx.dialect = Dialect::from_path(req.uri.path());

@@ -20,7 +20,7 @@
 //! - [`config`]: the TOML file → a validated runtime config; `tokentap check`.
 //! - [`service`]: tokentap's listener (`service::front`) reads each request head. A metered
 //!   generation request (HTTP/1.1 `POST`, a `Content-Length` body read whole, a free slot)
-//!   is proxied by `service::direct`'s HTTP/1.1 loop on the raw connections; everything
+//!   is proxied by `service::direct`'s HTTP/1.1 loop on tokio's sockets; everything
 //!   else is handed to pingora-proxy, whose `impl ProxyHttp` phases are a few lines each.
 //!   Both paths call the same filters.
 //! - [`sse`]: incremental SSE framing, no I/O, never alters a byte.

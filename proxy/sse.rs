@@ -163,7 +163,10 @@ impl SseParser {
         if self.line_overflow || piece.is_empty() {
             return;
         }
-        if self.line.len() + piece.len() > self.max_event_bytes {
+        // Room for the field name too: a `data: ` line whose value is within the bound is
+        // kept, whether or not it arrived in one piece.
+        let bound = self.max_event_bytes.saturating_add(b"data: ".len());
+        if self.line.len() + piece.len() > bound {
             let mut head = [0u8; 5];
             let have = self.line.len().min(5);
             head[..have].copy_from_slice(&self.line[..have]);
@@ -401,6 +404,20 @@ mod tests {
         p.push(input, |e| got.push(e.data.to_vec()));
         assert_eq!(got, vec![b"small".to_vec(), b"ok".to_vec()]);
         assert_eq!(p.oversized_events(), 2);
+    }
+
+    #[test]
+    fn the_bound_is_the_same_for_a_whole_event_and_a_split_one() {
+        let input = b"data: 0123456789abcdef\n\ndata: 0123456789abcdefg\n\n"; // 16, 17 bytes
+        for cut in [input.len(), 3, 30] {
+            let mut p = SseParser::new(16);
+            let mut got = Vec::new();
+            for piece in [&input[..cut], &input[cut..]] {
+                p.push(piece, |e| got.push(e.data.to_vec()));
+            }
+            assert_eq!(got, vec![b"0123456789abcdef".to_vec()], "cut at {cut}");
+            assert_eq!(p.oversized_events(), 1, "cut at {cut}");
+        }
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //!
 //! A pingora stream wraps its socket in a boxed trait object over read and write buffers,
 //! and times every pending read and write; on the direct path, whose every token is one
-//! read and one write, that was ~0.5 µs per event (README, "Against nginx"). Here a plain
+//! read and one write, that was ~0.5 µs per event (docs/performance-history.md). Here a plain
 //! TCP connection is a tokio socket and nothing else. Pingora's streams remain where they
 //! are needed: TLS upstreams, and client connections pingora-proxy has served.
 //!

@@ -3,8 +3,8 @@
 //!
 //! pingora-proxy runs every request as an upstream half and a downstream half that hand
 //! each body fragment over a channel, through its cache, module and range machinery, in
-//! request futures of ~20 KiB with a 64 KiB upstream body buffer per stream (README,
-//! "Against nginx"). Here one small future reads each upstream fragment into the worker
+//! request futures of ~20 KiB with a 64 KiB upstream body buffer per stream (57–61 KiB per
+//! stream in all: README, "What changed"). Here one small future reads each upstream fragment into the worker
 //! thread's scratch buffer, writes it to the client straight from there and then meters
 //! it: an open stream holds no buffer of its own except bytes a slow client has not taken
 //! yet, and a chunked body is forwarded as it came, its framing decoded in place.

@@ -117,7 +117,7 @@ impl Front {
             let shutting_down = *shutdown.borrow();
             // Boxed, as pingora-proxy's path is: inline, every connection's task held room for
             // both paths' state, 2.9 KiB, idle or not (valgrind massif); now 1.0 KiB, plus
-            // 1.5 KiB while a request is served.
+            // 1.5 KiB while a request streams.
             let serve = self
                 .tap
                 .serve_direct(&mut client, admitted, body, shutting_down);

@@ -387,21 +387,25 @@ mod tests {
         assert_eq!(got, vec![(vec![], b"a\nb".to_vec())]);
     }
 
-    #[test]
-    fn oversized_events_are_skipped_and_counted() {
+    /// Parses `pieces` with a 16-byte bound: the events' data, and the parser.
+    fn bounded16<'a>(pieces: impl IntoIterator<Item = &'a [u8]>) -> (Vec<Vec<u8>>, SseParser) {
         let mut p = SseParser::new(16);
         let mut got = Vec::new();
-        let input = b"data: small\n\ndata: this one is far too long for the bound\n\ndata: x\ndata: and this overflows in its second line\n\ndata: ok\n\n";
-        for piece in input.chunks(5) {
+        for piece in pieces {
             p.push(piece, |e| got.push(e.data.to_vec()));
         }
+        (got, p)
+    }
+
+    #[test]
+    fn oversized_events_are_skipped_and_counted() {
+        let input: &[u8] = b"data: small\n\ndata: this one is far too long for the bound\n\ndata: x\ndata: and this overflows in its second line\n\ndata: ok\n\n";
+        let (got, p) = bounded16(input.chunks(5));
         assert_eq!(got, vec![b"small".to_vec(), b"ok".to_vec()]);
         assert_eq!(p.oversized_events(), 2);
         assert!(!p.has_partial_event());
         // Whole, each event arrives in one piece with the blank line after it.
-        let mut p = SseParser::new(16);
-        let mut got = Vec::new();
-        p.push(input, |e| got.push(e.data.to_vec()));
+        let (got, p) = bounded16([input]);
         assert_eq!(got, vec![b"small".to_vec(), b"ok".to_vec()]);
         assert_eq!(p.oversized_events(), 2);
     }
@@ -410,11 +414,7 @@ mod tests {
     fn the_bound_is_the_same_for_a_whole_event_and_a_split_one() {
         let input = b"data: 0123456789abcdef\n\ndata: 0123456789abcdefg\n\n"; // 16, 17 bytes
         for cut in [input.len(), 3, 30] {
-            let mut p = SseParser::new(16);
-            let mut got = Vec::new();
-            for piece in [&input[..cut], &input[cut..]] {
-                p.push(piece, |e| got.push(e.data.to_vec()));
-            }
+            let (got, p) = bounded16([&input[..cut], &input[cut..]]);
             assert_eq!(got, vec![b"0123456789abcdef".to_vec()], "cut at {cut}");
             assert_eq!(p.oversized_events(), 1, "cut at {cut}");
         }
@@ -424,11 +424,7 @@ mod tests {
     fn a_long_comment_or_name_is_ignored_however_it_is_split() {
         let input = b": a comment far longer than the bound of this parser\nevent: a-name-longer-than-sixteen\ndata: kept\n\n";
         for cut in 0..input.len() {
-            let mut p = SseParser::new(16);
-            let mut got = Vec::new();
-            for piece in [&input[..cut], &input[cut..]] {
-                p.push(piece, |e| got.push(e.data.to_vec()));
-            }
+            let (got, p) = bounded16([&input[..cut], &input[cut..]]);
             assert_eq!(got, vec![b"kept".to_vec()], "cut at {cut}");
             assert_eq!(p.oversized_events(), 0, "cut at {cut}");
         }

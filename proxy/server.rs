@@ -20,7 +20,7 @@ use crate::limit::controller::{Controller, Slo, Tick};
 use crate::limit::{LimitConfig, Limiter};
 use crate::meter::{Clock, UpstreamMeter};
 use crate::routing::Router;
-use crate::service::{Front, FrontService, Pool, TokenTap};
+use crate::service::{Connections, Front, FrontService, Pool, TokenTap};
 
 /// What the proxy, the admin API and the background tasks share.
 pub struct Shared {
@@ -40,6 +40,8 @@ pub struct Shared {
     pub limiters: Vec<Arc<Limiter>>,
     /// One per upstream with an SLO.
     pub slo: Vec<Option<SloState>>,
+    /// Open client connections, against `server.max_connections`.
+    pub connections: Connections,
 }
 
 /// An upstream's adaptive cap.
@@ -98,7 +100,12 @@ impl Shared {
                 Limiter::new(config, telemetry.queue_wait(&u.name))
             })
             .collect();
+        let max_connections = config
+            .limits
+            .max_connections
+            .unwrap_or_else(|| connections_for(raise_fd_limit()));
         Arc::new(Shared {
+            connections: Connections::new(max_connections),
             limiters,
             slo,
             peers: config.upstreams.iter().map(peer).collect(),
@@ -113,6 +120,27 @@ impl Shared {
             config,
         })
     }
+}
+
+/// Raises the soft limit on open files to the hard limit (1,024 by default on many hosts,
+/// far below what thousands of streams need); returns the limit in force.
+fn raise_fd_limit() -> u64 {
+    match rlimit::increase_nofile_limit(u64::MAX) {
+        Ok(limit) => limit,
+        Err(e) => {
+            eprintln!("tokentap: cannot raise the open-file limit: {e}");
+            rlimit::getrlimit(rlimit::Resource::NOFILE).map_or(1024, |(soft, _)| soft)
+        }
+    }
+}
+
+/// The default `server.max_connections` under a file limit: each client connection may
+/// hold an upstream connection too, and 64 descriptors stay for listeners, the admin API
+/// and the rest.
+fn connections_for(fd_limit: u64) -> usize {
+    usize::try_from(fd_limit.saturating_sub(64) / 2)
+        .unwrap_or(usize::MAX)
+        .max(1)
 }
 
 fn peer(u: &Upstream) -> HttpPeer {

@@ -19,7 +19,17 @@ use crate::server::{lock, Shared};
 #[derive(Debug, Serialize)]
 pub struct Stats {
     pub window_secs: u64,
+    pub connections: ConnectionStats,
     pub upstreams: Vec<UpstreamStats>,
+}
+
+/// Client connections against `server.max_connections`.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct ConnectionStats {
+    pub open: usize,
+    pub max: usize,
+    /// Closed at once because `max` were open.
+    pub refused_total: u64,
 }
 
 /// The admin HTTP app.
@@ -38,8 +48,14 @@ impl Admin {
 /// The stats of every upstream, now.
 pub fn stats(shared: &Shared) -> Stats {
     let now = shared.clock.now();
+    let c = &shared.connections;
     Stats {
         window_secs: shared.config.window.as_secs(),
+        connections: ConnectionStats {
+            open: c.open(),
+            max: c.max(),
+            refused_total: c.refused(),
+        },
         upstreams: shared
             .meters
             .iter()
@@ -202,10 +218,12 @@ impl ServeHttp for Admin {
                     .iter()
                     .map(|m| (m.name(), m.distributions()))
                     .collect();
-                let text = self
-                    .shared
-                    .telemetry
-                    .render(&stats(&self.shared).upstreams, &distributions);
+                let stats = stats(&self.shared);
+                let text = self.shared.telemetry.render(
+                    &stats.upstreams,
+                    &stats.connections,
+                    &distributions,
+                );
                 respond(
                     StatusCode::OK,
                     "text/plain; version=0.0.4",

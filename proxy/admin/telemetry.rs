@@ -18,6 +18,7 @@ use metrics_exporter_prometheus::{
     Matcher, PrometheusBuilder, PrometheusHandle, PrometheusRecorder,
 };
 
+use super::ConnectionStats;
 use crate::meter::{Distributions, Histograms, Outcome, UpstreamStats};
 
 /// Histogram buckets for latencies, seconds: 1 ms to 5 min.
@@ -77,9 +78,14 @@ impl Telemetry {
     pub fn render(
         &self,
         stats: &[UpstreamStats],
+        connections: &ConnectionStats,
         distributions: &[(&str, Distributions)],
     ) -> String {
         metrics::with_local_recorder(&self.recorder, || {
+            gauge!("tokentap_client_connections").set(connections.open as f64);
+            gauge!("tokentap_client_connections_max").set(connections.max as f64);
+            counter!("tokentap_client_connections_refused_total")
+                .absolute(connections.refused_total);
             for s in stats {
                 let up = s.name.clone();
                 for o in Outcome::ALL {
@@ -224,6 +230,15 @@ fn escape(v: &str) -> String {
 }
 
 fn describe() {
+    describe_gauge!("tokentap_client_connections", "Open client connections.");
+    describe_gauge!(
+        "tokentap_client_connections_max",
+        "server.max_connections: more open client connections are closed at once."
+    );
+    describe_counter!(
+        "tokentap_client_connections_refused_total",
+        "Client connections closed at once because server.max_connections were open."
+    );
     describe_gauge!(
         "tokentap_estimate_to_exact_ratio",
         "Σ one-per-event estimate / Σ exact count, over requests that had both."

@@ -7,7 +7,9 @@ use http::header::HeaderName;
 use indexmap::IndexMap;
 use serde::Deserialize;
 
-use super::{socket_addr, upstream_url, Config, Listen, Problem, Problems, Route, Upstream};
+use super::{
+    socket_addr, upstream_url, Config, Limits, Listen, Problem, Problems, Route, Upstream,
+};
 use super::{DEFAULT_CONNECT_TIMEOUT_MS, DEFAULT_READ_TIMEOUT_SECS};
 use crate::estimate::Estimate;
 use crate::limit::controller::Slo;
@@ -93,9 +95,84 @@ pub struct ServerFile {
     pub upstream_keepalive_pool_size: Option<usize>,
     /// Let worker threads steal each other's connections. Default true.
     pub work_stealing: Option<bool>,
-    /// Proxy metered generation requests by tokentap's own HTTP/1.1 loop on the raw
-    /// connections rather than by pingora-proxy. Default true.
-    pub direct_streaming: Option<bool>,
+    /// A client that accepts no bytes of its response for this long is disconnected (its
+    /// slot freed, its upstream request cancelled), seconds. Default 60.
+    pub client_write_timeout_secs: Option<u64>,
+    /// The whole request head must arrive within this, seconds, counted from its first
+    /// byte; else 408. Default 30.
+    pub request_head_timeout_secs: Option<u64>,
+    /// The part of a request body read before the upstream is chosen (up to 64 KiB) must
+    /// arrive within this, seconds, and then each read of the rest; else 408. Default 60.
+    pub request_body_timeout_secs: Option<u64>,
+    /// Larger request heads get 431 and are never buffered past this, bytes. Default 65536.
+    pub max_request_head_bytes: Option<usize>,
+    /// Open client connections beyond this are closed at once. Default: half the file
+    /// descriptor limit (raised to its hard limit at start) less 64, since each client
+    /// connection may hold an upstream connection too.
+    pub max_connections: Option<usize>,
+    /// Larger request bodies get 413, bytes. Default 33554432 (32 MiB).
+    pub max_request_body_bytes: Option<u64>,
+}
+
+impl ServerFile {
+    /// The client-side limits, each checked.
+    fn limits(&self, p: &mut Problems) -> Limits {
+        let d = Limits::default();
+        let secs = |p: &mut Problems, key: &str, v: Option<u64>, default: Duration| match v {
+            Some(0) => {
+                p.add(format!("server.{key}"), "must be at least 1");
+                default
+            }
+            Some(s) => Duration::from_secs(s),
+            None => default,
+        };
+        let client_write_timeout = secs(
+            p,
+            "client_write_timeout_secs",
+            self.client_write_timeout_secs,
+            d.client_write_timeout,
+        );
+        let request_head_timeout = secs(
+            p,
+            "request_head_timeout_secs",
+            self.request_head_timeout_secs,
+            d.request_head_timeout,
+        );
+        let request_body_timeout = secs(
+            p,
+            "request_body_timeout_secs",
+            self.request_body_timeout_secs,
+            d.request_body_timeout,
+        );
+        let max_request_head_bytes = match self.max_request_head_bytes {
+            Some(n) if !(1024..=1 << 20).contains(&n) => {
+                p.add(
+                    "server.max_request_head_bytes",
+                    "must be between 1024 and 1048576",
+                );
+                d.max_request_head_bytes
+            }
+            Some(n) => n,
+            None => d.max_request_head_bytes,
+        };
+        if self.max_connections == Some(0) {
+            p.add("server.max_connections", "must be at least 1");
+        }
+        if self.max_request_body_bytes == Some(0) {
+            p.add("server.max_request_body_bytes", "must be at least 1");
+        }
+        Limits {
+            client_write_timeout,
+            request_head_timeout,
+            request_body_timeout,
+            max_request_head_bytes,
+            max_connections: self.max_connections.filter(|&n| n > 0),
+            max_request_body_bytes: self
+                .max_request_body_bytes
+                .filter(|&n| n > 0)
+                .unwrap_or(d.max_request_body_bytes),
+        }
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -368,6 +445,7 @@ impl FileConfig {
             });
         }
 
+        let limits = self.server.limits(&mut p);
         let threads = self
             .server
             .threads
@@ -390,7 +468,7 @@ impl FileConfig {
             grace_period: Duration::from_secs(grace),
             keepalive_pool,
             work_stealing: self.server.work_stealing.unwrap_or(true),
-            direct_streaming: self.server.direct_streaming.unwrap_or(true),
+            limits,
             upstreams,
             routes,
         })

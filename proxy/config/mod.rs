@@ -34,12 +34,43 @@ pub struct Config {
     pub keepalive_pool: usize,
     /// Work stealing between the proxy's worker threads.
     pub work_stealing: bool,
-    /// Metered generation requests take `service::direct`'s HTTP/1.1 loop.
-    pub direct_streaming: bool,
+    /// What a client connection may take: time, head and body size, connections.
+    pub limits: Limits,
     pub upstreams: Vec<Upstream>,
     /// Routes in file order; first match wins. Never empty: a config with one upstream and
     /// no route gets one route for `/` to it.
     pub routes: Vec<Route>,
+}
+
+/// The limits that hold against slow, huge and numerous clients (`[server]`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// A client that takes no response bytes for this long is disconnected.
+    pub client_write_timeout: Duration,
+    /// The whole request head must arrive within this of its first byte.
+    pub request_head_timeout: Duration,
+    /// The body's read-ahead must arrive within this, and then each read of the rest.
+    pub request_body_timeout: Duration,
+    /// Larger request heads get 431.
+    pub max_request_head_bytes: usize,
+    /// Open client connections beyond this are closed at once; `None`: derived from the
+    /// file descriptor limit when the server starts.
+    pub max_connections: Option<usize>,
+    /// Larger request bodies get 413.
+    pub max_request_body_bytes: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            client_write_timeout: Duration::from_secs(60),
+            request_head_timeout: Duration::from_secs(30),
+            request_body_timeout: Duration::from_secs(60),
+            max_request_head_bytes: 64 * 1024,
+            max_connections: None,
+            max_request_body_bytes: 32 << 20,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy)]

@@ -1,23 +1,28 @@
-//! The direct streaming path: a metered generation request proxied by tokentap's own
-//! HTTP/1.1 loop on tokio's sockets (`conn`), on pingora's runtime.
+//! The one path every request takes (but upgrades): tokentap's own HTTP/1.1 loop on
+//! tokio's sockets (`conn`), on pingora's runtime. A metered generation request, queued or
+//! not, with a `Content-Length` or a chunked body, from an HTTP/1.0 or 1.1 client, goes
+//! through the same code as a model list or a health check; only metering and the
+//! concurrency cap depend on what the request is.
 //!
 //! pingora-proxy runs every request as an upstream half and a downstream half that hand
 //! each body fragment over a channel, through its cache, module and range machinery, in
-//! request futures of ~20 KiB with a 64 KiB upstream body buffer per stream (57–61 KiB per
-//! stream in all: README, "What changed"). Here one small future reads each upstream fragment into the worker
-//! thread's scratch buffer, writes it to the client straight from there and then meters
-//! it: an open stream holds no buffer of its own except bytes a slow client has not taken
-//! yet, and a chunked body is forwarded as it came, its framing decoded in place.
+//! request futures of ~20 KiB with a 64 KiB upstream body buffer per stream. Here one small
+//! future reads each upstream fragment into the worker thread's scratch buffer, writes it to
+//! the client straight from there and then meters it: an open stream holds no buffer of its
+//! own except bytes a slow client has not taken yet (one read's worth: the upstream is not
+//! read again until the client has taken them), and a chunked body is forwarded as it
+//! came, its framing decoded in place.
 //!
-//! [`Front`](super::front::Front) sends a request here only when tokentap can do exactly
-//! what pingora-proxy would: an HTTP/1.1 `POST` to a metered path, origin-form, without
-//! `Upgrade` or an `Expect` other than `100-continue`, with one `Content-Length` of at
-//! most 64 KiB and no `Transfer-Encoding`, its body read whole, on an upstream with a free
-//! concurrency slot. The upstream request
-//! is the client's minus its hop-by-hop fields, with the upstream's `Host` and the length
-//! of the body actually sent, so framing cannot be smuggled; the response is forwarded
-//! through the same filters, with `Date` and `Connection` set as pingora's server session
-//! sets them.
+//! [`Front`](super::front::Front) hands over a request whose head passed
+//! [`check`](super::request::check) and whose body was read ahead (up to 64 KiB). Here it
+//! is routed, admitted (a free slot, else the FIFO queue, watching for the client to leave,
+//! else 429), and sent: the client's head minus its hop-by-hop fields, with the upstream's
+//! `Host` and the body's framing tokentap chose (the exact length of a body read whole;
+//! the rest of a longer one streamed after it, re-chunked when it came chunked), so framing
+//! cannot be smuggled. The response goes through the same filters, its hop-by-hop fields
+//! removed, with `Date` and `Connection` set as pingora's server session sets them; an
+//! HTTP/1.0 client gets a body ended by close instead of chunks. A client that takes no
+//! bytes for `client_write_timeout` is cut.
 
 use std::cell::RefCell;
 use std::future::{poll_fn, Future};
@@ -26,8 +31,8 @@ use std::pin::Pin;
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
-use bytes::{Buf, Bytes, BytesMut};
-use http::header::{self, HeaderName};
+use bytes::{Buf, BytesMut};
+use http::header;
 use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::prelude::*;
 use pingora::protocols::http::v1::client::http_req_header_to_wire;
@@ -38,28 +43,17 @@ use tokio::time::{timeout, Instant};
 
 use super::conn::Io;
 use super::h1::{self, Chunked, Framing, Head};
-use super::{Ctx, TokenTap, HOST};
+use super::request::{
+    self, error_body, json_response, Ahead, BodyKind, Checked, ClientError, Rest,
+};
+use super::{Ctx, TokenTap, HOST, UPSTREAM_HEADER};
+use crate::config::Limits;
 use crate::dialect::Dialect;
-use crate::limit::Permit;
+use crate::estimate::Estimate;
+use crate::limit::Rejected;
 use crate::meter::Nanos;
 use crate::routing::Choice;
 use crate::usage::{self, UsageStripper};
-
-/// Hop-by-hop fields (RFC 9110 §7.6.1, and the obsolete ones proxies still meet), never
-/// forwarded; the fields the client's `Connection` names are removed too.
-const HOP_BY_HOP: [&str; 11] = [
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-    "http2-settings",
-    "expect",
-];
 
 /// Attempts at connecting: a connect that failed in a way pingora marks retryable is tried
 /// once more. A request that was sent is never sent again (a generation would run twice),
@@ -100,23 +94,30 @@ pub(super) async fn read_more(io: &mut Io, buf: &mut BytesMut) -> io::Result<usi
     .await
 }
 
-/// A request [`Front`](super::front::Front) parsed, read whole and found fit for the direct
-/// path, with its concurrency slot. Passed boxed: an async fn keeps room for its arguments
-/// for its whole life, and the request header is done with once it is sent.
-pub(super) struct Admitted {
-    pub(super) req: RequestHeader,
-    pub(super) body_len: usize,
-    pub(super) choice: Choice,
-    pub(super) permit: Permit,
+/// A request [`Front`](super::front::Front) read and checked, its body read ahead. Passed
+/// boxed: an async fn keeps room for its arguments for its whole life, and the request
+/// header is done with once it is sent.
+pub(super) struct Incoming {
+    pub(super) checked: Checked,
+    pub(super) ahead: Ahead,
     /// When its head had arrived.
     pub(super) t0: Nanos,
 }
 
-impl Admitted {
-    /// Moved out of its box, which is freed now rather than when the request ends.
-    fn unboxed(self: Box<Self>) -> Self {
-        *self
-    }
+/// What goes upstream: the client's head and body as read so far.
+struct Outgoing {
+    req: RequestHeader,
+    kind: BodyKind,
+    body: BytesMut,
+    rest: Rest,
+}
+
+/// How the upstream request's body is framed.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum UpBody {
+    None,
+    Length(u64),
+    Chunked,
 }
 
 /// What the connection can do after a direct request.
@@ -141,13 +142,22 @@ struct Open {
     keep_alive: bool,
 }
 
+/// How the client gets the response body.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ToClient {
+    /// The upstream's bytes as they came.
+    AsIs,
+    /// Chunks tokentap frames (usage stripped, or an upstream body ended by close).
+    Chunked,
+    /// The payload alone, ended by closing the connection (an HTTP/1.0 client).
+    Close,
+}
+
 /// A response body being relayed.
 struct Relay {
     framing: Framing,
     chunked: Chunked,
-    /// The client gets a body tokentap frames as chunks (usage stripped, or an upstream body
-    /// ended by close); otherwise it gets the upstream's bytes as they are.
-    reframe: bool,
+    to_client: ToClient,
     /// The upstream body ended.
     done: bool,
     /// The upstream connection can go back to the pool at the end.
@@ -157,42 +167,110 @@ struct Relay {
 // === impl TokenTap ===
 
 impl TokenTap {
-    /// Proxies an admitted request whose head is parsed and whose first body bytes are
-    /// `body`; its outcome is recorded however it ends.
-    pub(super) async fn serve_direct(
+    /// Routes, admits and proxies a request; its outcome is recorded however it ends.
+    pub(super) async fn serve(
         &self,
         client: &mut Io,
-        admitted: Box<Admitted>,
-        body: BytesMut,
+        incoming: Box<Incoming>,
         shutdown: bool,
     ) -> After {
-        let Admitted {
-            req,
-            body_len,
-            choice,
-            permit,
-            t0,
-        } = admitted.unboxed();
+        let Incoming { checked, ahead, t0 } = *incoming;
+        let Checked {
+            req, body: kind, ..
+        } = checked;
+        let Ahead {
+            bytes,
+            rest,
+            mut leftover,
+        } = ahead;
+        let limits = self.shared.config.limits;
+        let read_whole = matches!(rest, Rest::Done);
+        let keep_alive = !shutdown
+            && req.version == http::Version::HTTP_11
+            && !h1::has_token(&req.headers, header::CONNECTION, "close");
+        // What the connection can do after an answer tokentap made itself.
+        let after_answer = |leftover: &BytesMut, keep_alive: bool| {
+            if !read_whole || !leftover.is_empty() {
+                After::Linger // unread body bytes, or a pipelined request
+            } else if keep_alive {
+                After::KeepAlive
+            } else {
+                After::Close
+            }
+        };
         let mut ctx = self.new_ctx();
         ctx.t0 = t0;
-        ctx.dialect = Dialect::from_path(req.uri.path());
+        if req.method == http::Method::POST {
+            ctx.dialect = Dialect::from_path(req.uri.path());
+        }
+        let Some(choice) = self.route(&req) else {
+            let body = error_body(
+                "tokentap: no route matches this request",
+                "invalid_request_error",
+                "tokentap_no_route",
+            );
+            let keep = keep_alive && read_whole && leftover.is_empty();
+            let out = json_response(404, &body, &[], keep);
+            let _ = write_within(client, &out, limits.client_write_timeout).await;
+            return after_answer(&leftover, keep);
+        };
         ctx.choice = Some(choice);
-        ctx.tokenize = self.shared.config.upstreams[choice.upstream].estimate
-            == crate::estimate::Estimate::Tokenizer;
-        ctx.permit = Some(permit);
+        let upstream = &self.shared.config.upstreams[choice.upstream];
+        ctx.tokenize = upstream.estimate == Estimate::Tokenizer;
+
+        // Caps apply to generation requests only. A queued client whose body was read whole
+        // is watched, and leaves the queue the moment it goes away; one still sending waits
+        // unwatched (its body bytes are not read here), bounded by the queue timeout.
+        let mut watch = true;
+        if ctx.dialect.is_some() {
+            let limiter = &self.shared.limiters[choice.upstream];
+            let granted = match limiter.try_acquire() {
+                Some(permit) => Ok(Ok(permit)),
+                None if read_whole => {
+                    let acquire = async { Ok(limiter.acquire().await) };
+                    watching(client, &mut watch, &mut leftover, acquire).await
+                }
+                None => Ok(limiter.acquire().await),
+            };
+            match granted {
+                Ok(Ok(permit)) => ctx.permit = Some(permit),
+                Ok(Err(why)) => {
+                    let keep = keep_alive && read_whole && leftover.is_empty() && watch;
+                    self.reject(client, choice, why, keep).await;
+                    return after_answer(&leftover, keep);
+                }
+                Err(gone) => {
+                    self.finish(&mut ctx, Some(&gone));
+                    return After::Close;
+                }
+            }
+        }
+
+        let outgoing = Outgoing {
+            req,
+            kind,
+            body: bytes,
+            rest,
+        };
         // Boxed: setting up is a large future needed only until the response header; kept
         // inline, every open stream would hold its space.
-        let opened = Box::pin(self.open(client, &mut ctx, (req, body_len, choice), body, shutdown));
+        let opened = Box::pin(self.open(client, &mut ctx, outgoing, leftover, watch, shutdown));
         let opened = opened.await;
         if let Err(e) = &opened {
-            // Nothing reached the client yet: answer as pingora-proxy would.
-            let status = match e.esource() {
-                ErrorSource::Upstream => Some(502),
-                ErrorSource::Downstream => None,
-                ErrorSource::Internal | ErrorSource::Unset => Some(500),
-            };
-            if let Some(status) = status {
-                let _ = write_error(client, status).await;
+            // Nothing reached the client yet: answer.
+            let cwt = limits.client_write_timeout;
+            match e.esource() {
+                ErrorSource::Downstream => {
+                    if let Some(mistake) = e.root_cause().downcast_ref::<ClientError>() {
+                        request::refuse(client, *mistake, cwt).await;
+                    }
+                }
+                ErrorSource::Upstream => {
+                    let _ = timeout(cwt, write_error(client, 502)).await;
+                }
+                ErrorSource::Internal | ErrorSource::Unset => {
+                    let _ = timeout(cwt, write_error(client, 500)).await;
+                }
             }
         }
         let result = match opened {
@@ -227,76 +305,167 @@ impl TokenTap {
             Err(e) => Err(e),
         };
         self.finish(&mut ctx, result.as_ref().err().map(|e| &**e));
-        result.unwrap_or(After::Close)
+        match result {
+            Ok(after) => after,
+            // A refused body (malformed, too large, too slow) may have more bytes coming.
+            Err(e) if e.esource() == &ErrorSource::Downstream && !read_whole => After::Linger,
+            Err(_) => After::Close,
+        }
+    }
+
+    /// The upstream of a request, if a route matches.
+    fn route(&self, req: &RequestHeader) -> Option<Choice> {
+        let limiters = &self.shared.limiters;
+        self.shared
+            .router
+            .choose(req.uri.path(), &req.headers, |u| limiters[u].has_headroom())
+    }
+
+    /// Answers 429 with `Retry-After` and an OpenAI-style error body.
+    async fn reject(&self, client: &mut Io, choice: Choice, why: Rejected, keep_alive: bool) {
+        let name = &self.shared.config.upstreams[choice.upstream].name;
+        let limit = self.shared.limiters[choice.upstream]
+            .limit()
+            .map_or("-".to_owned(), |l| l.to_string());
+        let message = match why {
+            Rejected::QueueFull => format!("tokentap: upstream {name} is at its concurrency limit ({limit}) and its queue is full"),
+            Rejected::QueueTimeout => format!("tokentap: no slot on upstream {name} (limit {limit}) within the queue timeout"),
+        };
+        let code = format!("tokentap_{}", why.label());
+        let body = error_body(&message, "rate_limit_exceeded", &code);
+        let extra = [("Retry-After", "1"), (UPSTREAM_HEADER, name.as_str())];
+        let out = json_response(429, &body, &extra, keep_alive);
+        let cwt = self.shared.config.limits.client_write_timeout;
+        let _ = write_within(client, &out, cwt).await;
     }
 
     /// Everything up to the response body: the upstream request (usage injected), the
-    /// connection, the response header. Nothing reaches the client here (`serve_direct`
-    /// answers an error); after, an error cuts the connection, as pingora-proxy does.
+    /// connection, the rest of the request body, the response header. Nothing reaches the
+    /// client here (`serve` answers an error); after, an error cuts the connection, as
+    /// pingora-proxy does.
     async fn open(
         &self,
         client: &mut Io,
         ctx: &mut Ctx,
-        (req, body_len, choice): (RequestHeader, usize, Choice),
-        mut body: BytesMut,
+        outgoing: Outgoing,
+        mut leftover: BytesMut,
+        mut watch: bool,
         shutdown: bool,
     ) -> Result<Open> {
-        // Bytes past the body are a pipelined next request, which (as on pingora's default)
-        // closes the connection after this response.
-        let mut leftover = body.split_off(body_len);
+        let Outgoing {
+            req,
+            kind,
+            body,
+            rest,
+        } = outgoing;
+        let choice = ctx
+            .choice
+            .ok_or_else(|| Error::explain(InternalError, "no upstream chosen"))?;
+        let http10 = req.version == http::Version::HTTP_10;
+        let head_request = req.method == http::Method::HEAD;
+        let mut keep_alive =
+            !shutdown && !http10 && !h1::has_token(&req.headers, header::CONNECTION, "close");
         let mut body = body.freeze();
+        let read_whole = matches!(rest, Rest::Done);
         let upstream = &self.shared.config.upstreams[choice.upstream];
-        if ctx.dialect == Some(Dialect::OpenAi) && upstream.inject_usage {
+        if read_whole && ctx.dialect == Some(Dialect::OpenAi) && upstream.inject_usage {
             if let Some(rewritten) = usage::request_with_usage(&body) {
                 body = rewritten;
                 ctx.strip_usage = Some(UsageStripper::new(self.shared.config.max_event_bytes));
             }
         }
-        let mut keep_alive = !shutdown && !h1::has_token(&req.headers, header::CONNECTION, "close");
-        let up_req = self.upstream_request(&req, choice, body.len())?;
+        let up_body = match (kind, &rest) {
+            (BodyKind::None, _) => UpBody::None,
+            (_, Rest::Done) => UpBody::Length(body.len() as u64),
+            (BodyKind::Length(n), _) => UpBody::Length(n),
+            (BodyKind::Chunked, _) => UpBody::Chunked,
+        };
+        let up_req = self.upstream_request(&req, choice, up_body)?;
         drop(req);
         let Some(mut wire) = http_req_header_to_wire(&up_req) else {
             return Error::e_explain(InvalidHTTPHeader, "request target");
         };
         drop(up_req);
-        wire.extend_from_slice(&body);
+        if up_body == UpBody::Chunked {
+            h1::put_chunk(&mut wire, &body);
+        } else {
+            wire.extend_from_slice(&body);
+        }
+        let sent_so_far = body.len() as u64;
         drop(body);
 
-        let meter = &self.shared.meters[choice.upstream];
-        ctx.stream = Some(meter.begin(ctx.t0, self.now()));
+        if ctx.dialect.is_some() {
+            let meter = &self.shared.meters[choice.upstream];
+            ctx.stream = Some(meter.begin(ctx.t0, self.now()));
+        }
         let peer = &self.shared.peers[choice.upstream];
-        let mut watch = true;
         // Boxed: connecting (TCP, TLS, the pool) is a large future, needed only until the
         // response header; kept inline, every open stream would hold its space.
-        let send = Box::pin(self.send(choice.upstream, peer, wire));
-        let sent = watching(client, &mut watch, &mut leftover, send).await;
-        let (up, mut resp, first) = sent?;
-        let Some(framing) = Framing::of(&resp) else {
-            return Err(up_err(InvalidHTTPHeader, "upstream response framing"));
+        let send = Box::pin(self.connect_and_write(choice.upstream, peer, wire));
+        let mut up = if read_whole {
+            watching(client, &mut watch, &mut leftover, send).await?
+        } else {
+            let up = send.await?;
+            let mut up = up;
+            let limits = self.shared.config.limits;
+            let streamed = Box::pin(send_rest(
+                client,
+                &mut up,
+                rest,
+                &mut leftover,
+                peer.options.write_timeout,
+                (sent_so_far, limits),
+            ));
+            streamed.await?;
+            up
+        };
+        let head = Box::pin(read_response_head(&mut up, peer.options.read_timeout));
+        let (mut resp, first) = watching(client, &mut watch, &mut leftover, head).await?;
+        let framing = match Framing::of(&resp) {
+            _ if head_request => Framing::Empty,
+            Some(framing) => framing,
+            None => return Err(up_err(InvalidHTTPHeader, "upstream response framing")),
         };
         let reusable = resp.version == http::Version::HTTP_11
             && framing != Framing::UntilClose
             && !h1::has_token(&resp.headers, header::CONNECTION, "close");
+        for name in h1::hop_by_hop(&resp.headers, &[header::TRANSFER_ENCODING]) {
+            resp.remove_header(&name);
+        }
         self.on_response_header(&mut resp, ctx)?;
         if framing == Framing::Chunked {
             // RFC 9112 §6.3: `Transfer-Encoding` overrides a `Content-Length`, which a proxy
-            // removes (as pingora does); and chunked is HTTP/1.1.
+            // removes (as pingora does).
             resp.remove_header(&header::CONTENT_LENGTH);
-            resp.set_version(http::Version::HTTP_11);
             if !h1::only_chunked(&resp.headers) {
                 // A compressed transfer coding: neither read nor rewritten.
                 ctx.ignore_body();
             }
         }
-        let reframe = framing == Framing::UntilClose
-            || (ctx.strip_usage.is_some() && framing != Framing::Empty);
-        if reframe {
+        let rewritten = ctx.strip_usage.is_some() && framing != Framing::Empty;
+        let to_client = match framing {
+            // RFC 9112 §7: an HTTP/1.0 client gets no chunks, but a body ended by close.
+            Framing::Chunked | Framing::UntilClose if http10 => ToClient::Close,
+            _ if rewritten && http10 => ToClient::Close,
             // As pingora-proxy: a body without a length goes on chunked, so the client
             // connection survives it; so does a body whose length stripping changes.
-            resp.set_version(http::Version::HTTP_11);
-            resp.remove_header(&header::CONTENT_LENGTH);
-            resp.insert_header(header::TRANSFER_ENCODING, "chunked")?;
+            Framing::UntilClose => ToClient::Chunked,
+            _ if rewritten => ToClient::Chunked,
+            _ => ToClient::AsIs,
+        };
+        match to_client {
+            ToClient::AsIs => {}
+            ToClient::Chunked => {
+                resp.remove_header(&header::CONTENT_LENGTH);
+                resp.insert_header(header::TRANSFER_ENCODING, "chunked")?;
+            }
+            ToClient::Close => {
+                resp.remove_header(&header::CONTENT_LENGTH);
+                resp.remove_header(&header::TRANSFER_ENCODING);
+                keep_alive = false;
+            }
         }
+        resp.set_version(http::Version::HTTP_11);
         resp.insert_header(
             header::DATE,
             pingora::protocols::http::date::get_cached_date(),
@@ -311,7 +480,7 @@ impl TokenTap {
         let mut relay = Relay {
             framing,
             chunked: Chunked::default(),
-            reframe,
+            to_client,
             done: false,
             reusable,
         };
@@ -334,7 +503,8 @@ impl TokenTap {
 
     /// Forwards the response body until it ends: each upstream fragment is written to the
     /// client from the thread's scratch buffer and metered; only what the client has not
-    /// taken yet is copied, into `out`, and the upstream is not read again until it has.
+    /// taken yet is copied, into `out`, and the upstream is not read again until it has. A
+    /// client that takes nothing for `client_write_timeout` is cut.
     async fn relay(
         &self,
         client: &mut Io,
@@ -350,9 +520,12 @@ impl TokenTap {
             leftover,
             ..
         } = open;
-        // The read timeout, kept lazily: one timer per timeout period, which when it fires
-        // checks the time of the last fragment written.
+        let stall_limit = self.shared.config.limits.client_write_timeout;
+        // The timeouts, kept lazily: one timer, which when it fires checks the time of the
+        // last fragment written (the upstream's silence) or of the stall's start (the
+        // client's).
         let mut last = Instant::now();
+        let mut stalled: Option<Instant> = None;
         let timer = tokio::time::sleep(read_timeout.unwrap_or(Duration::MAX / 4));
         tokio::pin!(timer);
         let mut flushing = false;
@@ -365,16 +538,22 @@ impl TokenTap {
                     Poll::Ready(Ok(n)) if n == out.len() => *out = BytesMut::new(), // its memory too
                     Poll::Ready(Ok(n)) => out.advance(n),
                     Poll::Ready(Err(e)) => return Poll::Ready(Err(down_io(WriteError, e))),
-                    Poll::Pending => return Poll::Pending,
+                    Poll::Pending => {
+                        return stall(cx, timer.as_mut(), &mut stalled, stall_limit);
+                    }
                 }
+                stalled = None;
                 flushing = true;
             }
             if flushing {
                 match Pin::new(&mut *client).poll_flush(cx) {
                     Poll::Ready(Ok(())) => flushing = false,
                     Poll::Ready(Err(e)) => return Poll::Ready(Err(down_io(WriteError, e))),
-                    Poll::Pending => return Poll::Pending,
+                    Poll::Pending => {
+                        return stall(cx, timer.as_mut(), &mut stalled, stall_limit);
+                    }
                 }
+                stalled = None;
                 // After the write: time spent on a slow client is not upstream silence.
                 last = Instant::now();
             }
@@ -417,23 +596,22 @@ impl TokenTap {
         &self,
         client: &RequestHeader,
         choice: Choice,
-        body_len: usize,
+        body: UpBody,
     ) -> Result<RequestHeader> {
         let mut req = client.clone();
-        let named: Vec<HeaderName> = req
-            .headers
-            .get_all(header::CONNECTION)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(','))
-            .filter_map(|t| HeaderName::try_from(t.trim()).ok())
-            .collect();
-        for name in named.iter().chain(&HOP_BY_HOP.map(HeaderName::from_static)) {
-            req.remove_header(name);
+        for name in h1::hop_by_hop(&req.headers, &[]) {
+            req.remove_header(&name);
         }
+        req.remove_header(&header::EXPECT); // the body is on its way already
+        req.remove_header(&header::CONTENT_LENGTH);
+        req.set_version(http::Version::HTTP_11);
         let host = &self.shared.config.upstreams[choice.upstream].host_header;
         req.insert_header(HOST, host.as_str())?;
-        req.insert_header(header::CONTENT_LENGTH, body_len.to_string())?;
+        match body {
+            UpBody::None => {}
+            UpBody::Length(n) => req.insert_header(header::CONTENT_LENGTH, n.to_string())?,
+            UpBody::Chunked => req.insert_header(header::TRANSFER_ENCODING, "chunked")?,
+        }
         Ok(req)
     }
 
@@ -478,14 +656,14 @@ impl TokenTap {
         Ok(Io::Tcp(tcp))
     }
 
-    /// Sends the request (head and body in one write) and reads the response header, past
-    /// any 1xx; returns the connection, the header and the body bytes read with it.
-    async fn send(
+    /// Connects (a connect that failed is tried once more: nothing was sent) and writes the
+    /// request head with the body read so far, in one write.
+    async fn connect_and_write(
         &self,
         upstream: usize,
         peer: &HttpPeer,
         wire: BytesMut,
-    ) -> Result<(Io, ResponseHeader, BytesMut)> {
+    ) -> Result<Io> {
         let mut attempt = 0;
         let mut up = loop {
             attempt += 1;
@@ -500,65 +678,176 @@ impl TokenTap {
                 }
             }
         };
-        let write = async {
-            up.write_all(&wire).await?;
-            up.flush().await
-        };
-        match peer.options.write_timeout {
-            Some(t) => match timeout(t, write).await {
-                Ok(r) => r.map_err(|e| up_io(WriteError, e))?,
-                Err(_) => return Err(up_err(WriteTimedout, "writing the request")),
-            },
-            None => write.await.map_err(|e| up_io(WriteError, e))?,
+        write_up(&mut up, &wire, peer.options.write_timeout).await?;
+        Ok(up)
+    }
+}
+
+/// Writes to the upstream within its write timeout.
+async fn write_up(up: &mut Io, bytes: &[u8], write_timeout: Option<Duration>) -> Result<()> {
+    let write = async {
+        up.write_all(bytes).await?;
+        up.flush().await
+    };
+    match write_timeout {
+        Some(t) => match timeout(t, write).await {
+            Ok(r) => r.map_err(|e| up_io(WriteError, e)),
+            Err(_) => Err(up_err(WriteTimedout, "writing the request")),
+        },
+        None => write.await.map_err(|e| up_io(WriteError, e)),
+    }
+}
+
+/// Streams the rest of a request body the read-ahead did not hold to the upstream: a
+/// length's worth as it comes, or chunks decoded strictly and framed again, so that nothing
+/// past a malformed chunk is sent. Each read must come within
+/// `server.request_body_timeout_secs`; bytes past the body go to `leftover`. `sent`: the
+/// payload sent so far, against `server.max_request_body_bytes`.
+async fn send_rest(
+    client: &mut Io,
+    up: &mut Io,
+    rest: Rest,
+    leftover: &mut BytesMut,
+    write_timeout: Option<Duration>,
+    (mut sent, limits): (u64, Limits),
+) -> Result<()> {
+    let limit = limits.max_request_body_bytes;
+    let mut read = BytesMut::new();
+    let next = async |client: &mut Io, read: &mut BytesMut| {
+        read.clear();
+        match timeout(limits.request_body_timeout, read_more(client, read)).await {
+            Ok(Ok(0)) => Err(down(ConnectionClosed, "client closed mid-body")),
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(down_io(ReadError, e)),
+            Err(_) => Err(client_error(ClientError::BodyTimeout)),
         }
-        drop(wire);
-        let mut buf = BytesMut::new();
-        loop {
-            let read = read_more(&mut up, &mut buf);
-            let n = match peer.options.read_timeout {
-                Some(t) => match timeout(t, read).await {
-                    Ok(r) => r.map_err(|e| up_io(ReadError, e))?,
-                    Err(_) => return Err(up_err(ReadTimedout, "reading the response header")),
-                },
-                None => read.await.map_err(|e| up_io(ReadError, e))?,
-            };
-            if n == 0 {
-                return Err(up_err(
-                    ConnectionClosed,
-                    "upstream closed before its header",
-                ));
+    };
+    match rest {
+        Rest::Done => Ok(()),
+        Rest::Length(mut left) => {
+            while left > 0 {
+                next(client, &mut read).await?;
+                let take = read.len().min(usize::try_from(left).unwrap_or(usize::MAX));
+                leftover.extend_from_slice(&read[take..]);
+                write_up(up, &read[..take], write_timeout).await?;
+                left -= take as u64;
             }
-            // Informational responses are skipped (the client gets the final one).
-            loop {
-                match h1::response(&buf) {
-                    Head::Complete(resp, _)
-                        if resp.status == http::StatusCode::SWITCHING_PROTOCOLS =>
-                    {
-                        return Err(up_err(
-                            InvalidHTTPHeader,
-                            "101 to a request without Upgrade",
-                        ));
-                    }
-                    Head::Complete(resp, len) => {
-                        buf.advance(len);
-                        if !resp.status.is_informational() {
-                            return Ok((up, resp, buf));
-                        }
-                    }
-                    Head::Invalid => {
-                        return Err(up_err(InvalidHTTPHeader, "upstream response header"))
-                    }
-                    Head::Partial if buf.len() > h1::MAX_RESPONSE_HEAD => {
-                        return Err(up_err(
-                            InvalidHTTPHeader,
-                            "upstream response header too large",
-                        ))
-                    }
-                    Head::Partial => break, // read more
+            Ok(())
+        }
+        Rest::Chunked(mut decoder) => loop {
+            next(client, &mut read).await?;
+            let mut out = BytesMut::with_capacity(read.len() + 16);
+            let used = decoder
+                .feed(&read, |payload| {
+                    sent += payload.len() as u64;
+                    h1::put_chunk(&mut out, payload);
+                })
+                .map_err(|_| client_error(ClientError::BadChunk))?;
+            if sent > limit {
+                return Err(client_error(ClientError::BodyTooLarge));
+            }
+            if decoder.done() {
+                out.extend_from_slice(h1::LAST_CHUNK);
+                leftover.extend_from_slice(&read[used..]);
+                return write_up(up, &out, write_timeout).await;
+            }
+            write_up(up, &out, write_timeout).await?;
+        },
+    }
+}
+
+/// Reads the response header, past any 1xx; returns it and the body bytes read with it.
+async fn read_response_head(
+    up: &mut Io,
+    read_timeout: Option<Duration>,
+) -> Result<(ResponseHeader, BytesMut)> {
+    let mut buf = BytesMut::new();
+    loop {
+        let read = read_more(up, &mut buf);
+        let n = match read_timeout {
+            Some(t) => match timeout(t, read).await {
+                Ok(r) => r.map_err(|e| up_io(ReadError, e))?,
+                Err(_) => return Err(up_err(ReadTimedout, "reading the response header")),
+            },
+            None => read.await.map_err(|e| up_io(ReadError, e))?,
+        };
+        if n == 0 {
+            return Err(up_err(
+                ConnectionClosed,
+                "upstream closed before its header",
+            ));
+        }
+        // Informational responses are skipped (the client gets the final one).
+        loop {
+            match h1::response(&buf) {
+                Head::Complete(resp, _) if resp.status == http::StatusCode::SWITCHING_PROTOCOLS => {
+                    return Err(up_err(
+                        InvalidHTTPHeader,
+                        "101 to a request without Upgrade",
+                    ));
                 }
+                Head::Complete(resp, len) => {
+                    buf.advance(len);
+                    if !resp.status.is_informational() {
+                        return Ok((resp, buf));
+                    }
+                }
+                Head::Invalid => return Err(up_err(InvalidHTTPHeader, "upstream response header")),
+                Head::Partial if buf.len() > h1::MAX_RESPONSE_HEAD => {
+                    return Err(up_err(
+                        InvalidHTTPHeader,
+                        "upstream response header too large",
+                    ))
+                }
+                Head::Partial => break, // read more
             }
         }
     }
+}
+
+/// The client accepts no more bytes for now: pending until it does, or an error once it
+/// has taken nothing for `limit` since the stall began.
+fn stall<T>(
+    cx: &mut Context<'_>,
+    mut timer: Pin<&mut tokio::time::Sleep>,
+    stalled: &mut Option<Instant>,
+    limit: Duration,
+) -> Poll<Result<T>> {
+    let since = *stalled.get_or_insert_with(|| {
+        let now = Instant::now();
+        if now + limit < timer.deadline() {
+            timer.as_mut().reset(now + limit);
+        }
+        now
+    });
+    while timer.as_mut().poll(cx).is_ready() {
+        let deadline = since + limit;
+        if Instant::now() >= deadline {
+            let e = down(
+                WriteTimedout,
+                "client accepted no bytes for client_write_timeout_secs",
+            );
+            return Poll::Ready(Err(e));
+        }
+        timer.as_mut().reset(deadline);
+    }
+    Poll::Pending
+}
+
+/// Writes a whole answer tokentap made, within the client write timeout.
+async fn write_within(client: &mut Io, bytes: &[u8], limit: Duration) -> io::Result<()> {
+    let write = async {
+        client.write_all(bytes).await?;
+        client.flush().await
+    };
+    timeout(limit, write)
+        .await
+        .unwrap_or_else(|_| Err(io::ErrorKind::TimedOut.into()))
+}
+
+/// A client's mistake found mid-request, as the error that ends it.
+fn client_error(e: ClientError) -> Box<Error> {
+    Error::because(HTTPStatus(e.status()), "request body", e).into_down()
 }
 
 // === impl Relay ===
@@ -607,38 +896,48 @@ impl Relay {
         if n < data.len() {
             self.reusable = false; // bytes past the body: the connection is not clean
         }
+        let mode = self.to_client;
         // Forwarded as it came before it is metered: the client does not wait on the meter.
-        if !self.reframe {
-            forward(body, out, client);
+        let mut client = client;
+        if mode == ToClient::AsIs {
+            forward(body, out, client.take());
         }
-        // Metered; with the usage chunk being taken out, `kept` is what the client gets.
+        // Metered; otherwise framed by tokentap: `kept` is what the client gets (with the
+        // usage chunk being taken out, what the stripper lets through).
+        let stripping = ctx.strip_usage.is_some();
         let mut kept = BytesMut::new();
-        let mut keep = |kept_now: Option<Bytes>| {
-            if let Some(k) = kept_now {
-                h1::put_chunk(&mut kept, &k);
+        let mut emit = |bytes: &[u8]| match mode {
+            ToClient::AsIs => {}
+            ToClient::Chunked => h1::put_chunk(&mut kept, bytes),
+            ToClient::Close => kept.extend_from_slice(bytes),
+        };
+        let mut payload = |payload: &[u8]| {
+            let stripped = tap.on_body(ctx, now, payload, false);
+            match stripped {
+                Some(k) => emit(&k),
+                None if !stripping => emit(payload),
+                None => {}
             }
         };
         if self.framing == Framing::Chunked {
             // The same bytes again from the same state: the payload, which cannot fail now.
             let mut decoder = chunked_before;
-            let _ = decoder.feed(body, |payload| keep(tap.on_body(ctx, now, payload, false)));
+            let _ = decoder.feed(body, &mut payload);
         } else if !body.is_empty() {
-            keep(tap.on_body(ctx, now, body, false));
+            payload(body);
         }
         if self.done {
             // What a stripper held back, and the end of a JSON or NDJSON body.
-            keep(tap.on_body(ctx, now, &[], true));
+            if let Some(k) = tap.on_body(ctx, now, &[], true) {
+                emit(&k);
+            }
+            if mode == ToClient::Chunked {
+                kept.extend_from_slice(h1::LAST_CHUNK);
+            }
         }
-        if !self.reframe {
-            return Ok(());
+        if mode != ToClient::AsIs {
+            forward(&kept, out, client);
         }
-        if self.framing == Framing::UntilClose && ctx.strip_usage.is_none() {
-            h1::put_chunk(&mut kept, body);
-        }
-        if self.done {
-            kept.extend_from_slice(h1::LAST_CHUNK);
-        }
-        out.extend_from_slice(&kept);
         Ok(())
     }
 }

@@ -1,6 +1,7 @@
-//! The proxy's front door: accepts client connections, reads each request head, and either
-//! serves the request on the direct path or hands the connection, with the bytes already
-//! read, to pingora-proxy.
+//! The proxy's front door: accepts client connections (up to `server.max_connections`),
+//! reads and checks each request head within its limits, reads the body ahead, and serves
+//! the request on the direct path; only an upgrade (WebSocket and the like) is handed, with
+//! the bytes already read, to pingora-proxy.
 //!
 //! It is a pingora service of its own rather than pingora's listening service, whose task
 //! per connection is ~9 KiB (room for a TLS handshake) plus a 1.4 KiB write buffer: here a
@@ -8,46 +9,36 @@
 //! next bytes landing in the worker thread's scratch buffer before being copied out.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::BytesMut;
-use http::header;
 use pingora::apps::HttpServerApp;
 use pingora::http::RequestHeader;
-use pingora::prelude::*;
 use pingora::protocols::http::ServerSession;
 use pingora::proxy::HttpProxy;
 use pingora::server::{ListenFds, ShutdownWatch};
 use pingora::services::Service;
 use tokio::net::{TcpListener, TcpSocket};
+use tokio::time::Instant;
 
 use super::conn::Io;
-use super::direct::{read_more, Admitted, After};
+use super::direct::{read_more, After, Incoming};
 use super::h1::{self, Head};
-use super::{TokenTap, RETRY_BUFFER};
-use crate::dialect::Dialect;
-use crate::routing::Choice;
+use super::request::{self, ClientError};
+use super::TokenTap;
+use crate::config::Limits;
+use crate::server::Shared;
 
 /// How long an idle client connection is kept (pingora's default keep-alive).
 const KEEPALIVE: Duration = Duration::from_secs(60);
-/// How long a client may take to send a request body, in all.
-const BODY_TIMEOUT: Duration = Duration::from_secs(60);
 /// The listen backlog (pingora's default): a burst of thousands of new streams is queued,
 /// not dropped into SYN retries.
 const BACKLOG: u32 = 65_535;
 
-/// What the front door already did for a request it hands to pingora-proxy.
-#[derive(Default)]
-pub(super) struct Routed {
-    /// The upstream chosen.
-    pub(super) choice: Option<Choice>,
-    /// `100 Continue` sent, and the body read.
-    pub(super) continued: bool,
-}
-
-/// The proxy listener: tokentap's direct path in front of pingora-proxy.
+/// The proxy listener: tokentap's own HTTP/1.1 loop, with pingora-proxy for upgrades.
 pub struct Front {
     tap: TokenTap,
     proxy: Arc<HttpProxy<TokenTap>>,
@@ -64,65 +55,42 @@ impl Front {
     /// Serves one client connection until it closes, fails, idles out or the server shuts
     /// down.
     async fn connection(self: Arc<Self>, mut client: Io, shutdown: ShutdownWatch) {
+        let limits = self.tap.shared.config.limits;
         loop {
-            let Some((read, head_len, req)) = read_head(&mut client, &shutdown).await else {
-                return;
+            let (mut read, head_len, req) = match read_head(&mut client, &shutdown, &limits).await {
+                Ok(Some(head)) => head,
+                Ok(None) => return,
+                Err(e) => return refuse(client, e, &limits).await,
             };
             let t0 = self.tap.now();
-            let Some((req, body_len)) = self.tap.eligible(req) else {
-                let routed = Routed::default();
-                match Box::pin(self.hand_over(client, read, routed, &shutdown)).await {
+            let checked = match request::check(req, limits.max_request_body_bytes) {
+                Ok(checked) => checked,
+                Err(e) => return refuse(client, e, &limits).await,
+            };
+            if checked.upgrade {
+                match Box::pin(self.hand_over(client, read, &shutdown)).await {
                     Some(reused) => client = reused,
                     None => return,
                 }
                 continue;
-            };
-            // The whole body before the upstream is chosen and a concurrency slot taken: a
+            }
+            // The body is read ahead before the upstream is chosen and a slot taken: a
             // client trickling its body holds no slot, and a split's spill sees the slots
             // free when the request is ready to go.
-            let mut read = read;
-            let continued = req.headers.contains_key(header::EXPECT);
-            let whole = head_len + body_len;
-            if let Err(e) = read_body(&mut client, &mut read, whole, continued).await {
-                if e.etype() == &ReadTimedout {
-                    let _ = super::direct::write_error(&mut client, 400).await;
-                }
-                return;
-            }
-            let routed = self.tap.route(&req);
-            let admitted = routed.and_then(|choice| {
-                let permit = self.tap.shared.limiters[choice.upstream].try_acquire()?;
-                Some(Box::new(Admitted {
-                    req,
-                    body_len,
-                    choice,
-                    permit,
-                    t0,
-                }))
-            });
-            let Some(admitted) = admitted else {
-                // No route (pingora-proxy answers 404), or no free slot (it queues or answers
-                // 429); the client already has its `100 Continue`.
-                let routed = Routed {
-                    choice: routed,
-                    continued,
-                };
-                match Box::pin(self.hand_over(client, read, routed, &shutdown)).await {
-                    Some(reused) => client = reused,
-                    None => return,
-                }
-                continue;
+            let after_head = read.split_off(head_len);
+            drop(read);
+            let ahead = request::read_ahead(&mut client, after_head, &checked, &limits);
+            let ahead = match ahead.await {
+                Ok(Some(ahead)) => ahead,
+                Ok(None) => return,
+                Err(e) => return refuse(client, e, &limits).await,
             };
-            let body = read.split_off(head_len);
+            let incoming = Box::new(Incoming { checked, ahead, t0 });
             let shutting_down = *shutdown.borrow();
-            // Boxed, as pingora-proxy's path is: inline, every connection's task held room for
-            // both paths' state, 2.9 KiB, idle or not (valgrind massif); now 1.0 KiB, plus
-            // 1.5 KiB while a request streams.
-            let serve = self
-                .tap
-                .serve_direct(&mut client, admitted, body, shutting_down);
-            let after = Box::pin(serve).await;
-            match after {
+            // Boxed, as pingora-proxy's path is: inline, every connection's task held room
+            // for a request's state, idle or not (valgrind massif).
+            let serve = self.tap.serve(&mut client, incoming, shutting_down);
+            match Box::pin(serve).await {
                 After::KeepAlive => {}
                 After::Close => return,
                 After::Linger => return linger(client).await,
@@ -130,85 +98,72 @@ impl Front {
         }
     }
 
-    /// Lets pingora-proxy serve the request whose first bytes are `read`.
-    async fn hand_over(
-        &self,
-        client: Io,
-        read: BytesMut,
-        routed: Routed,
-        shutdown: &ShutdownWatch,
-    ) -> Option<Io> {
+    /// Lets pingora-proxy serve the (upgrade) request whose first bytes are `read`.
+    async fn hand_over(&self, client: Io, read: BytesMut, shutdown: &ShutdownWatch) -> Option<Io> {
+        let limits = self.tap.shared.config.limits;
         let mut session = ServerSession::new_http1(client.into_pingora());
         session.set_keepalive((!*shutdown.borrow()).then_some(KEEPALIVE.as_secs()));
+        session.set_write_timeout(Some(limits.client_write_timeout));
         session.set_pipelined_prefix(read);
-        if routed.choice.is_some() || routed.continued {
-            session.set_connection_user_context(Some(Box::new(routed)));
-        }
         let reused = self.proxy.process_new_http(session, shutdown).await?;
         Some(Io::Pingora(reused.consume().0))
     }
 }
 
+/// Answers a client's mistake and closes.
+async fn refuse(mut client: Io, e: ClientError, limits: &Limits) {
+    request::refuse(&mut client, e, limits.client_write_timeout).await;
+    linger(client).await;
+}
+
 /// Reads a request head: the bytes read (the head and any body bytes after it), the head's
-/// length, and the head parsed. `None` when the connection closed, failed or idled out, or
-/// the server is shutting down; a head tokentap does not parse itself (malformed, HTTP/1.0,
-/// huge) is returned unparsed, for pingora-proxy to answer.
+/// length, and the head parsed. `Ok(None)` when the connection closed, failed or idled out
+/// before a head began, or the server is shutting down. Once its first byte is in, the whole
+/// head must arrive within `request_head_timeout` and fit `max_request_head_bytes`.
 async fn read_head(
     client: &mut Io,
     shutdown: &ShutdownWatch,
-) -> Option<(BytesMut, usize, Option<RequestHeader>)> {
+    limits: &Limits,
+) -> Result<Option<(BytesMut, usize, RequestHeader)>, ClientError> {
     let mut read = BytesMut::new();
     let mut stop = shutdown.clone();
+    let mut deadline = None;
     loop {
         if *stop.borrow_and_update() {
-            return None;
+            return Ok(None);
         }
+        let wait = deadline.map_or(KEEPALIVE, |d: Instant| {
+            d.saturating_duration_since(Instant::now())
+        });
+        let before = read.len();
         let more = tokio::select! {
             biased;
-            more = tokio::time::timeout(KEEPALIVE, read_more(client, &mut read)) => more,
-            _ = stop.changed() => return None,
+            more = tokio::time::timeout(wait, read_more(client, &mut read)) => more,
+            _ = stop.changed() => return Ok(None),
         };
         match more {
-            Ok(Ok(0)) | Ok(Err(_)) | Err(_) => return None,
+            Err(_) if deadline.is_some() => return Err(ClientError::HeadTimeout),
+            Ok(Ok(0)) | Ok(Err(_)) | Err(_) => return Ok(None),
             Ok(Ok(_)) => {}
         }
-        match h1::request(&read) {
-            Head::Complete(req, len) => return Some((read, len, Some(req))),
-            Head::Partial if read.len() <= h1::MAX_HEAD => {}
-            _ => return Some((read, 0, None)),
-        }
-    }
-}
-
-/// Reads the request body until `read` holds `whole` bytes, within [`BODY_TIMEOUT`] in all;
-/// a client waiting for `100 Continue` gets it first (the upstream gets no `Expect`: the
-/// body it gets is already complete).
-async fn read_body(
-    client: &mut Io,
-    read: &mut BytesMut,
-    whole: usize,
-    expects_continue: bool,
-) -> pingora::Result<()> {
-    use tokio::io::AsyncWriteExt;
-    if read.len() >= whole {
-        return Ok(());
-    }
-    let body = async {
-        if expects_continue {
-            client.write_all(b"HTTP/1.1 100 Continue\r\n\r\n").await?;
-            client.flush().await?;
-        }
-        while read.len() < whole {
-            if read_more(client, read).await? == 0 {
-                return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof));
+        deadline.get_or_insert_with(|| Instant::now() + limits.request_head_timeout);
+        // A head can only end at a line feed: a head trickled a byte at a time is not parsed
+        // again for every byte.
+        if memchr::memchr(b'\n', &read[before..]).is_none() {
+            if read.len() > limits.max_request_head_bytes {
+                return Err(ClientError::HeadTooLarge);
             }
+            continue;
         }
-        Ok::<(), std::io::Error>(())
-    };
-    match tokio::time::timeout(BODY_TIMEOUT, body).await {
-        Ok(Ok(())) => Ok(()),
-        Ok(Err(e)) => Err(Error::because(ReadError, "reading the request body", e).into_down()),
-        Err(_) => Err(Error::explain(ReadTimedout, "reading the request body").into_down()),
+        match h1::request(&read) {
+            Head::Complete(_, len) if len > limits.max_request_head_bytes => {
+                return Err(ClientError::HeadTooLarge)
+            }
+            Head::Complete(req, len) => return Ok(Some((read, len, req))),
+            Head::Partial if read.len() <= limits.max_request_head_bytes => {}
+            Head::Partial => return Err(ClientError::HeadTooLarge),
+            Head::Invalid => return Err(ClientError::BadHead),
+        }
     }
 }
 
@@ -234,33 +189,75 @@ async fn linger(mut client: Io) {
     let _ = tokio::time::timeout(LINGER, drain).await;
 }
 
-impl TokenTap {
-    /// The head and the body's length of a request the direct path takes (see `direct`'s
-    /// module docs); `None` for pingora-proxy.
-    fn eligible(&self, req: Option<RequestHeader>) -> Option<(RequestHeader, usize)> {
-        let req = req?;
-        let h = &req.headers;
-        let body_len = h1::content_length(h).and_then(|l| usize::try_from(l).ok());
-        let eligible = self.shared.config.direct_streaming
-            && req.method == http::Method::POST
-            && req.raw_path().first() == Some(&b'/')
-            && Dialect::from_path(req.uri.path()).is_some()
-            && body_len.is_some_and(|l| l > 0 && l <= RETRY_BUFFER)
-            && !h.contains_key(header::TRANSFER_ENCODING)
-            && !h.contains_key(header::UPGRADE)
-            && h.get_all(header::EXPECT)
-                .iter()
-                .all(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
-        let body_len = body_len.filter(|_| eligible)?;
-        Some((req, body_len))
+/// Open client connections, against `server.max_connections`.
+pub struct Connections {
+    open: AtomicUsize,
+    refused: AtomicU64,
+    max: usize,
+    /// The second of the last log line about refused connections (since `start`).
+    logged: AtomicU64,
+    start: std::time::Instant,
+}
+
+/// One open client connection, counted until dropped.
+struct Open(Arc<Shared>);
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.0.connections.open.fetch_sub(1, Relaxed);
+    }
+}
+
+impl Connections {
+    pub fn new(max: usize) -> Self {
+        Connections {
+            open: AtomicUsize::new(0),
+            refused: AtomicU64::new(0),
+            max,
+            logged: AtomicU64::new(u64::MAX),
+            start: std::time::Instant::now(),
+        }
     }
 
-    /// The upstream of a request, if a route matches.
-    fn route(&self, req: &RequestHeader) -> Option<Choice> {
-        let limiters = &self.shared.limiters;
-        self.shared
-            .router
-            .choose(req.uri.path(), &req.headers, |u| limiters[u].has_headroom())
+    /// The most open client connections.
+    pub fn max(&self) -> usize {
+        self.max
+    }
+
+    /// Open client connections now.
+    pub fn open(&self) -> usize {
+        self.open.load(Relaxed)
+    }
+
+    /// Connections closed at once because `max` were open.
+    pub fn refused(&self) -> u64 {
+        self.refused.load(Relaxed)
+    }
+
+    /// Counts a new connection in, or refuses it.
+    fn admit(shared: &Arc<Shared>) -> Option<Open> {
+        let c = &shared.connections;
+        if c.open.fetch_add(1, Relaxed) >= c.max {
+            c.open.fetch_sub(1, Relaxed);
+            let refused = c.refused.fetch_add(1, Relaxed) + 1;
+            c.log_at_most_every_second(|| {
+                format!(
+                    "tokentap: refusing new client connections: server.max_connections ({}) are open ({refused} refused so far)",
+                    c.max
+                )
+            });
+            return None;
+        }
+        Some(Open(Arc::clone(shared)))
+    }
+
+    /// Prints a line unless one was printed this second (a flood must not flood the log).
+    fn log_at_most_every_second(&self, line: impl FnOnce() -> String) {
+        let now = self.start.elapsed().as_secs();
+        let last = self.logged.swap(now, Relaxed);
+        if last != now {
+            eprintln!("{}", line());
+        }
     }
 }
 
@@ -301,16 +298,28 @@ impl Service for FrontService {
             };
             match accepted {
                 Ok((tcp, _peer)) => {
+                    // Over the limit: closed at once (dropped), counted and logged.
+                    let Some(open) = Connections::admit(&front.tap.shared) else {
+                        continue;
+                    };
                     let _ = tcp.set_nodelay(true);
                     let client = Io::Tcp(tcp);
+                    let connection = Arc::clone(&front).connection(client, shutdown.clone());
                     // On a random worker with `work_stealing = false` (tokio::spawn would put
                     // every connection on the accept loop's thread), as pingora's listener.
-                    let connection = Arc::clone(&front).connection(client, shutdown.clone());
-                    pingora_runtime::current_handle().spawn(connection);
+                    pingora_runtime::current_handle().spawn(async move {
+                        connection.await;
+                        drop(open);
+                    });
                 }
                 // Out of file descriptors (or a connection reset while queued): accept
                 // returns at once again, so back off briefly instead of spinning.
-                Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+                Err(e) => {
+                    front.tap.shared.connections.log_at_most_every_second(|| {
+                        format!("tokentap: cannot accept a client connection: {e}")
+                    });
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
             }
         }
         // Keep-alive connections idling on pingora-proxy's path close now.

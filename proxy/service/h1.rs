@@ -8,9 +8,6 @@ use bytes::{BufMut, Bytes, BytesMut};
 use http::header::{self, HeaderValue};
 use pingora::http::{RequestHeader, ResponseHeader};
 
-/// The largest request head read here: a generation request's is a few hundred bytes, and
-/// anything larger goes to pingora-proxy (whose limit is 1 MiB).
-pub(super) const MAX_HEAD: usize = 64 * 1024;
 /// The largest response head read (pingora's limit).
 pub(super) const MAX_RESPONSE_HEAD: usize = 1024 * 1024;
 /// The most header fields parsed (pingora's limit).
@@ -26,7 +23,7 @@ pub(super) enum Head<T> {
     Invalid,
 }
 
-/// Parses a request head.
+/// Parses a request head (HTTP/1.0 or 1.1).
 pub(super) fn request(buf: &[u8]) -> Head<RequestHeader> {
     let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
     let mut req = httparse::Request::new(&mut fields);
@@ -35,14 +32,21 @@ pub(super) fn request(buf: &[u8]) -> Head<RequestHeader> {
         Ok(httparse::Status::Partial) => return Head::Partial,
         Err(_) => return Head::Invalid,
     };
-    let (Some(method), Some(path), Some(1)) = (req.method, req.path, req.version) else {
+    let (Some(method), Some(path), Some(version)) = (req.method, req.path, req.version) else {
         return Head::Invalid;
     };
+    // RFC 9112 §3.2: the target is visible ASCII; pingora would percent-encode the rest.
+    if path.is_empty() || !path.bytes().all(|b| b.is_ascii_graphic()) {
+        return Head::Invalid;
+    }
     let Ok(mut header) = RequestHeader::build(method, path.as_bytes(), Some(req.headers.len()))
     else {
         return Head::Invalid;
     };
-    header.set_version(http::Version::HTTP_11);
+    header.set_version(match version {
+        1 => http::Version::HTTP_11,
+        _ => http::Version::HTTP_10,
+    });
     if !copy_fields(req.headers, |n, v| header.append_header(n, v).map(drop)) {
         return Head::Invalid;
     }
@@ -154,6 +158,43 @@ pub(super) fn has_token(headers: &http::HeaderMap, name: header::HeaderName, tok
         .any(|t| t.trim().eq_ignore_ascii_case(token))
 }
 
+/// Hop-by-hop fields (RFC 9110 §7.6.1, and the obsolete ones proxies still meet): never
+/// forwarded, in either direction, with the fields `Connection` names.
+const HOP_BY_HOP: [&str; 10] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "http2-settings",
+];
+
+/// The hop-by-hop fields present in `headers`, with those `Connection` names, except
+/// `keep` (framing a caller still reads): the fields a proxy removes.
+pub(super) fn hop_by_hop(
+    headers: &http::HeaderMap,
+    keep: &[header::HeaderName],
+) -> Vec<header::HeaderName> {
+    let named = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|t| header::HeaderName::try_from(t.trim()).ok());
+    let fixed = HOP_BY_HOP.map(header::HeaderName::from_static);
+    let mut found: Vec<header::HeaderName> = named
+        .chain(fixed)
+        .filter(|n| !keep.contains(n) && headers.contains_key(n))
+        .collect();
+    found.sort_unstable_by(|a, b| a.as_str().cmp(b.as_str()));
+    found.dedup();
+    found
+}
+
 /// How a response body ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Framing {
@@ -202,18 +243,27 @@ pub(super) struct BadChunk;
 
 /// Decodes a chunked body incrementally, finding its payload and where it ends without
 /// copying (RFC 9112 §7.1). Chunk extensions and trailer fields are skipped.
+///
+/// Responses are read as leniently as pingora's client reads them (a bare LF ends a line).
+/// Requests are read [`strict`](Chunked::strict)ly: every line ends in CRLF and holds only
+/// visible characters, spaces and tabs, so no front proxy can end a chunk line anywhere
+/// else than tokentap does (a bare LF in an extension is the classic smuggling
+/// differential).
 #[derive(Debug, Default, Clone)]
 pub(super) struct Chunked {
     state: ChunkState,
     /// Bytes left in the current chunk, or the size being read.
     size: u64,
     digits: u8,
+    strict: bool,
 }
 
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 enum ChunkState {
     #[default]
     Size,
+    /// Whitespace after the size, before `;` (strict only).
+    SizeWs,
     Extension,
     SizeLf,
     Data,
@@ -222,11 +272,26 @@ enum ChunkState {
     /// At the start of a trailer line (or the final empty line).
     TrailerStart,
     TrailerLine,
+    /// The LF after a trailer line's CR (strict only).
+    TrailerLf,
     FinalLf,
     Done,
 }
 
+/// What a strict line may hold besides its CRLF: visible ASCII, SP, HTAB, obs-text.
+fn line_byte(b: u8) -> bool {
+    b == b'\t' || (b >= 0x20 && b != 0x7f)
+}
+
 impl Chunked {
+    /// A decoder for a request body: no bare CR or LF, no control bytes in its lines.
+    pub(super) fn strict() -> Chunked {
+        Chunked {
+            strict: true,
+            ..Chunked::default()
+        }
+    }
+
     /// Feeds `input`, calling `payload` with each run of payload bytes. Returns how many
     /// bytes of `input` belong to the body: all of them, unless the body ended inside it.
     pub(super) fn feed(
@@ -249,6 +314,7 @@ impl Chunked {
             }
             let b = input[i];
             i += 1;
+            let strict = self.strict;
             self.state = match (self.state, b) {
                 (Size, b) if b.is_ascii_hexdigit() => {
                     if self.digits >= 15 {
@@ -258,8 +324,11 @@ impl Chunked {
                     self.size = self.size * 16 + u64::from((b as char).to_digit(16).unwrap_or(0));
                     Size
                 }
-                (Size, b';' | b' ' | b'\t') if self.digits > 0 => Extension,
+                (Size | SizeWs, b' ' | b'\t') if strict && self.digits > 0 => SizeWs,
+                (Size | SizeWs, b';') if self.digits > 0 => Extension,
+                (Size, b' ' | b'\t') if self.digits > 0 => Extension,
                 (Size, b'\r') if self.digits > 0 => SizeLf,
+                (Size | Extension, b'\n') if strict => return Err(BadChunk),
                 (Size, b'\n') | (SizeLf | Extension, b'\n') if self.digits > 0 => {
                     self.digits = 0;
                     if self.size == 0 {
@@ -269,13 +338,16 @@ impl Chunked {
                     }
                 }
                 (Extension, b'\r') => SizeLf,
-                (Extension, _) => Extension,
+                (Extension, b) if !strict || line_byte(b) => Extension,
                 (DataCr, b'\r') => DataLf,
-                (DataCr | DataLf, b'\n') => Size,
+                (DataCr, b'\n') if !strict => Size,
+                (DataLf, b'\n') => Size,
                 (TrailerStart, b'\r') => FinalLf,
-                (TrailerStart | FinalLf, b'\n') => Done,
-                (TrailerLine, b'\n') => TrailerStart,
-                (TrailerStart | TrailerLine, _) => TrailerLine,
+                (TrailerStart | FinalLf, b'\n') if !strict || self.state == FinalLf => Done,
+                (TrailerLine, b'\r') if strict => TrailerLf,
+                (TrailerLf, b'\n') => TrailerStart,
+                (TrailerLine, b'\n') if !strict => TrailerStart,
+                (TrailerStart | TrailerLine, b) if !strict || line_byte(b) => TrailerLine,
                 _ => return Err(BadChunk),
             };
         }
@@ -392,7 +464,10 @@ mod tests {
             b"Host: a\r\nX-Mixed-Case: 1\r\nContent-Length: 2\r\n"
         );
         assert!(matches!(request(&raw[..20]), Head::Partial));
-        assert!(matches!(request(b"GET / HTTP/1.0\r\n\r\n"), Head::Invalid));
+        let Head::Complete(old, _) = request(b"GET / HTTP/1.0\r\n\r\n") else {
+            panic!("HTTP/1.0 not parsed")
+        };
+        assert_eq!(old.version, http::Version::HTTP_10);
         assert!(matches!(
             request(b"GET /\x01 HTTP/1.1\r\n\r\n"),
             Head::Invalid

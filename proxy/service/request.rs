@@ -1,0 +1,412 @@
+//! The client side of a request, the same for every request whatever its shape: the head
+//! checked as RFC 9110/9112 ask (one `Host`, one body length, a target without whitespace
+//! or control bytes, `chunked` alone), and the body read ahead — up to [`READ_AHEAD`] bytes,
+//! decoded when chunked — before the upstream is chosen, the rest left to stream. What a
+//! client got wrong is a [`ClientError`], which knows its status and its error body.
+
+use std::time::Duration;
+
+use bytes::{Buf, BufMut, BytesMut};
+use http::header;
+use pingora::http::RequestHeader;
+use tokio::io::AsyncWriteExt;
+
+use super::conn::Io;
+use super::direct::read_more;
+use super::h1::{self, Chunked};
+use crate::config::Limits;
+
+/// The body read before the upstream is chosen and a slot taken: a whole generation request
+/// as a rule (usage injection rewrites only a body read whole); a longer one streams on.
+pub(super) const READ_AHEAD: usize = 64 * 1024;
+
+/// A request a client got wrong, answered with its status and the connection closed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum ClientError {
+    #[error("malformed request head")]
+    BadHead,
+    #[error("the request head is larger than server.max_request_head_bytes")]
+    HeadTooLarge,
+    #[error("the request head did not arrive within server.request_head_timeout_secs")]
+    HeadTimeout,
+    #[error("an HTTP/1.1 request needs exactly one Host field")]
+    Host,
+    #[error("malformed or conflicting Content-Length")]
+    BadLength,
+    #[error("both Transfer-Encoding and Content-Length")]
+    AmbiguousLength,
+    #[error("a transfer coding other than chunked")]
+    UnsupportedCoding,
+    #[error("malformed chunked request body")]
+    BadChunk,
+    #[error("the request body is larger than server.max_request_body_bytes")]
+    BodyTooLarge,
+    #[error("the request body did not arrive in time")]
+    BodyTimeout,
+    #[error("an Expect other than 100-continue")]
+    Expectation,
+    #[error("CONNECT is not supported")]
+    Connect,
+}
+
+impl ClientError {
+    pub fn status(self) -> u16 {
+        match self {
+            ClientError::HeadTooLarge => 431,
+            ClientError::HeadTimeout | ClientError::BodyTimeout => 408,
+            ClientError::BodyTooLarge => 413,
+            ClientError::Expectation => 417,
+            ClientError::UnsupportedCoding | ClientError::Connect => 501,
+            ClientError::BadHead
+            | ClientError::Host
+            | ClientError::BadLength
+            | ClientError::AmbiguousLength
+            | ClientError::BadChunk => 400,
+        }
+    }
+
+    /// The `code` of the error body.
+    pub fn code(self) -> &'static str {
+        match self {
+            ClientError::BadHead => "tokentap_bad_request",
+            ClientError::HeadTooLarge => "tokentap_head_too_large",
+            ClientError::HeadTimeout => "tokentap_head_timeout",
+            ClientError::Host => "tokentap_bad_host",
+            ClientError::BadLength | ClientError::AmbiguousLength => "tokentap_bad_length",
+            ClientError::UnsupportedCoding => "tokentap_unsupported_coding",
+            ClientError::BadChunk => "tokentap_bad_chunk",
+            ClientError::BodyTooLarge => "tokentap_body_too_large",
+            ClientError::BodyTimeout => "tokentap_body_timeout",
+            ClientError::Expectation => "tokentap_expectation_failed",
+            ClientError::Connect => "tokentap_method_not_supported",
+        }
+    }
+}
+
+/// How a request's body is framed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum BodyKind {
+    None,
+    Length(u64),
+    Chunked,
+}
+
+/// A request head that passed the checks.
+pub(super) struct Checked {
+    pub(super) req: RequestHeader,
+    pub(super) body: BodyKind,
+    /// The client waits for `100 Continue` before it sends its body.
+    pub(super) expects_continue: bool,
+    /// An upgrade (WebSocket and the like): pingora-proxy carries it.
+    pub(super) upgrade: bool,
+}
+
+/// Checks a parsed request head (RFC 9112 §3, §6; RFC 9110 §7.2, §8.6).
+pub(super) fn check(req: RequestHeader, max_body: u64) -> Result<Checked, ClientError> {
+    let h = &req.headers;
+    let http11 = req.version == http::Version::HTTP_11;
+    let hosts = h.get_all(header::HOST).iter().count();
+    if hosts > 1 || (http11 && hosts == 0) {
+        return Err(ClientError::Host);
+    }
+    if req.method == http::Method::CONNECT {
+        return Err(ClientError::Connect);
+    }
+    let chunked = h.contains_key(header::TRANSFER_ENCODING);
+    let length = h.contains_key(header::CONTENT_LENGTH);
+    let body = if chunked {
+        if length {
+            return Err(ClientError::AmbiguousLength);
+        }
+        if !http11 || !h1::only_chunked(h) {
+            return Err(ClientError::UnsupportedCoding);
+        }
+        BodyKind::Chunked
+    } else if length {
+        match h1::content_length(h) {
+            Some(0) => BodyKind::Length(0),
+            Some(n) => BodyKind::Length(n),
+            None => return Err(ClientError::BadLength),
+        }
+    } else {
+        BodyKind::None
+    };
+    if matches!(body, BodyKind::Length(n) if n > max_body) {
+        return Err(ClientError::BodyTooLarge);
+    }
+    let mut expects_continue = false;
+    for v in h.get_all(header::EXPECT) {
+        if !v.as_bytes().eq_ignore_ascii_case(b"100-continue") {
+            return Err(ClientError::Expectation);
+        }
+        // An HTTP/1.0 client's expectation is ignored (RFC 9110 §10.1.1).
+        expects_continue = http11;
+    }
+    let upgrade =
+        h.contains_key(header::UPGRADE) && h1::has_token(h, header::CONNECTION, "upgrade");
+    Ok(Checked {
+        req,
+        body,
+        expects_continue,
+        upgrade,
+    })
+}
+
+/// What a request's body still holds after the read-ahead.
+#[derive(Debug)]
+pub(super) enum Rest {
+    /// The body was read whole.
+    Done,
+    /// This many bytes are still to come.
+    Length(u64),
+    /// Chunks are still to come, decoded by this.
+    Chunked(Chunked),
+}
+
+/// A body read ahead: its payload so far (decoded, when chunked) and what is still to come.
+pub(super) struct Ahead {
+    pub(super) bytes: BytesMut,
+    pub(super) rest: Rest,
+    /// Bytes the client sent past its body (a pipelined next request).
+    pub(super) leftover: BytesMut,
+}
+
+/// Reads the body ahead: until it ends or [`READ_AHEAD`] bytes of it are in, within
+/// `server.request_body_timeout_secs` in all. `read` holds what arrived after the head. A client waiting for
+/// `100 Continue` gets it first (the upstream then gets no `Expect`: it gets the body).
+/// `Ok(None)`: the client went away.
+pub(super) async fn read_ahead(
+    client: &mut Io,
+    mut read: BytesMut,
+    checked: &Checked,
+    limits: &Limits,
+) -> Result<Option<Ahead>, ClientError> {
+    let max_body = limits.max_request_body_bytes;
+    let write_timeout = limits.client_write_timeout;
+    let whole_in_buffer = match checked.body {
+        BodyKind::None => true,
+        BodyKind::Length(n) => read.len() as u64 >= n,
+        BodyKind::Chunked => false,
+    };
+    if checked.expects_continue && !whole_in_buffer {
+        let sent = async {
+            client.write_all(b"HTTP/1.1 100 Continue\r\n\r\n").await?;
+            client.flush().await
+        };
+        if !matches!(tokio::time::timeout(write_timeout, sent).await, Ok(Ok(()))) {
+            return Ok(None);
+        }
+    }
+    let reading = async {
+        match checked.body {
+            BodyKind::None => Ok(Some(Ahead {
+                bytes: BytesMut::new(),
+                rest: Rest::Done,
+                leftover: read,
+            })),
+            BodyKind::Length(n) => {
+                let want = n.min(READ_AHEAD as u64) as usize;
+                while read.len() < want {
+                    if !more(client, &mut read).await {
+                        return Ok(None);
+                    }
+                }
+                if read.len() as u64 >= n {
+                    let leftover = read.split_off(n as usize);
+                    return Ok(Some(Ahead {
+                        bytes: read,
+                        rest: Rest::Done,
+                        leftover,
+                    }));
+                }
+                let left = n - read.len() as u64;
+                Ok(Some(Ahead {
+                    bytes: read,
+                    rest: Rest::Length(left),
+                    leftover: BytesMut::new(),
+                }))
+            }
+            BodyKind::Chunked => {
+                let mut decoder = Chunked::strict();
+                let mut bytes = BytesMut::new();
+                loop {
+                    let used = decoder
+                        .feed(&read, |p| bytes.extend_from_slice(p))
+                        .map_err(|_| ClientError::BadChunk)?;
+                    read.advance(used);
+                    if bytes.len() as u64 > max_body {
+                        return Err(ClientError::BodyTooLarge);
+                    }
+                    if decoder.done() {
+                        return Ok(Some(Ahead {
+                            bytes,
+                            rest: Rest::Done,
+                            leftover: read,
+                        }));
+                    }
+                    if bytes.len() >= READ_AHEAD {
+                        return Ok(Some(Ahead {
+                            bytes,
+                            rest: Rest::Chunked(decoder),
+                            leftover: BytesMut::new(),
+                        }));
+                    }
+                    read.clear(); // all of it was fed
+                    if !more(client, &mut read).await {
+                        return Ok(None);
+                    }
+                }
+            }
+        }
+    };
+    tokio::time::timeout(limits.request_body_timeout, reading)
+        .await
+        .unwrap_or(Err(ClientError::BodyTimeout))
+}
+
+/// Reads more of the client's bytes onto `read`; false at its end or on an error.
+async fn more(client: &mut Io, read: &mut BytesMut) -> bool {
+    matches!(read_more(client, read).await, Ok(n) if n > 0)
+}
+
+/// The error body of a response tokentap makes itself (OpenAI's shape).
+pub(super) fn error_body(message: &str, kind: &str, code: &str) -> String {
+    serde_json::json!({"error": {"message": message, "type": kind, "code": code}}).to_string()
+}
+
+/// A whole response tokentap makes itself: a JSON body, `extra` fields, and `Connection`.
+pub(super) fn json_response(
+    status: u16,
+    body: &str,
+    extra: &[(&str, &str)],
+    keep_alive: bool,
+) -> BytesMut {
+    let reason = http::StatusCode::from_u16(status)
+        .ok()
+        .and_then(|s| s.canonical_reason())
+        .unwrap_or("");
+    let mut out = BytesMut::with_capacity(256 + body.len());
+    out.put_slice(format!("HTTP/1.1 {status} {reason}\r\n").as_bytes());
+    out.put_slice(b"Content-Type: application/json\r\n");
+    out.put_slice(format!("Content-Length: {}\r\n", body.len()).as_bytes());
+    out.put_slice(b"Date: ");
+    out.put_slice(pingora::protocols::http::date::get_cached_date().as_bytes());
+    out.put_slice(b"\r\n");
+    for (name, value) in extra {
+        out.put_slice(format!("{name}: {value}\r\n").as_bytes());
+    }
+    out.put_slice(if keep_alive {
+        b"Connection: keep-alive\r\n\r\n".as_slice()
+    } else {
+        b"Connection: close\r\n\r\n".as_slice()
+    });
+    out.put_slice(body.as_bytes());
+    out
+}
+
+/// Answers a client's mistake; the connection is closed after.
+pub(super) async fn refuse(client: &mut Io, e: ClientError, write_timeout: Duration) {
+    let body = error_body(&format!("tokentap: {e}"), "invalid_request_error", e.code());
+    let out = json_response(e.status(), &body, &[], false);
+    let write = async {
+        client.write_all(&out).await?;
+        client.flush().await
+    };
+    let _ = tokio::time::timeout(write_timeout, write).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn head(raw: &str) -> Result<Checked, ClientError> {
+        match h1::request(raw.as_bytes()) {
+            h1::Head::Complete(req, _) => check(req, 1000),
+            _ => Err(ClientError::BadHead),
+        }
+    }
+
+    #[test]
+    fn heads_are_checked_as_rfc_9112_asks() {
+        let ok = |raw: &str| head(raw).map(|c| c.body);
+        assert_eq!(ok("GET / HTTP/1.1\r\nHost: a\r\n\r\n"), Ok(BodyKind::None));
+        assert_eq!(ok("GET / HTTP/1.0\r\n\r\n"), Ok(BodyKind::None));
+        assert_eq!(
+            ok("POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\nContent-Length: 3\r\n\r\n"),
+            Ok(BodyKind::Length(3))
+        );
+        assert_eq!(
+            ok("POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"),
+            Ok(BodyKind::Chunked)
+        );
+        let bad = |raw: &str| head(raw).err();
+        for (raw, want) in [
+            ("GET / HTTP/1.1\r\n\r\n", ClientError::Host),
+            ("GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", ClientError::Host),
+            ("GET / HTTP/1.0\r\nHost: a\r\nHost: a\r\n\r\n", ClientError::Host),
+            (
+                "POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\n",
+                ClientError::BadLength,
+            ),
+            (
+                "POST / HTTP/1.1\r\nHost: a\r\nContent-Length: +3\r\n\r\n",
+                ClientError::BadLength,
+            ),
+            (
+                "POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n",
+                ClientError::AmbiguousLength,
+            ),
+            (
+                "POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip, chunked\r\n\r\n",
+                ClientError::UnsupportedCoding,
+            ),
+            (
+                "POST / HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n",
+                ClientError::UnsupportedCoding,
+            ),
+            (
+                "POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 1001\r\n\r\n",
+                ClientError::BodyTooLarge,
+            ),
+            (
+                "POST / HTTP/1.1\r\nHost: a\r\nExpect: magic\r\n\r\n",
+                ClientError::Expectation,
+            ),
+            ("CONNECT a:443 HTTP/1.1\r\nHost: a\r\n\r\n", ClientError::Connect),
+            ("GET /a\x01b HTTP/1.1\r\nHost: a\r\n\r\n", ClientError::BadHead),
+            ("GET /a\x7fb HTTP/1.1\r\nHost: a\r\n\r\n", ClientError::BadHead),
+        ] {
+            assert_eq!(bad(raw), Some(want), "{raw:?}");
+        }
+    }
+
+    #[test]
+    fn strict_chunks_refuse_every_bare_line_end() {
+        let decode = |body: &[u8]| {
+            let mut c = Chunked::strict();
+            let mut got = Vec::new();
+            c.feed(body, |p| got.extend_from_slice(p))
+                .ok()
+                .filter(|_| c.done())
+                .map(|_| got)
+        };
+        assert_eq!(
+            decode(b"2;a=b;c=\"d e\"\r\nhi\r\n1 ;x\r\n!\r\n0\r\nT: 1\r\n\r\n").as_deref(),
+            Some(&b"hi!"[..])
+        );
+        for bad in [
+            &b"2;\nxx\r\n28\r\n0\r\n\r\n"[..], // the smuggling differential
+            b"2\nhi\r\n0\r\n\r\n",
+            b"2\r\nhi\n0\r\n\r\n",
+            b"2\r\nhi\r\n0\n\r\n",
+            b"2\r\nhi\r\n0\r\n\n",
+            b"2\r\nhi\r\n0\r\nT: 1\n\r\n",
+            b"2;a\rb\r\nhi\r\n0\r\n\r\n",
+            b"2;a\x00\r\nhi\r\n0\r\n\r\n",
+            b"2 \r\nhi\r\n0\r\n\r\n",
+            b"\r\n",
+        ] {
+            assert_eq!(decode(bad), None, "{:?}", String::from_utf8_lossy(bad));
+        }
+    }
+}

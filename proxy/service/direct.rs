@@ -420,7 +420,7 @@ impl TokenTap {
             up
         };
         let head = Box::pin(read_response_head(&mut up, peer.options.read_timeout));
-        let (mut resp, first) = watching(client, &mut watch, &mut leftover, head).await?;
+        let (mut resp, first, bare_lf) = watching(client, &mut watch, &mut leftover, head).await?;
         let framing = match Framing::of(&resp) {
             _ if head_request => Framing::Empty,
             Some(framing) => framing,
@@ -451,6 +451,8 @@ impl TokenTap {
             // connection survives it; so does a body whose length stripping changes.
             Framing::UntilClose => ToClient::Chunked,
             _ if rewritten => ToClient::Chunked,
+            // Chunk lines ended by a bare LF are read, and framed again for the client.
+            Framing::Chunked if bare_lf => ToClient::Chunked,
             _ => ToClient::AsIs,
         };
         match to_client {
@@ -756,11 +758,12 @@ async fn send_rest(
     }
 }
 
-/// Reads the response header, past any 1xx; returns it and the body bytes read with it.
+/// Reads the response header, past any 1xx; returns it, the body bytes read with it, and
+/// whether its lines ended in a bare LF (a server that ends its chunk lines so too).
 async fn read_response_head(
     up: &mut Io,
     read_timeout: Option<Duration>,
-) -> Result<(ResponseHeader, BytesMut)> {
+) -> Result<(ResponseHeader, BytesMut, bool)> {
     let mut buf = BytesMut::new();
     loop {
         let read = read_more(up, &mut buf);
@@ -787,9 +790,11 @@ async fn read_response_head(
                     ));
                 }
                 Head::Complete(resp, len) => {
+                    let bare_lf = memchr::memchr_iter(b'\n', &buf[..len])
+                        .any(|i| i == 0 || buf[i - 1] != b'\r');
                     buf.advance(len);
                     if !resp.status.is_informational() {
-                        return Ok((resp, buf));
+                        return Ok((resp, buf, bare_lf));
                     }
                 }
                 Head::Invalid => return Err(up_err(InvalidHTTPHeader, "upstream response header")),

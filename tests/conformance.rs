@@ -190,18 +190,19 @@ async fn read_response(s: &mut TcpStream, linger: Duration) -> Got {
     let mut buf = Vec::new();
     let mut got = Got::default();
     let mut eof = false;
-    let head_end = loop {
-        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            break i + 4;
-        }
-        assert!(
-            fill(s, &mut buf).await,
-            "closed before a response head: {buf:?}"
-        );
-    };
-    got.head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
-    got.status = got.head[9..12].parse().unwrap();
-    buf.drain(..head_end);
+    // Past any 1xx (`100 Continue`).
+    while got.status < 200 {
+        let head_end = loop {
+            if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                break i + 4;
+            }
+            let more = fill(s, &mut buf).await;
+            assert!(more, "closed before a response head: {buf:?}");
+        };
+        got.head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
+        got.status = got.head[9..12].parse().unwrap();
+        buf.drain(..head_end);
+    }
     let lower = got.head.to_ascii_lowercase();
     let length = lower
         .lines()
@@ -617,5 +618,103 @@ async fn every_case_gets_its_answer_and_the_upstream_exactly_what_it_should() {
     }
     let st = stats(&env.running).await;
     assert_eq!(st["upstreams"][0]["in_flight"], 0, "{st}");
+    env.running.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_meter_counts_the_same_whichever_way_a_request_arrives() {
+    let env = env().await;
+    let long = format!(
+        r#"{{"model":"m","stream":true,"messages":[{{"role":"user","content":"{}"}}]}}"#,
+        "y".repeat(100 * 1024)
+    );
+    let len = |body: &str| format!("Content-Length: {}\r\n", body.len());
+    let shapes: Vec<(&str, Vec<Vec<u8>>, bool, &str)> = vec![
+        (
+            "Content-Length, HTTP/1.1",
+            vec![chat(&len(BODY), BODY)],
+            false,
+            BODY,
+        ),
+        (
+            "chunked",
+            vec![chat("Transfer-Encoding: chunked\r\n", &chunked(BODY, 9))],
+            false,
+            BODY,
+        ),
+        (
+            "HTTP/1.0",
+            vec![format!("POST {CHAT} HTTP/1.0\r\n{}\r\n{BODY}", len(BODY)).into_bytes()],
+            false,
+            BODY,
+        ),
+        ("queued", vec![chat(&len(BODY), BODY)], true, BODY),
+        (
+            "100 Continue",
+            vec![
+                chat(&format!("{}Expect: 100-continue\r\n", len(BODY)), ""),
+                BODY.as_bytes().to_vec(),
+            ],
+            false,
+            BODY,
+        ),
+        (
+            "a 100 KiB body, streamed",
+            vec![chat(&len(&long), &long)],
+            false,
+            &long,
+        ),
+        (
+            "a 100 KiB chunked body, streamed",
+            vec![chat(
+                "Transfer-Encoding: chunked\r\n",
+                &chunked(&long, 4096),
+            )],
+            false,
+            &long,
+        ),
+        (
+            "a 100 KiB chunked body, queued",
+            vec![chat(
+                "Transfer-Encoding: chunked\r\n",
+                &chunked(&long, 4096),
+            )],
+            true,
+            &long,
+        ),
+    ];
+    let mut requests = 0;
+    for (name, send, queued, body) in shapes {
+        let pieces: Vec<&[u8]> = send.iter().map(Vec::as_slice).collect();
+        eprintln!("shape: {name}");
+        let before = stats(&env.running).await["upstreams"][0].clone();
+        let got = env.exchange(&pieces, queued).await;
+        assert_eq!(got.status, 200, "{name}: {got:?}");
+        assert_eq!(got.body, chat_events(3, true).concat(), "{name}");
+        let seen = env.seen();
+        assert_eq!(seen.len(), 1, "{name}");
+        assert_eq!(
+            seen[0].body,
+            body.as_bytes(),
+            "{name}: the body the upstream got"
+        );
+        requests += 1 + u64::from(queued); // the slot holder is a request too
+        let after = stats_when(&env.running, |u| u["requests_total"] == requests).await;
+        let after = &after["upstreams"][0];
+        let delta = |key: &str| after[key].as_u64().unwrap() - before[key].as_u64().unwrap();
+        let held = u64::from(queued);
+        assert_eq!(
+            delta("output_tokens_total"),
+            3 * (1 + held),
+            "{name}: {after}"
+        );
+        assert_eq!(
+            after["requests_by_status"]["ok"].as_u64().unwrap()
+                - before["requests_by_status"]["ok"].as_u64().unwrap_or(0),
+            1 + held,
+            "{name}: {after}"
+        );
+        assert_eq!(after["counts_exact"], true, "{name}");
+    }
     env.running.stop();
 }

@@ -75,9 +75,20 @@ fn poll_read_with<R>(
     cx: &mut Context<'_>,
     f: impl FnOnce(&[u8], &mut Context<'_>) -> R,
 ) -> Poll<io::Result<R>> {
+    poll_read_capped(io, cx, SCRATCH, f)
+}
+
+/// As [`poll_read_with`], reading at most `cap` bytes (at least one).
+fn poll_read_capped<R>(
+    io: &mut Io,
+    cx: &mut Context<'_>,
+    cap: usize,
+    f: impl FnOnce(&[u8], &mut Context<'_>) -> R,
+) -> Poll<io::Result<R>> {
     SCRATCH_BUF.with(|buf| {
         let mut buf = buf.borrow_mut();
-        let mut read = ReadBuf::new(&mut buf[..]);
+        let cap = cap.clamp(1, buf.len());
+        let mut read = ReadBuf::new(&mut buf[..cap]);
         ready!(Pin::new(io).poll_read(cx, &mut read))?;
         Poll::Ready(Ok(f(read.filled(), cx)))
     })
@@ -92,6 +103,28 @@ pub(super) async fn read_more(io: &mut Io, buf: &mut BytesMut) -> io::Result<usi
         })
     })
     .await
+}
+
+/// Reads what `io` has next onto `buf`, but no more than brings it one byte past `limit`
+/// (enough to tell it overflowed; the rest stays unread); 0 at end of stream.
+pub(super) async fn read_more_upto(
+    io: &mut Io,
+    buf: &mut BytesMut,
+    limit: usize,
+) -> io::Result<usize> {
+    let room = limit.saturating_add(1).saturating_sub(buf.len());
+    poll_fn(|cx| {
+        poll_read_capped(io, cx, room, |data, _| {
+            buf.extend_from_slice(data);
+            data.len()
+        })
+    })
+    .await
+}
+
+/// Reads and drops what `io` has next, with no buffer of its own; 0 at end of stream.
+pub(super) async fn discard(io: &mut Io) -> io::Result<usize> {
+    poll_fn(|cx| poll_read_with(io, cx, |data, _| data.len())).await
 }
 
 /// A request [`Front`](super::front::Front) read and checked, its body read ahead. Passed

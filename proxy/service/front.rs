@@ -25,7 +25,7 @@ use tokio::net::{TcpListener, TcpSocket};
 use tokio::time::Instant;
 
 use super::conn::Io;
-use super::direct::{read_more, After, Incoming};
+use super::direct::{discard, read_more_upto, After, Incoming};
 use super::h1::{self, Head};
 use super::request::{self, ClientError};
 use super::TokenTap;
@@ -125,6 +125,7 @@ async fn read_head(
     shutdown: &ShutdownWatch,
     limits: &Limits,
 ) -> Result<Option<(BytesMut, usize, RequestHeader)>, ClientError> {
+    let max = limits.max_request_head_bytes;
     let mut read = BytesMut::new();
     let mut stop = shutdown.clone();
     let mut deadline = None;
@@ -138,7 +139,7 @@ async fn read_head(
         let before = read.len();
         let more = tokio::select! {
             biased;
-            more = tokio::time::timeout(wait, read_more(client, &mut read)) => more,
+            more = tokio::time::timeout(wait, read_more_upto(client, &mut read, max)) => more,
             _ = stop.changed() => return Ok(None),
         };
         match more {
@@ -150,17 +151,15 @@ async fn read_head(
         // A head can only end at a line feed: a head trickled a byte at a time is not parsed
         // again for every byte.
         if memchr::memchr(b'\n', &read[before..]).is_none() {
-            if read.len() > limits.max_request_head_bytes {
+            if read.len() > max {
                 return Err(ClientError::HeadTooLarge);
             }
             continue;
         }
         match h1::request(&read) {
-            Head::Complete(_, len) if len > limits.max_request_head_bytes => {
-                return Err(ClientError::HeadTooLarge)
-            }
+            Head::Complete(_, len) if len > max => return Err(ClientError::HeadTooLarge),
             Head::Complete(req, len) => return Ok(Some((read, len, req))),
-            Head::Partial if read.len() <= limits.max_request_head_bytes => {}
+            Head::Partial if read.len() <= max => {}
             Head::Partial => return Err(ClientError::HeadTooLarge),
             Head::Invalid => return Err(ClientError::BadHead),
         }
@@ -177,15 +176,7 @@ async fn linger(mut client: Io) {
     if client.shutdown().await.is_err() {
         return;
     }
-    let mut drop_all = BytesMut::new();
-    let drain = async {
-        while let Ok(n) = read_more(&mut client, &mut drop_all).await {
-            if n == 0 {
-                return;
-            }
-            drop_all.clear();
-        }
-    };
+    let drain = async { while matches!(discard(&mut client).await, Ok(n) if n > 0) {} };
     let _ = tokio::time::timeout(LINGER, drain).await;
 }
 

@@ -1,0 +1,181 @@
+//! Limits that hold against hostile clients: one that stops reading is cut after
+//! `client_write_timeout_secs` and its slot freed; connections past `max_connections` are
+//! closed at once, counted and logged.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
+use tokio::time::{timeout, Instant};
+
+const CHAT: &str = "/v1/chat/completions";
+const BODY: &[u8] = br#"{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
+
+/// A backend whose first response is an endless, fast chat stream (until the proxy goes
+/// away), and every later one a short stream.
+async fn firehose() -> (std::net::SocketAddr, Arc<AtomicU64>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let served = Arc::new(AtomicU64::new(0));
+    let count = Arc::clone(&served);
+    tokio::spawn(async move {
+        loop {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let count = Arc::clone(&count);
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 65536];
+                let mut got = Vec::new();
+                loop {
+                    let n = s.read(&mut buf).await.unwrap_or(0);
+                    if n == 0 {
+                        return;
+                    }
+                    got.extend_from_slice(&buf[..n]);
+                    if got.windows(4).any(|w| w == b"\r\n\r\n") && got.ends_with(b"}]}") {
+                        break;
+                    }
+                }
+                let head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
+                if s.write_all(head).await.is_err() {
+                    return;
+                }
+                let endless = count.fetch_add(1, SeqCst) == 0;
+                let token = format!(
+                    "data: {{\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"{}\"}}}}]}}\n\n",
+                    "x".repeat(1000)
+                );
+                let chunk = format!("{:x}\r\n{token}\r\n", token.len());
+                let events = if endless { usize::MAX } else { 3 };
+                for _ in 0..events {
+                    if s.write_all(chunk.as_bytes()).await.is_err() {
+                        return;
+                    }
+                }
+                let done = chat_events(0, false).concat();
+                let end = format!(
+                    "{:x}\r\n{}\r\n0\r\n\r\n",
+                    done.len(),
+                    String::from_utf8_lossy(&done)
+                );
+                let _ = s.write_all(end.as_bytes()).await;
+            });
+        }
+    });
+    (addr, served)
+}
+
+fn request() -> Vec<u8> {
+    let mut r = format!(
+        "POST {CHAT} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        BODY.len()
+    )
+    .into_bytes();
+    r.extend_from_slice(BODY);
+    r
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stops_reading_is_cut_and_its_slot_freed() {
+    let (backend, served) = firehose().await;
+    let config =
+        "max_concurrency = 1\nqueue_timeout_ms = 30000\n[server]\nclient_write_timeout_secs = 3\n";
+    let running = proxy(&[("up", backend)], config).await;
+
+    // A small receive buffer, so the proxy's writes block soon after the client stops.
+    let socket = TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut slow = socket.connect(proxy_addr(&running)).await.unwrap();
+    slow.write_all(&request()).await.unwrap();
+    let mut read = 0;
+    let mut buf = [0u8; 4096];
+    while read < 64 * 1024 {
+        let n = slow.read(&mut buf).await.unwrap();
+        assert!(n > 0, "the stream ended early");
+        read += n;
+    }
+    let stopped = Instant::now();
+    // The client holds its connection open and reads nothing more.
+    let st = stats_when(&running, |u| {
+        u["in_flight"] == 0 && u["requests_total"] == 1
+    })
+    .await;
+    let freed = stopped.elapsed();
+    assert!(freed < Duration::from_secs(10), "freed after {freed:?}");
+    assert!(
+        freed >= Duration::from_secs(2),
+        "cut before the timeout: {freed:?}"
+    );
+    assert_eq!(
+        st["upstreams"][0]["requests_by_status"]["aborted"], 1,
+        "{st}"
+    );
+
+    // The slot is free: the next client is served at once.
+    let next = fetch(proxy_addr(&running), "POST", CHAT, BODY);
+    let r = timeout(Duration::from_secs(10), next)
+        .await
+        .expect("the next client waited");
+    assert_eq!(r.status, 200);
+    assert!(String::from_utf8_lossy(&r.body).contains("[DONE]"));
+    assert_eq!(served.load(SeqCst), 2);
+    drop(slow);
+    running.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_past_max_connections_are_closed_at_once_and_counted() {
+    let backend = mock(vec![]).await;
+    let running = proxy(&[("up", backend.addr)], "[server]\nmax_connections = 3\n").await;
+    let addr = proxy_addr(&running);
+    let open = |n: u64| move |s: &serde_json::Value| s["connections"]["open"] == n;
+    let admin_stats = || stats(&running);
+    // wait_ready's probes have gone.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !open(0)(&admin_stats().await) {
+        assert!(Instant::now() < deadline);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let mut idle = Vec::new();
+    for _ in 0..3 {
+        idle.push(TcpStream::connect(addr).await.unwrap());
+    }
+    while !open(3)(&admin_stats().await) {
+        assert!(Instant::now() < deadline);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let mut fourth = TcpStream::connect(addr).await.unwrap();
+    let _ = fourth
+        .write_all(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await;
+    let mut buf = [0u8; 64];
+    let closed = timeout(Duration::from_secs(2), fourth.read(&mut buf)).await;
+    assert!(
+        matches!(closed, Ok(Ok(0)) | Ok(Err(_))),
+        "the fourth connection was served: {closed:?}"
+    );
+    let st = admin_stats().await;
+    assert_eq!(st["connections"]["refused_total"], 1, "{st}");
+    assert_eq!(st["connections"]["max"], 3, "{st}");
+    let metrics = fetch(running.shared.config.listen.admin, "GET", "/metrics", b"").await;
+    let text = String::from_utf8_lossy(&metrics.body);
+    assert!(
+        text.contains("tokentap_client_connections_refused_total 1"),
+        "{text}"
+    );
+
+    // One leaves: a new connection is served.
+    drop(idle.pop());
+    while !open(2)(&admin_stats().await) {
+        assert!(Instant::now() < deadline);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let r = fetch(addr, "GET", "/x", b"").await;
+    assert_eq!(r.status, 404, "served by the upstream");
+    running.stop();
+}

@@ -18,11 +18,11 @@
 //! ```
 //!
 //! - [`config`]: the TOML file → a validated runtime config; `tokentap check`.
-//! - [`service`]: tokentap's listener (`service::front`) reads each request head. A metered
-//!   generation request (HTTP/1.1 `POST`, a `Content-Length` body read whole, a free slot)
-//!   is proxied by `service::direct`'s HTTP/1.1 loop on tokio's sockets; everything
-//!   else is handed to pingora-proxy, whose `impl ProxyHttp` phases are a few lines each.
-//!   Both paths call the same filters.
+//! - [`service`]: tokentap's listener (`service::front`) reads each request head within its
+//!   limits, `service::request` checks it (strict HTTP/1.1) and reads the body ahead, and
+//!   `service::direct`'s HTTP/1.1 loop on tokio's sockets routes, admits (cap, queue) and
+//!   proxies it: one path for every request, metered or not. Only upgrades go through
+//!   pingora-proxy, whose `impl ProxyHttp` phases are a few lines each.
 //! - [`sse`]: incremental SSE framing, no I/O, never alters a byte.
 //! - [`dialect`]: one file per API dialect; facts, never figures.
 //! - [`meter`]: per-request records and per-upstream windows; time is an argument.

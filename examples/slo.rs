@@ -77,7 +77,9 @@ async fn main() -> anyhow::Result<()> {
             sim.engine.set_curve(Curve::reference().scaled(1.5));
             println!("-- the backend slows down 1.5× at every batch size --");
         }
-        let s = tokentap::admin::stats(&running.shared).upstreams.remove(0);
+        let s = tokentap::admin::stats(&running.shared, &running.transport)
+            .upstreams
+            .remove(0);
         let cap = s.limit.unwrap_or(0);
         limits.push((t, cap));
         if t % 5 == 0 {
@@ -86,12 +88,14 @@ async fn main() -> anyhow::Result<()> {
             println!(
                 "{t:>5} {cap:>6} {:>10} {:>10} {:>12}",
                 f(slo.and_then(|s| s.current_tpot_ms)),
-                s.in_flight,
-                f(s.system_tps)
+                s.meter.in_flight,
+                f(s.meter.system_tps)
             );
         }
     }
-    let s = tokentap::admin::stats(&running.shared).upstreams.remove(0);
+    let s = tokentap::admin::stats(&running.shared, &running.transport)
+        .upstreams
+        .remove(0);
     let _ = phase.await;
 
     let settle = |from: u64, to: u64, band: std::ops::RangeInclusive<u64>| {

@@ -59,7 +59,10 @@ async fn main() -> anyhow::Result<()> {
             .await
         });
         tokio::time::sleep(Duration::from_millis(19_900)).await;
-        let s = tokentap::admin::stats(&running.shared).upstreams.remove(0);
+        let s = tokentap::admin::stats(&running.shared, &running.transport)
+            .upstreams
+            .remove(0)
+            .meter;
         let r = phase.await?;
         let f = |v: Option<f64>| v.map_or("-".to_owned(), |v| format!("{v:.1}"));
         println!(
@@ -69,7 +72,10 @@ async fn main() -> anyhow::Result<()> {
             format!("{}/{}", f(r.system_tps), f(s.system_tps)),
         );
     }
-    let s = tokentap::admin::stats(&running.shared).upstreams.remove(0);
+    let s = tokentap::admin::stats(&running.shared, &running.transport)
+        .upstreams
+        .remove(0)
+        .meter;
     print!("{}", tokentap::demo::curve_table(&s));
     tokio::task::spawn_blocking(move || running.stop()).await?;
     Ok(())

@@ -12,10 +12,11 @@ use anyhow::Context as _;
 use clap::Args;
 use tokio::sync::watch;
 
+use crate::admin::UpstreamReport;
 use crate::config::Config;
 use crate::load::{self, LoadArgs, Mode, PhaseReport};
-use crate::meter::UpstreamStats;
-use crate::server::{Running, Shared};
+use crate::meter::MeterStats;
+use crate::server::Running;
 use crate::sim::{Curve, Sim, SimArgs};
 
 #[derive(Debug, Clone, Args)]
@@ -137,10 +138,7 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
             _ = tokio::signal::ctrl_c() => break,
         }
         let clients = *level_rx.borrow();
-        print!(
-            "{}",
-            live_table(&running.shared, started.elapsed(), clients)
-        );
+        print!("{}", live_table(&running, started.elapsed(), clients));
         if deadline.is_some_and(|d| tokio::time::Instant::now() >= d) {
             break;
         }
@@ -149,8 +147,8 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
     let reports = std::mem::take(&mut *reports.lock().unwrap_or_else(PoisonError::into_inner));
 
     println!("\nconcurrency→TPOT curve per upstream, measured by tokentap (since start):");
-    for s in stats(&running.shared) {
-        print!("{}", curve_table(&s));
+    for s in stats(&running) {
+        print!("{}", curve_table(&s.meter));
     }
     if !reports.is_empty() {
         println!("\nthe load generator's own view (client side, both backends together):");
@@ -220,15 +218,15 @@ async fn drive(
     }
 }
 
-fn stats(shared: &Shared) -> Vec<UpstreamStats> {
-    crate::admin::stats(shared).upstreams
+fn stats(running: &Running) -> Vec<UpstreamReport> {
+    crate::admin::stats(&running.shared, &running.transport).upstreams
 }
 
 fn f(v: Option<f64>, digits: usize) -> String {
     v.map_or_else(|| "-".into(), |v| format!("{v:.digits$}"))
 }
 
-fn live_table(shared: &Shared, elapsed: Duration, clients: usize) -> String {
+fn live_table(running: &Running, elapsed: Duration, clients: usize) -> String {
     let mut out = format!(
         "t={:>3}s  {clients} clients  {:<11} {:>9} {:>6} {:>12} {:>11} {:>16} {:>9}\n",
         elapsed.as_secs(),
@@ -240,7 +238,8 @@ fn live_table(shared: &Shared, elapsed: Duration, clients: usize) -> String {
         "TPOT p50/p90 ms",
         "TTFT p50"
     );
-    for s in stats(shared) {
+    for s in stats(running) {
+        let s = &s.meter;
         let _ = writeln!(
             out,
             "{:>22}{:<11} {:>9} {:>6} {:>12} {:>11} {:>16} {:>9}",
@@ -258,7 +257,7 @@ fn live_table(shared: &Shared, elapsed: Duration, clients: usize) -> String {
 }
 
 /// One upstream's curve as a table like DESIGN §1's.
-pub fn curve_table(s: &UpstreamStats) -> String {
+pub fn curve_table(s: &MeterStats) -> String {
     let mut out = format!(
         "\n{}\n{:>12} {:>10} {:>10} {:>14} {:>12} {:>9}\n",
         s.name, "concurrency", "TPOT p50", "TPOT p90", "1-stream T/s", "system T/s", "samples"

@@ -28,6 +28,8 @@
 //! - [`meter`]: per-request records and per-upstream windows; time is an argument.
 //! - [`routing`]: which upstream serves a request.
 //! - [`admin`]: the admin listener; reads the meter, never the proxy.
+//! - [`state`]: what everything shares: the config and one struct per upstream (config,
+//!   peer, meter, limiter, adaptive cap), found by name. [`telemetry`]: every metric.
 //! - [`server`]: assembles the pingora server from a config.
 //! - [`sim`], [`load`], [`demo`]: a simulated batching backend, a load generator and the
 //!   embedded demo; they stand apart from the proxy like a real backend and client.
@@ -38,6 +40,9 @@ pub mod config;
 pub mod demo;
 pub mod dialect;
 pub mod estimate;
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod limit;
 pub mod load;
 pub mod meter;
@@ -47,4 +52,6 @@ pub mod server;
 pub mod service;
 pub mod sim;
 pub mod sse;
+pub mod state;
+pub mod telemetry;
 pub mod usage;

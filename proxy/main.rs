@@ -63,7 +63,7 @@ fn run(path: PathBuf) -> anyhow::Result<()> {
         "tokentap: proxy on http://{}, admin on http://{} (/stats, /metrics, /healthz)",
         config.listen.proxy, config.listen.admin
     );
-    let (server, _shared) = tokentap::server::build(config);
+    let (server, _shared, _transport) = tokentap::server::build(config);
     // SIGTERM: graceful (streams get the grace period), SIGINT: fast. SIGQUIT (pingora's
     // upgrade) shuts down gracefully too: tokentap hands no listening socket over.
     server.run(RunArgs::default());

@@ -1,7 +1,7 @@
 //! Assembles the pingora server from a [`Config`]: the proxy service, the admin service and
 //! the upkeep task (telemetry, idle upstream connections), all sharing one [`Shared`].
 
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -13,148 +13,14 @@ use pingora::services::background::{background_service, BackgroundService};
 use pingora::services::listening::Service;
 use tokio::sync::Notify;
 
-use crate::admin::telemetry::Telemetry;
 use crate::admin::Admin;
-use crate::config::{Config, Upstream};
-use crate::limit::controller::{Controller, Slo, Tick};
-use crate::limit::{LimitConfig, Limiter};
-use crate::meter::{Clock, UpstreamMeter};
-use crate::routing::Router;
-use crate::service::{Connections, Front, FrontService, Pool, TokenTap};
-
-/// What the proxy, the admin API and the background tasks share.
-pub struct Shared {
-    pub config: Config,
-    pub clock: Clock,
-    /// One per upstream, in config order.
-    pub meters: Vec<Arc<UpstreamMeter>>,
-    /// Prebuilt peers, one per upstream, cloned per request.
-    pub peers: Vec<HttpPeer>,
-    /// The direct path's (`service/direct.rs`) TLS upstream connections, pooled.
-    pub connector: pingora::connectors::TransportConnector,
-    /// The direct path's idle plain-TCP upstream connections.
-    pub(crate) pool: Pool,
-    pub router: Router,
-    pub telemetry: Telemetry,
-    /// One per upstream: its concurrency limit (unlimited without a cap or an SLO).
-    pub limiters: Vec<Arc<Limiter>>,
-    /// One per upstream with an SLO.
-    pub slo: Vec<Option<SloState>>,
-    /// Open client connections, against `server.max_connections`.
-    pub connections: Connections,
-}
-
-/// An upstream's adaptive cap.
-pub struct SloState {
-    pub slo: Slo,
-    pub controller: Mutex<Controller>,
-    /// The SLO percentile of per-token gaps over the last tick, ms.
-    pub current_tpot_ms: Mutex<Option<f64>>,
-}
-
-// === impl Shared ===
-
-impl Shared {
-    pub fn new(config: Config) -> Arc<Shared> {
-        let clock = Clock::new();
-        let telemetry = Telemetry::new();
-        let meters = config
-            .upstreams
-            .iter()
-            .map(|u| {
-                let m = UpstreamMeter::new(
-                    &u.name,
-                    config.window,
-                    clock,
-                    telemetry.histograms(&u.name),
-                );
-                m.set_sample_window(config.compare_window);
-                m
-            })
-            .collect();
-        let slo: Vec<Option<SloState>> = config
-            .upstreams
-            .iter()
-            .map(|u| {
-                u.slo.map(|slo| SloState {
-                    slo,
-                    controller: Mutex::new(Controller::new(slo)),
-                    current_tpot_ms: Mutex::new(None),
-                })
-            })
-            .collect();
-        let limiters = config
-            .upstreams
-            .iter()
-            .zip(&slo)
-            .map(|(u, s)| {
-                let initial = match s {
-                    Some(s) => Some(lock(&s.controller).limit()),
-                    None => u.max_concurrency,
-                };
-                let config = LimitConfig {
-                    initial,
-                    max_queue: u.max_queue,
-                    queue_timeout: u.queue_timeout,
-                };
-                Limiter::new(config, telemetry.queue_wait(&u.name))
-            })
-            .collect();
-        let max_connections = config
-            .limits
-            .max_connections
-            .unwrap_or_else(|| connections_for(raise_fd_limit()));
-        Arc::new(Shared {
-            connections: Connections::new(max_connections),
-            limiters,
-            slo,
-            peers: config.upstreams.iter().map(peer).collect(),
-            connector: pingora::connectors::TransportConnector::new(Some(
-                pingora::connectors::ConnectorOptions::new(config.keepalive_pool),
-            )),
-            pool: Pool::new(config.upstreams.len(), config.keepalive_pool),
-            router: Router::new(&config.routes),
-            clock,
-            meters,
-            telemetry,
-            config,
-        })
-    }
-}
-
-/// Raises the soft limit on open files to the hard limit (1,024 by default on many hosts,
-/// far below what thousands of streams need); returns the limit in force.
-fn raise_fd_limit() -> u64 {
-    match rlimit::increase_nofile_limit(u64::MAX) {
-        Ok(limit) => limit,
-        Err(e) => {
-            eprintln!("tokentap: cannot raise the open-file limit: {e}");
-            rlimit::getrlimit(rlimit::Resource::NOFILE).map_or(1024, |(soft, _)| soft)
-        }
-    }
-}
-
-/// The default `server.max_connections` under a file limit: each client connection may
-/// hold an upstream connection too, and 64 descriptors stay for listeners, the admin API
-/// and the rest.
-fn connections_for(fd_limit: u64) -> usize {
-    usize::try_from(fd_limit.saturating_sub(64) / 2)
-        .unwrap_or(usize::MAX)
-        .max(1)
-}
-
-fn peer(u: &Upstream) -> HttpPeer {
-    let mut p = HttpPeer::new(u.addr, u.tls, u.sni.clone());
-    p.options.connection_timeout = Some(u.connect_timeout);
-    p.options.total_connection_timeout = Some(u.connect_timeout * 2);
-    p.options.read_timeout = Some(u.read_timeout);
-    p.options.write_timeout = Some(u.write_timeout);
-    p.options.idle_timeout = Some(u.idle_timeout);
-    p
-}
+use crate::config::Config;
+use crate::limit::slo;
+use crate::service::{Front, FrontService, TokenTap, Transport};
+use crate::state::Shared;
 
 /// The pingora server for `config`, not yet running.
-pub fn build(config: Config) -> (Server, Arc<Shared>) {
+pub fn build(config: Config) -> (Server, Arc<Shared>, Arc<Transport>) {
     let conf = ServerConf {
         threads: config.threads,
         grace_period_seconds: Some(config.grace_period.as_secs()),
@@ -167,27 +33,30 @@ pub fn build(config: Config) -> (Server, Arc<Shared>) {
         ..ServerConf::default()
     };
     let mut server = Server::new_with_opt_and_conf(None, conf);
+    let transport = Transport::new(&config);
     let shared = Shared::new(config);
 
-    let proxy =
-        pingora::proxy::http_proxy(&server.configuration, TokenTap::new(Arc::clone(&shared)));
-    let proxy = FrontService::new(Front::new(TokenTap::new(Arc::clone(&shared)), proxy));
-    let mut admin = Service::new("tokentap admin".to_owned(), Admin::new(Arc::clone(&shared)));
+    let tap = || TokenTap::new(Arc::clone(&shared), Arc::clone(&transport));
+    let proxy = pingora::proxy::http_proxy(&server.configuration, tap());
+    let proxy = FrontService::new(Front::new(tap(), proxy));
+    let admin_app = Admin::new(Arc::clone(&shared), Arc::clone(&transport));
+    let mut admin = Service::new("tokentap admin".to_owned(), admin_app);
     admin.threads = Some(1);
     admin.add_tcp(&shared.config.listen.admin.to_string());
-    let upkeep = background_service("upkeep", Upkeep(Arc::clone(&shared)));
+    let upkeep = Upkeep(Arc::clone(&shared), Arc::clone(&transport));
+    let upkeep = background_service("upkeep", upkeep);
     let control = background_service("slo control", SloControl(Arc::clone(&shared)));
 
     server.add_service(proxy);
     server.add_service(admin);
     server.add_service(upkeep);
     server.add_service(control);
-    (server, shared)
+    (server, shared, transport)
 }
 
 /// Drains histogram samples every few seconds, and drops idle upstream connections that
 /// expired or were closed.
-struct Upkeep(Arc<Shared>);
+struct Upkeep(Arc<Shared>, Arc<Transport>);
 
 #[async_trait]
 impl BackgroundService for Upkeep {
@@ -197,7 +66,7 @@ impl BackgroundService for Upkeep {
             tokio::select! {
                 _ = tick.tick() => {
                     self.0.telemetry.upkeep();
-                    self.0.pool.sweep(std::time::Instant::now());
+                    self.1.sweep();
                 }
                 _ = shutdown.changed() => return,
             }
@@ -205,60 +74,29 @@ impl BackgroundService for Upkeep {
     }
 }
 
-/// Ticks every upstream's SLO controller once a second.
+/// Runs the adaptive caps' control loop (`limit::slo`).
 struct SloControl(Arc<Shared>);
-
-impl SloControl {
-    fn tick(&self) {
-        let shared = &self.0;
-        let now = shared.clock.now();
-        for (i, state) in shared.slo.iter().enumerate() {
-            let Some(state) = state else { continue };
-            let sample = shared.meters[i].control_sample(now, state.slo.percentile);
-            let limiter = &shared.limiters[i];
-            let tick = Tick {
-                tpot_ms: sample.tpot_ms,
-                concurrency: sample.concurrency,
-                in_flight: limiter.stats().in_flight,
-                queued: limiter.take_binding(),
-            };
-            let limit = lock(&state.controller).update(tick);
-            limiter.set_limit(limit);
-            if sample.tpot_ms.is_some() {
-                *lock(&state.current_tpot_ms) = sample.tpot_ms;
-            }
-        }
-    }
-}
 
 #[async_trait]
 impl BackgroundService for SloControl {
-    async fn start(&self, mut shutdown: ShutdownWatch) {
-        if self.0.slo.iter().all(Option::is_none) {
-            return;
-        }
-        let mut tick = tokio::time::interval(CONTROL_TICK);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                _ = tick.tick() => self.tick(),
-                _ = shutdown.changed() => return,
-            }
-        }
+    async fn start(&self, shutdown: ShutdownWatch) {
+        let targets = self
+            .0
+            .upstreams
+            .iter()
+            .filter_map(|u| {
+                let adaptive = u.slo.clone()?;
+                Some((Arc::clone(&u.meter), Arc::clone(&u.limiter), adaptive))
+            })
+            .collect();
+        slo::control(targets, self.0.clock, shutdown).await;
     }
-}
-
-/// How often the SLO controllers look at the evidence.
-pub const CONTROL_TICK: Duration = Duration::from_secs(1);
-
-/// A poisoned lock is used as is: the controller's state stays meaningful.
-pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// A server running on its own thread, stopped by [`Running::stop`]: for the demo and tests.
 pub struct Running {
     pub shared: Arc<Shared>,
+    pub transport: Arc<Transport>,
     stop: Arc<Notify>,
     thread: Option<JoinHandle<()>>,
 }
@@ -279,7 +117,7 @@ impl Running {
     /// Starts `config` in this process. Returns once the server thread is started; the
     /// listeners accept shortly after (see [`Running::wait_ready`]).
     pub fn start(config: Config) -> Running {
-        let (server, shared) = build(config);
+        let (server, shared, transport) = build(config);
         let stop = Arc::new(Notify::new());
         let signal = NotifyShutdown(Arc::clone(&stop));
         let thread = std::thread::Builder::new()
@@ -292,6 +130,7 @@ impl Running {
             .ok();
         Running {
             shared,
+            transport,
             stop,
             thread,
         }

@@ -19,19 +19,22 @@ use pingora::prelude::*;
 use pingora::proxy::{ProxyHttp, Session};
 use pingora::ErrorSource;
 
+use crate::config::Config;
 use crate::dialect::{tokens_carried, Dialect, Facts, Framing};
 use crate::estimate;
 use crate::limit::Permit;
 use crate::meter::{Nanos, Outcome, Stream};
 use crate::ndjson::NdjsonParser;
 use crate::routing::Choice;
-use crate::server::Shared;
 use crate::sse::SseParser;
+use crate::state::Shared;
 use crate::usage::UsageStripper;
 
 mod conn;
 mod direct;
 mod front;
+#[cfg(feature = "fuzzing")]
+pub(crate) mod fuzzing;
 mod h1;
 mod request;
 
@@ -47,6 +50,63 @@ const MAX_JSON_BODY: usize = 4 << 20;
 /// The proxy.
 pub struct TokenTap {
     shared: Arc<Shared>,
+    transport: Arc<Transport>,
+}
+
+/// The proxy's connections: client connections counted against `server.max_connections`,
+/// upstream connections pooled.
+pub struct Transport {
+    /// TLS upstream connections, pooled (pingora's connector).
+    connector: pingora::connectors::TransportConnector,
+    /// Idle plain-TCP upstream connections.
+    pool: Pool,
+    pub connections: Connections,
+}
+
+// === impl Transport ===
+
+impl Transport {
+    /// For `config`; without a `server.max_connections`, raises the open-file limit and
+    /// derives it from that.
+    pub fn new(config: &Config) -> Arc<Transport> {
+        let max_connections = config
+            .limits
+            .max_connections
+            .unwrap_or_else(|| connections_for(raise_fd_limit()));
+        Arc::new(Transport {
+            connector: pingora::connectors::TransportConnector::new(Some(
+                pingora::connectors::ConnectorOptions::new(config.keepalive_pool),
+            )),
+            pool: Pool::new(config.upstreams.len(), config.keepalive_pool),
+            connections: Connections::new(max_connections),
+        })
+    }
+
+    /// Drops idle upstream connections that expired or were closed.
+    pub fn sweep(&self) {
+        self.pool.sweep(std::time::Instant::now());
+    }
+}
+
+/// Raises the soft limit on open files to the hard limit (1,024 by default on many hosts,
+/// far below what thousands of streams need); returns the limit in force.
+fn raise_fd_limit() -> u64 {
+    match rlimit::increase_nofile_limit(u64::MAX) {
+        Ok(limit) => limit,
+        Err(e) => {
+            eprintln!("tokentap: cannot raise the open-file limit: {e}");
+            rlimit::getrlimit(rlimit::Resource::NOFILE).map_or(1024, |(soft, _)| soft)
+        }
+    }
+}
+
+/// The default `server.max_connections` under a file limit: each client connection may
+/// hold an upstream connection too, and 64 descriptors stay for listeners, the admin API
+/// and the rest.
+fn connections_for(fd_limit: u64) -> usize {
+    usize::try_from(fd_limit.saturating_sub(64) / 2)
+        .unwrap_or(usize::MAX)
+        .max(1)
 }
 
 /// Per-request state.
@@ -89,8 +149,8 @@ enum Body {
 // === impl TokenTap ===
 
 impl TokenTap {
-    pub fn new(shared: Arc<Shared>) -> Self {
-        TokenTap { shared }
+    pub fn new(shared: Arc<Shared>, transport: Arc<Transport>) -> Self {
+        TokenTap { shared, transport }
     }
 
     fn now(&self) -> Nanos {
@@ -202,11 +262,13 @@ impl ProxyHttp for TokenTap {
     async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
         ctx.t0 = self.now();
         let req = session.req_header();
-        let limiters = &self.shared.limiters;
+        let upstreams = &self.shared.upstreams;
         let choice = self
             .shared
             .router
-            .choose(req.uri.path(), &req.headers, |u| limiters[u].has_headroom())
+            .choose(req.uri.path(), &req.headers, |u| {
+                upstreams[u].limiter.has_headroom()
+            })
             .ok_or_else(|| Error::explain(HTTPStatus(404), "no route matches"))?;
         ctx.choice = Some(choice);
         Ok(false)
@@ -217,10 +279,12 @@ impl ProxyHttp for TokenTap {
             .choice
             .ok_or_else(|| Error::explain(InternalError, "no upstream chosen"))?;
         if ctx.dialect.is_some() && ctx.stream.is_none() {
-            let meter = &self.shared.meters[choice.upstream];
+            let meter = &self.shared.upstreams[choice.upstream].meter;
             ctx.stream = Some(meter.begin(ctx.t0, self.now()));
         }
-        Ok(Box::new(self.shared.peers[choice.upstream].clone()))
+        Ok(Box::new(
+            self.shared.upstreams[choice.upstream].peer.clone(),
+        ))
     }
 
     async fn upstream_request_filter(
@@ -230,7 +294,7 @@ impl ProxyHttp for TokenTap {
         ctx: &mut Ctx,
     ) -> Result<()> {
         if let Some(c) = ctx.choice {
-            let host = &self.shared.config.upstreams[c.upstream].host_header;
+            let host = &self.shared.upstreams[c.upstream].config.host_header;
             req.insert_header(HOST, host.as_str())?;
         }
         Ok(())
@@ -272,7 +336,7 @@ impl TokenTap {
     fn on_response_header(&self, resp: &mut ResponseHeader, ctx: &mut Ctx) -> Result<()> {
         ctx.status = resp.status.as_u16();
         if let Some(c) = ctx.choice {
-            let name = &self.shared.config.upstreams[c.upstream].name;
+            let name = &self.shared.upstreams[c.upstream].config.name;
             resp.insert_header(UPSTREAM_HEADER, name.as_str())?;
         }
         let encoded = resp
@@ -317,7 +381,7 @@ impl TokenTap {
             return;
         };
         let outcome = Self::outcome(ctx, e);
-        let meter = &self.shared.meters[choice.upstream];
+        let meter = &self.shared.upstreams[choice.upstream].meter;
         ctx.unparsed += match &ctx.body {
             Body::Sse(p) => p.oversized_events(),
             Body::Ndjson(p) => p.oversized_events(),

@@ -187,7 +187,7 @@ async fn a_thousand_fickle_clients_leak_no_slot() {
         "{u:#}"
     );
     assert_eq!(
-        tap.shared.limiters[0].stats().in_flight,
+        tap.shared.upstreams[0].limiter.stats().in_flight,
         0,
         "every permit came back"
     );

@@ -1,7 +1,9 @@
 //! The admin listener: `/stats` (JSON), `/metrics` (Prometheus), `/healthz`. It reads the
 //! meter, never the proxy.
 
-pub mod telemetry;
+pub mod metrics;
+
+use std::collections::BTreeMap;
 
 use std::sync::Arc;
 
@@ -12,15 +14,57 @@ use pingora::protocols::http::ServerSession;
 use serde::Serialize;
 
 use crate::compare::Comparison;
-use crate::meter::{Arm, SloStats, UpstreamStats};
-use crate::server::{lock, Shared};
+use crate::meter::MeterStats;
+use crate::service::Transport;
+use crate::state::{Shared, Upstream};
 
 /// The `/stats` document (DESIGN §5).
 #[derive(Debug, Serialize)]
 pub struct Stats {
     pub window_secs: u64,
     pub connections: ConnectionStats,
-    pub upstreams: Vec<UpstreamStats>,
+    pub upstreams: Vec<UpstreamReport>,
+}
+
+/// One upstream in `/stats`: what its meter knows, with its limiter's and routes' parts.
+#[derive(Debug, Clone, Serialize)]
+pub struct UpstreamReport {
+    #[serde(flatten)]
+    pub meter: MeterStats,
+    /// Requests waiting for a concurrency slot.
+    pub queued: u64,
+    /// The concurrency cap in force, `null` when there is none.
+    pub limit: Option<u64>,
+    /// Requests refused a slot (429), all reasons.
+    pub rejected_total: u64,
+    pub rejected_by_reason: BTreeMap<&'static str, u64>,
+    /// The SLO the adaptive cap holds; `null` without one.
+    pub slo: Option<SloStats>,
+    /// The routes that send this upstream traffic, and its weight in each.
+    pub arms: Vec<Arm>,
+}
+
+/// An upstream's place in one route's split.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Arm {
+    /// The route's index in the config.
+    pub route: usize,
+    pub path_prefix: String,
+    pub weight: u32,
+    /// Its weight as a share of the route's total, percent.
+    pub share_pct: f64,
+}
+
+/// How an upstream stands against its TPOT SLO.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct SloStats {
+    pub tpot_ms: f64,
+    pub percentile: f64,
+    /// Whether the last controller tick met the SLO; `null` before any traffic.
+    pub met: Option<bool>,
+    /// The SLO percentile of per-token gaps over the last controller tick.
+    pub current_tpot_ms: Option<f64>,
+    pub slo_bounded_system_tps: Option<f64>,
 }
 
 /// Client connections against `server.max_connections`.
@@ -35,20 +79,21 @@ pub struct ConnectionStats {
 /// The admin HTTP app.
 pub struct Admin {
     shared: Arc<Shared>,
+    transport: Arc<Transport>,
 }
 
 // === impl Admin ===
 
 impl Admin {
-    pub fn new(shared: Arc<Shared>) -> Self {
-        Admin { shared }
+    pub fn new(shared: Arc<Shared>, transport: Arc<Transport>) -> Self {
+        Admin { shared, transport }
     }
 }
 
 /// The stats of every upstream, now.
-pub fn stats(shared: &Shared) -> Stats {
+pub fn stats(shared: &Shared, transport: &Transport) -> Stats {
     let now = shared.clock.now();
-    let c = &shared.connections;
+    let c = &transport.connections;
     Stats {
         window_secs: shared.config.window.as_secs(),
         connections: ConnectionStats {
@@ -57,40 +102,46 @@ pub fn stats(shared: &Shared) -> Stats {
             refused_total: c.refused(),
         },
         upstreams: shared
-            .meters
+            .upstreams
             .iter()
             .enumerate()
-            .map(|(i, m)| {
-                let mut s = m.stats(now);
-                let l = shared.limiters[i].stats();
-                s.limit = l.limit;
-                s.queued = l.queued;
-                s.rejected_total = l.rejected_queue_full + l.rejected_queue_timeout;
-                s.rejected_by_reason = [
-                    ("queue_full", l.rejected_queue_full),
-                    ("queue_timeout", l.rejected_queue_timeout),
-                ]
-                .into_iter()
-                .filter(|(_, n)| *n > 0)
-                .collect();
-                s.slo = shared.slo[i].as_ref().map(|st| {
-                    let current = *lock(&st.current_tpot_ms);
-                    SloStats {
-                        tpot_ms: st.slo.tpot_ms,
-                        percentile: st.slo.percentile,
-                        met: current.map(|c| c <= st.slo.tpot_ms),
-                        current_tpot_ms: current,
-                        slo_bounded_system_tps: m
-                            .slo_bounded_system_tps(st.slo.tpot_ms, st.slo.percentile),
-                    }
-                });
-                s.arms = arms(shared, i);
-                s
-            })
+            .map(|(i, u)| report(shared, i, u, now))
             .collect(),
     }
 }
 
+/// One upstream's part of `/stats`.
+fn report(shared: &Shared, i: usize, u: &Upstream, now: crate::meter::Nanos) -> UpstreamReport {
+    let l = u.limiter.stats();
+    UpstreamReport {
+        meter: u.meter.stats(now),
+        queued: l.queued,
+        limit: l.limit,
+        rejected_total: l.rejected_queue_full + l.rejected_queue_timeout,
+        rejected_by_reason: [
+            ("queue_full", l.rejected_queue_full),
+            ("queue_timeout", l.rejected_queue_timeout),
+        ]
+        .into_iter()
+        .filter(|(_, n)| *n > 0)
+        .collect(),
+        slo: u.slo.as_ref().map(|a| {
+            let current = a.current_tpot_ms();
+            SloStats {
+                tpot_ms: a.slo.tpot_ms,
+                percentile: a.slo.percentile,
+                met: current.map(|c| c <= a.slo.tpot_ms),
+                current_tpot_ms: current,
+                slo_bounded_system_tps: u
+                    .meter
+                    .slo_bounded_system_tps(a.slo.tpot_ms, a.slo.percentile),
+            }
+        }),
+        arms: arms(shared, i),
+    }
+}
+
+/// The routes that send `upstream` traffic, and its weight in each.
 fn arms(shared: &Shared, upstream: usize) -> Vec<Arm> {
     shared
         .config
@@ -133,8 +184,9 @@ pub fn compare(shared: &Shared, query: Option<&str>) -> Result<Comparison, (Stat
     }
     let config = &shared.config;
     let index = |name: &str| {
-        config
-            .upstream_index(name)
+        shared
+            .upstream(name)
+            .map(|(i, _)| i)
             .ok_or_else(|| (StatusCode::NOT_FOUND, format!("no upstream named `{name}`")))
     };
     let default = config.default_pair();
@@ -153,11 +205,12 @@ pub fn compare(shared: &Shared, query: Option<&str>) -> Result<Comparison, (Stat
         ))?,
     };
     let now = shared.clock.now();
+    let (a, b) = (&shared.upstreams[a], &shared.upstreams[b]);
     Ok(crate::compare::compare(
-        &config.upstreams[a].name,
-        &shared.meters[a].samples(now),
-        &config.upstreams[b].name,
-        &shared.meters[b].samples(now),
+        &a.config.name,
+        &a.meter.samples(now),
+        &b.config.name,
+        &b.meter.samples(now),
         config.compare_window.as_secs(),
     ))
 }
@@ -184,8 +237,8 @@ impl ServeHttp for Admin {
     async fn response(&self, session: &mut ServerSession) -> Response<Vec<u8>> {
         let req = session.req_header();
         if req.method == http::Method::POST && req.uri.path() == "/compare/reset" {
-            for m in &self.shared.meters {
-                m.reset_samples();
+            for u in &self.shared.upstreams {
+                u.meter.reset_samples();
             }
             return respond(
                 StatusCode::OK,
@@ -207,19 +260,20 @@ impl ServeHttp for Admin {
                 },
                 Err((status, message)) => json_error(status, &message),
             },
-            "/stats" => match serde_json::to_vec_pretty(&stats(&self.shared)) {
+            "/stats" => match serde_json::to_vec_pretty(&stats(&self.shared, &self.transport)) {
                 Ok(body) => respond(StatusCode::OK, "application/json", body),
                 Err(e) => json_error(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
             },
             "/metrics" => {
                 let distributions: Vec<_> = self
                     .shared
-                    .meters
+                    .upstreams
                     .iter()
-                    .map(|m| (m.name(), m.distributions()))
+                    .map(|u| (u.meter.name(), u.meter.distributions()))
                     .collect();
-                let stats = stats(&self.shared);
-                let text = self.shared.telemetry.render(
+                let stats = stats(&self.shared, &self.transport);
+                let text = metrics::render(
+                    &self.shared.telemetry,
                     &stats.upstreams,
                     &stats.connections,
                     &distributions,

@@ -192,10 +192,6 @@ impl Config {
         })
     }
 
-    pub fn upstream_index(&self, name: &str) -> Option<usize> {
-        self.upstreams.iter().position(|u| u.name == name)
-    }
-
     /// The default pair of `/compare`: the first two arms of the first route that splits.
     pub fn default_pair(&self) -> Option<(usize, usize)> {
         self.routes

@@ -382,3 +382,12 @@ mod tests {
         assert_eq!(f.tokens, 0);
     }
 }
+
+/// Fuzzing's check of the fast path: where it answers and the chunk is JSON of the shape
+/// the parser reads, both say the same.
+#[cfg(feature = "fuzzing")]
+pub fn fast_path_agrees(data: &[u8]) {
+    if let (Some(fast), Ok(chunk)) = (fast::event(data), serde_json::from_slice::<Chunk>(data)) {
+        assert_eq!(fast, chunk.facts(), "fast path and parser disagree");
+    }
+}

@@ -6,6 +6,7 @@
 //! it straight to the head of the queue, so waiting requests are served in arrival order.
 
 pub mod controller;
+pub mod slo;
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};

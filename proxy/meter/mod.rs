@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-pub use stats::{Arm, CurvePoint, Percentiles, SloStats, TokensPerEvent, UpstreamStats};
+pub use stats::{CurvePoint, MeterStats, Percentiles, TokensPerEvent};
 pub use window::ControlSample;
 use window::{Shard, Sums, Windows};
 
@@ -357,7 +357,7 @@ impl UpstreamMeter {
     }
 
     /// The figures at `now`.
-    pub fn stats(&self, now: Nanos) -> UpstreamStats {
+    pub fn stats(&self, now: Nanos) -> MeterStats {
         let (now, span) = self.lock().span(now);
         let mut sums = Sums::new();
         for i in 0..self.shards.len() {

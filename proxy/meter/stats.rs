@@ -72,18 +72,12 @@ pub struct CurvePoint {
     pub samples: u64,
 }
 
-/// Everything `/stats` reports of one upstream.
+/// What the meter knows of one upstream: its part of `/stats`, which the admin API combines
+/// with the limiter's and the routes'.
 #[derive(Debug, Clone, Serialize, PartialEq)]
-pub struct UpstreamStats {
+pub struct MeterStats {
     pub name: String,
     pub in_flight: u64,
-    /// Requests waiting for a concurrency slot (caps arrive with the limiter).
-    pub queued: u64,
-    /// The concurrency cap in force, `null` when there is none.
-    pub limit: Option<u64>,
-    /// Requests refused a slot (429), all reasons.
-    pub rejected_total: u64,
-    pub rejected_by_reason: BTreeMap<&'static str, u64>,
     pub requests_total: u64,
     pub errors_total: u64,
     /// Output tokens of finished requests (exact counts where the stream gave one).
@@ -111,33 +105,6 @@ pub struct UpstreamStats {
     /// End-to-end latency of requests that finished in the window (non-streaming included).
     pub e2e_ms: Percentiles,
     pub curve: Vec<CurvePoint>,
-    /// The SLO the adaptive cap holds; `null` without one.
-    pub slo: Option<SloStats>,
-    /// The routes that send this upstream traffic, and its weight in each.
-    pub arms: Vec<Arm>,
-}
-
-/// An upstream's place in one route's split.
-#[derive(Debug, Clone, Serialize, PartialEq)]
-pub struct Arm {
-    /// The route's index in the config.
-    pub route: usize,
-    pub path_prefix: String,
-    pub weight: u32,
-    /// Its weight as a share of the route's total, percent.
-    pub share_pct: f64,
-}
-
-/// How an upstream stands against its TPOT SLO.
-#[derive(Debug, Clone, Serialize, PartialEq)]
-pub struct SloStats {
-    pub tpot_ms: f64,
-    pub percentile: f64,
-    /// Whether the last controller tick met the SLO; `null` before any traffic.
-    pub met: Option<bool>,
-    /// The SLO percentile of per-token gaps over the last controller tick.
-    pub current_tpot_ms: Option<f64>,
-    pub slo_bounded_system_tps: Option<f64>,
 }
 
 #[cfg(test)]

@@ -14,13 +14,13 @@
 //! curve's tokens and gaps): one per upstream per worker thread, so a token event touches
 //! only its own thread's shard. A read merges them into [`Sums`].
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
 use std::time::Duration;
 
 use hdrhistogram::Histogram;
 use slab::Slab;
 
-use super::stats::{CurvePoint, Percentiles, TokensPerEvent, UpstreamStats};
+use super::stats::{CurvePoint, MeterStats, Percentiles, TokensPerEvent};
 use super::{Nanos, Outcome};
 
 /// Slots per window.
@@ -508,13 +508,7 @@ impl Windows {
     }
 
     /// The figures of the window `span` ending at `now`, the shards' part being `sums`.
-    pub(super) fn stats(
-        &self,
-        name: &str,
-        now: Nanos,
-        span: Span,
-        mut sums: Sums,
-    ) -> UpstreamStats {
+    pub(super) fn stats(&self, name: &str, now: Nanos, span: Span, mut sums: Sums) -> MeterStats {
         let elapsed = now - span.start().max(self.started);
         let busy: u128 = self
             .ring
@@ -529,13 +523,9 @@ impl Windows {
 
         let t = &self.totals;
         let finished_generations = t.exact_requests + t.estimated_requests;
-        UpstreamStats {
+        MeterStats {
             name: name.to_owned(),
             in_flight: self.in_flight,
-            queued: 0,
-            limit: None,
-            rejected_total: 0,
-            rejected_by_reason: BTreeMap::new(),
             requests_total: t.by_outcome.iter().sum(),
             errors_total: Outcome::ALL
                 .iter()
@@ -564,8 +554,6 @@ impl Windows {
             itl_ms: hist_percentiles(&sums.itl),
             e2e_ms: Percentiles::of(&mut sums.e2e),
             curve: self.curve(&sums),
-            slo: None,
-            arms: Vec::new(),
         }
     }
 

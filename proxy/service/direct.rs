@@ -248,15 +248,15 @@ impl TokenTap {
             return after_answer(&leftover, keep);
         };
         ctx.choice = Some(choice);
-        let upstream = &self.shared.config.upstreams[choice.upstream];
-        ctx.tokenize = upstream.estimate == Estimate::Tokenizer;
+        let upstream = &self.shared.upstreams[choice.upstream];
+        ctx.tokenize = upstream.config.estimate == Estimate::Tokenizer;
 
         // Caps apply to generation requests only. A queued client whose body was read whole
         // is watched, and leaves the queue the moment it goes away; one still sending waits
         // unwatched (its body bytes are not read here), bounded by the queue timeout.
         let mut watch = true;
         if ctx.dialect.is_some() {
-            let limiter = &self.shared.limiters[choice.upstream];
+            let limiter = &upstream.limiter;
             let granted = match limiter.try_acquire() {
                 Some(permit) => Ok(Ok(permit)),
                 None if read_whole => {
@@ -308,21 +308,23 @@ impl TokenTap {
         }
         let result = match opened {
             Ok(mut open) => {
-                let peer = &self.shared.peers[choice.upstream];
+                let peer = &self.shared.upstreams[choice.upstream].peer;
                 let relayed = self
                     .relay(client, &mut ctx, &mut open, peer.options.read_timeout)
                     .await;
                 relayed.map(|()| {
                     if open.relay.reusable {
-                        let idle = self.shared.config.upstreams[choice.upstream].idle_timeout;
+                        let idle = self.shared.upstreams[choice.upstream].config.idle_timeout;
                         match open.up {
                             Io::Tcp(tcp) => {
                                 let now = std::time::Instant::now();
-                                self.shared.pool.release(choice.upstream, tcp, now, idle);
+                                self.transport.pool.release(choice.upstream, tcp, now, idle);
                             }
                             Io::Pingora(tls) => {
                                 let hash = peer.reuse_hash();
-                                self.shared.connector.release_stream(tls, hash, Some(idle));
+                                self.transport
+                                    .connector
+                                    .release_stream(tls, hash, Some(idle));
                             }
                         }
                     }
@@ -348,16 +350,20 @@ impl TokenTap {
 
     /// The upstream of a request, if a route matches.
     fn route(&self, req: &RequestHeader) -> Option<Choice> {
-        let limiters = &self.shared.limiters;
+        let upstreams = &self.shared.upstreams;
         self.shared
             .router
-            .choose(req.uri.path(), &req.headers, |u| limiters[u].has_headroom())
+            .choose(req.uri.path(), &req.headers, |u| {
+                upstreams[u].limiter.has_headroom()
+            })
     }
 
     /// Answers 429 with `Retry-After` and an OpenAI-style error body.
     async fn reject(&self, client: &mut Io, choice: Choice, why: Rejected, keep_alive: bool) {
-        let name = &self.shared.config.upstreams[choice.upstream].name;
-        let limit = self.shared.limiters[choice.upstream]
+        let upstream = &self.shared.upstreams[choice.upstream];
+        let name = &upstream.config.name;
+        let limit = upstream
+            .limiter
             .limit()
             .map_or("-".to_owned(), |l| l.to_string());
         let message = match why {
@@ -400,8 +406,8 @@ impl TokenTap {
             !shutdown && !http10 && !h1::has_token(&req.headers, header::CONNECTION, "close");
         let mut body = body.freeze();
         let read_whole = matches!(rest, Rest::Done);
-        let upstream = &self.shared.config.upstreams[choice.upstream];
-        if read_whole && ctx.dialect == Some(Dialect::OpenAi) && upstream.inject_usage {
+        let upstream = &self.shared.upstreams[choice.upstream];
+        if read_whole && ctx.dialect == Some(Dialect::OpenAi) && upstream.config.inject_usage {
             if let Some(rewritten) = usage::request_with_usage(&body) {
                 body = rewritten;
                 ctx.strip_usage = Some(UsageStripper::new(self.shared.config.max_event_bytes));
@@ -428,10 +434,9 @@ impl TokenTap {
         drop(body);
 
         if ctx.dialect.is_some() {
-            let meter = &self.shared.meters[choice.upstream];
-            ctx.stream = Some(meter.begin(ctx.t0, self.now()));
+            ctx.stream = Some(upstream.meter.begin(ctx.t0, self.now()));
         }
-        let peer = &self.shared.peers[choice.upstream];
+        let peer = &upstream.peer;
         // Boxed: connecting (TCP, TLS, the pool) is a large future, needed only until the
         // response header; kept inline, every open stream would hold its space.
         let send = Box::pin(self.connect_and_write(choice.upstream, peer, wire));
@@ -640,7 +645,7 @@ impl TokenTap {
         req.remove_header(&header::EXPECT); // the body is on its way already
         req.remove_header(&header::CONTENT_LENGTH);
         req.set_version(http::Version::HTTP_11);
-        let host = &self.shared.config.upstreams[choice.upstream].host_header;
+        let host = &self.shared.upstreams[choice.upstream].config.host_header;
         req.insert_header(HOST, host.as_str())?;
         match body {
             UpBody::None => {}
@@ -661,13 +666,17 @@ impl TokenTap {
             _ => None,
         };
         let Some(addr) = plain else {
-            let connector = &self.shared.connector;
+            let connector = &self.transport.connector;
             if let Some(pooled) = connector.reused_stream(peer).await {
                 return Ok(Io::Pingora(pooled));
             }
             return Box::pin(connector.new_stream(peer)).await.map(Io::Pingora);
         };
-        if let Some(pooled) = self.shared.pool.take(upstream, std::time::Instant::now()) {
+        if let Some(pooled) = self
+            .transport
+            .pool
+            .take(upstream, std::time::Instant::now())
+        {
             return Ok(Io::Tcp(pooled));
         }
         let connect = tokio::net::TcpStream::connect(addr);

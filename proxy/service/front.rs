@@ -29,8 +29,8 @@ use super::direct::{discard, read_more_upto, After, Incoming};
 use super::h1::{self, Head};
 use super::request::{self, ClientError};
 use super::TokenTap;
+use super::Transport;
 use crate::config::Limits;
-use crate::server::Shared;
 
 /// How long an idle client connection is kept (pingora's default keep-alive).
 const KEEPALIVE: Duration = Duration::from_secs(60);
@@ -191,7 +191,7 @@ pub struct Connections {
 }
 
 /// One open client connection, counted until dropped.
-struct Open(Arc<Shared>);
+struct Open(Arc<Transport>);
 
 impl Drop for Open {
     fn drop(&mut self) {
@@ -226,8 +226,8 @@ impl Connections {
     }
 
     /// Counts a new connection in, or refuses it.
-    fn admit(shared: &Arc<Shared>) -> Option<Open> {
-        let c = &shared.connections;
+    fn admit(transport: &Arc<Transport>) -> Option<Open> {
+        let c = &transport.connections;
         if c.open.fetch_add(1, Relaxed) >= c.max {
             c.open.fetch_sub(1, Relaxed);
             let refused = c.refused.fetch_add(1, Relaxed) + 1;
@@ -239,7 +239,7 @@ impl Connections {
             });
             return None;
         }
-        Some(Open(Arc::clone(shared)))
+        Some(Open(Arc::clone(transport)))
     }
 
     /// Prints a line unless one was printed this second (a flood must not flood the log).
@@ -290,7 +290,7 @@ impl Service for FrontService {
             match accepted {
                 Ok((tcp, _peer)) => {
                     // Over the limit: closed at once (dropped), counted and logged.
-                    let Some(open) = Connections::admit(&front.tap.shared) else {
+                    let Some(open) = Connections::admit(&front.tap.transport) else {
                         continue;
                     };
                     let _ = tcp.set_nodelay(true);
@@ -306,9 +306,13 @@ impl Service for FrontService {
                 // Out of file descriptors (or a connection reset while queued): accept
                 // returns at once again, so back off briefly instead of spinning.
                 Err(e) => {
-                    front.tap.shared.connections.log_at_most_every_second(|| {
-                        format!("tokentap: cannot accept a client connection: {e}")
-                    });
+                    front
+                        .tap
+                        .transport
+                        .connections
+                        .log_at_most_every_second(|| {
+                            format!("tokentap: cannot accept a client connection: {e}")
+                        });
                     tokio::time::sleep(Duration::from_millis(10)).await;
                 }
             }

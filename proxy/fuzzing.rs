@@ -54,8 +54,10 @@ pub fn sse(data: &[u8]) {
         };
         let whole = run(&[body]);
         assert_eq!(whole, run(&pieces(body, &at)), "split at {at:?}");
-        let bytes: Vec<&[u8]> = body.chunks(1).collect();
-        assert_eq!(whole, run(&bytes), "a byte at a time");
+        if body.len() <= 1024 {
+            let bytes: Vec<&[u8]> = body.chunks(1).collect();
+            assert_eq!(whole, run(&bytes), "a byte at a time");
+        }
         for (_, data) in &whole.0 {
             for line in data.split(|&b| b == b'\n') {
                 assert!(

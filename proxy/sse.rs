@@ -209,10 +209,10 @@ impl SseParser {
                 self.data.extend_from_slice(value);
                 self.has_data = true;
             }
-            b"event" => {
+            // A line past the bound is ignored, as it is when it arrives in pieces.
+            b"event" if line.len() <= self.max_event_bytes.saturating_add(b"data: ".len()) => {
                 self.name.clear();
-                let take = value.len().min(self.max_event_bytes);
-                self.name.extend_from_slice(&value[..take]);
+                self.name.extend_from_slice(value);
             }
             _ => {} // id, retry and unknown fields carry nothing we meter
         }
@@ -408,6 +408,20 @@ mod tests {
         let (got, p) = bounded16([input]);
         assert_eq!(got, vec![b"small".to_vec(), b"ok".to_vec()]);
         assert_eq!(p.oversized_events(), 2);
+    }
+
+    #[test]
+    fn an_event_name_past_the_bound_is_ignored_whole_or_split() {
+        // Found by the `sse` fuzz target: whole, the name was cut to the bound; split, ignored.
+        let input: &[u8] = b"event: a\nevent: 0123456789abcdefXYZ\ndata: x\n\n";
+        for cut in 0..=input.len() {
+            let mut p = SseParser::new(16);
+            let mut names = Vec::new();
+            for piece in [&input[..cut], &input[cut..]] {
+                p.push(piece, |e| names.push(e.name.to_vec()));
+            }
+            assert_eq!(names, vec![b"a".to_vec()], "cut at {cut}");
+        }
     }
 
     #[test]

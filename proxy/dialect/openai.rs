@@ -80,6 +80,18 @@ mod fast {
         if data.first() != Some(&b'{') || data.last() != Some(&b'}') {
             return None;
         }
+        // The patterns are compact JSON: a chunk with whitespace around any colon (found
+        // by the `dialects` fuzz target: `"choices":[` compact, `"content": "x"` not) goes
+        // to the parser, which reads any spacing.
+        let spaced = memchr::memchr_iter(b':', data).any(|i| {
+            data.get(i + 1).is_some_and(u8::is_ascii_whitespace)
+                || i.checked_sub(1)
+                    .and_then(|j| data.get(j))
+                    .is_some_and(u8::is_ascii_whitespace)
+        });
+        if spaced {
+            return None;
+        }
         // Shapes the scan does not handle go to the parser.
         let one_choice = p.index.find_iter(data).take(2).count() == 1;
         if !one_choice
@@ -355,6 +367,9 @@ mod tests {
             r#"{"choices":[{"index":0,"delta":{"content":"x"},"finish_reason":null}],"usage":{"completion_tokens":3}}"#,
             r#"{"choices":[{"index":0,"delta":{"content":"a"}},{"index":1,"delta":{"content":"b"}}]}"#,
             r#"{"error":{"message":"boom"}}"#,
+            // Found by fuzzing: compact `"choices":[`, spaced keys inside.
+            r#"{"id":"x","choices":[ {"index": 0, "delta": {"content": "Hel"}, "finish_reason": null}], "usage": null}"#,
+            r#"{"choices":[{"index":0,"delta":{"content" :"Hel"},"finish_reason":null}]}"#,
             r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{}"}}]}}]}"#,
         ];
         let mut answered = 0;

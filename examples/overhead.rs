@@ -20,7 +20,9 @@
 //! `/proc/PID/task/*/schedstat` (ns), memory per stream from its RSS with all streams open
 //! minus its RSS before. A warning says when the load side itself was saturated.
 //! `TOKENTAP_OVERHEAD_PATH=/raw` sends the requests to a path tokentap does not meter, to
-//! see the cost of the proxy without the metering.
+//! see the cost of the proxy without the metering. `TOKENTAP_OVERHEAD_QUEUED=1` gives
+//! tokentap's upstream a cap of `streams` and first sends `streams` requests that hold every
+//! slot for 2 s: each measured stream waits in the queue before it streams.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::fmt::Write as _;
@@ -301,6 +303,14 @@ async fn origin(interval: Duration, streams: usize, epoch: Instant) -> Origin {
                         }
                     }
                 }
+                if memchr::memmem::find(&got, b"x-overhead-hold").is_some() {
+                    // A slot holder: a short stream after 2 s, then close.
+                    tokio::time::sleep(Duration::from_secs(2)).await;
+                    let data = "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"x\"},\"finish_reason\":\"stop\"}]}\n\ndata: [DONE]\n\n";
+                    let whole = format!("HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{data}", data.len());
+                    let _ = sock.write_all(whole.as_bytes()).await;
+                    return;
+                }
                 let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\ntransfer-encoding: chunked\r\n\r\n";
                 if sock.write_all(head.as_bytes()).await.is_err() {
                     return;
@@ -387,7 +397,14 @@ fn free_port() -> SocketAddr {
         .unwrap()
 }
 
-async fn start_proxy(mode: Mode, origin: SocketAddr, bin: &Path) -> Option<Proxy> {
+/// Starts the proxy of `mode` in front of `origin`; `cap`: tokentap's upstream gets this
+/// concurrency cap, with a queue as deep.
+async fn start_proxy(
+    mode: Mode,
+    origin: SocketAddr,
+    bin: &Path,
+    cap: Option<usize>,
+) -> Option<Proxy> {
     let dir = std::env::temp_dir().join(format!(
         "tokentap-overhead-{}-{}",
         std::process::id(),
@@ -402,10 +419,13 @@ async fn start_proxy(mode: Mode, origin: SocketAddr, bin: &Path) -> Option<Proxy
             std::fs::write(
                 &conf,
                 format!(
-                    "[listen]\nproxy = \"{addr}\"\nadmin = \"{}\"\n[server]\nthreads = 1\ngrace_period_secs = 0\n{}\n[[upstream]]\nname = \"origin\"\nurl = \"http://{origin}\"\n",
+                    "[listen]\nproxy = \"{addr}\"\nadmin = \"{}\"\n[server]\nthreads = 1\ngrace_period_secs = 0\n{}\n[[upstream]]\nname = \"origin\"\nurl = \"http://{origin}\"\n{}",
                     free_port(),
                     // TOKENTAP_OVERHEAD_SERVER="work_stealing = false" adds [server] settings.
                     std::env::var("TOKENTAP_OVERHEAD_SERVER").unwrap_or_default(),
+                    cap.map_or(String::new(), |n| format!(
+                        "max_concurrency = {n}\nmax_queue = {n}\nqueue_timeout_ms = 60000\n"
+                    )),
                 ),
             )
             .ok()?;
@@ -543,7 +563,8 @@ async fn run_once(shape: Shape, mode: Mode, measure: Duration, bin: &Path) -> an
     let interval = Duration::from_millis(shape.interval_ms);
     let epoch = Instant::now();
     let origin = origin(interval, shape.streams, epoch).await;
-    let proxy = start_proxy(mode, origin.addr, bin).await;
+    let queued = mode == Mode::Tokentap && std::env::var_os("TOKENTAP_OVERHEAD_QUEUED").is_some();
+    let proxy = start_proxy(mode, origin.addr, bin, queued.then_some(shape.streams)).await;
     anyhow::ensure!(
         mode == Mode::Direct || proxy.is_some(),
         "{} did not start",
@@ -560,6 +581,14 @@ async fn run_once(shape: Shape, mode: Mode, measure: Duration, bin: &Path) -> an
     let stop = Arc::new(tokio::sync::Notify::new());
     let sem = Arc::new(tokio::sync::Semaphore::new(256));
     let mut tasks = Vec::with_capacity(shape.streams);
+    let mut holders = Vec::new();
+    if queued {
+        for _ in 0..shape.streams {
+            holders.push(tokio::spawn(hold(target)));
+        }
+        // Every slot is held before the measured streams arrive.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
     for _ in 0..shape.streams {
         let (tally, measuring, stop, sem) = (
             Arc::clone(&tally),
@@ -593,7 +622,7 @@ async fn run_once(shape: Shape, mode: Mode, measure: Duration, bin: &Path) -> an
     measuring.store(false, Relaxed);
     let (cpu1, self1, wall) = (cpu_ns(&pids), self_cpu_ns(), wall0.elapsed());
     stop.notify_waiters();
-    for t in tasks {
+    for t in tasks.into_iter().chain(holders) {
         t.abort();
     }
     origin.stop.notify_waiters();
@@ -625,6 +654,20 @@ async fn run_once(shape: Shape, mode: Mode, measure: Duration, bin: &Path) -> an
         origin_late_p99_ms: late.value_at_quantile(0.99) as f64 / 1e3,
         spread_us: [0.1, 0.25, 0.75, 0.9, 0.999].map(|q| lat.value_at_quantile(q)),
     })
+}
+
+/// A request that holds a concurrency slot for 2 s (`TOKENTAP_OVERHEAD_QUEUED`).
+async fn hold(target: SocketAddr) {
+    let Ok(mut s) = TcpStream::connect(target).await else {
+        return;
+    };
+    let body = br#"{"model":"m","stream":true,"messages":[{"role":"user","content":"hold"}]}"#;
+    let req = format!("POST /v1/chat/completions HTTP/1.1\r\nhost: origin\r\nx-overhead-hold: 1\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n", body.len());
+    if s.write_all(req.as_bytes()).await.is_err() || s.write_all(body).await.is_err() {
+        return;
+    }
+    let mut sink = Vec::new();
+    let _ = s.read_to_end(&mut sink).await;
 }
 
 async fn client(

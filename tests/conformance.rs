@@ -587,6 +587,16 @@ fn cases() -> Vec<Case> {
             client: |g| assert_eq!(g.body, b"hello"),
         },
         Case {
+            name: "a POST without a body reaches the upstream with Content-Length: 0",
+            send: vec![format!("POST {CHAT} HTTP/1.1\r\nHost: x\r\n\r\n").into_bytes()],
+            status: 200,
+            upstream: |seen| {
+                assert_eq!(seen.len(), 1);
+                assert_eq!(seen[0].fields("content-length"), ["0"]);
+            },
+            client: any,
+        },
+        Case {
             name: "pipelined requests: the first answered, then the connection closes",
             send: vec![[chat(&len, BODY), chat(&len, BODY)].concat()],
             status: 200,

@@ -413,7 +413,14 @@ impl TokenTap {
                 ctx.strip_usage = Some(UsageStripper::new(self.shared.config.max_event_bytes));
             }
         }
+        let expects_body = matches!(
+            req.method,
+            http::Method::POST | http::Method::PUT | http::Method::PATCH
+        );
         let up_body = match (kind, &rest) {
+            // RFC 9110 §8.6: a method that has a body gets a length, 0 for none (some servers
+            // answer 411 without one).
+            (BodyKind::None, _) if expects_body => UpBody::Length(0),
             (BodyKind::None, _) => UpBody::None,
             (_, Rest::Done) => UpBody::Length(body.len() as u64),
             (BodyKind::Length(n), _) => UpBody::Length(n),

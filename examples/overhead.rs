@@ -122,7 +122,11 @@ fn main() -> anyhow::Result<()> {
     rlimit::setrlimit(rlimit::Resource::NOFILE, hard, hard)?;
     println!("open-file limit raised from {soft} to {hard}; origin + client pinned to CPU 0, proxies to CPU 1 (taskset)");
 
-    let bin = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/release/tokentap");
+    // TOKENTAP_OVERHEAD_BIN measures another build (an earlier commit's, say).
+    let bin = std::env::var_os("TOKENTAP_OVERHEAD_BIN").map_or_else(
+        || Path::new(env!("CARGO_MANIFEST_DIR")).join("target/release/tokentap"),
+        PathBuf::from,
+    );
     anyhow::ensure!(bin.exists(), "build the proxy first: cargo build --release");
     let nginx = which("nginx");
     if !nginx {

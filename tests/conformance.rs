@@ -52,21 +52,11 @@ struct Upstream {
 }
 
 fn answer(path: &str) -> Vec<u8> {
-    let sse = |events: Vec<Vec<u8>>| {
-        let mut out = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n".to_vec();
-        for e in events {
-            out.extend_from_slice(format!("{:x}\r\n", e.len()).as_bytes());
-            out.extend_from_slice(&e);
-            out.extend_from_slice(b"\r\n");
-        }
-        out.extend_from_slice(b"0\r\n\r\n");
-        out
-    };
     match path {
         "/hop" => b"HTTP/1.1 200 OK\r\nConnection: x-secret, keep-alive\r\nX-Secret: 1\r\nKeep-Alive: timeout=5\r\nProxy-Connection: keep-alive\r\nTrailer: x-t\r\nUpgrade: h2c\r\nTE: trailers\r\nX-Kept: 1\r\nContent-Length: 2\r\n\r\nok".to_vec(),
         "/switch" => b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\nConnection: upgrade\r\n\r\n".to_vec(),
         "/lf" => b"HTTP/1.1 200 OK\ntransfer-encoding: chunked\n\n5\nhello\n0\n\n".to_vec(),
-        "/v1/completions" | CHAT => sse(chat_events(3, true)),
+        "/v1/completions" | CHAT => chunked_sse_response(chat_events(3, true)),
         _ => b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n".to_vec(),
     }
 }

@@ -69,14 +69,7 @@ async fn backend(mode: Mode) -> Backend {
                         out.extend(events.concat());
                         out
                     } else {
-                        let mut out = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n".to_vec();
-                        for e in events {
-                            out.extend_from_slice(format!("{:x}\r\n", e.len()).as_bytes());
-                            out.extend_from_slice(&e);
-                            out.extend_from_slice(b"\r\n");
-                        }
-                        out.extend_from_slice(b"0\r\n\r\n");
-                        out
+                        chunked_sse_response(events)
                     };
                     if s.write_all(&out).await.is_err() || mode == Mode::UntilClose {
                         return;

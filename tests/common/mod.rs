@@ -329,3 +329,17 @@ pub fn chat_events(n: usize, usage: bool) -> Vec<Vec<u8>> {
         })
         .collect()
 }
+
+/// A whole chunked `200` response carrying `events` (one chunk each) as an event stream.
+pub fn chunked_sse_response(events: Vec<Vec<u8>>) -> Vec<u8> {
+    let mut out =
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+            .to_vec();
+    for e in events {
+        out.extend_from_slice(format!("{:x}\r\n", e.len()).as_bytes());
+        out.extend_from_slice(&e);
+        out.extend_from_slice(b"\r\n");
+    }
+    out.extend_from_slice(b"0\r\n\r\n");
+    out
+}

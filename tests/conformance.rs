@@ -587,6 +587,23 @@ fn cases() -> Vec<Case> {
             client: any,
         },
         Case {
+            name: "an upgrade request goes through pingora-proxy",
+            send: vec![b"GET /ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: upgrade\r\n\r\n".to_vec()],
+            status: 404, // the upstream's answer
+            upstream: |seen| {
+                assert_eq!(seen.len(), 1);
+                assert_eq!(seen[0].path(), "/ws");
+            },
+            client: any,
+        },
+        Case {
+            name: "an upgrade request gets the same head checks",
+            send: vec![b"GET /ws HTTP/1.1\r\nHost: x\r\nHost: y\r\nUpgrade: websocket\r\nConnection: upgrade\r\n\r\n".to_vec()],
+            status: 400,
+            upstream: nothing,
+            client: closed,
+        },
+        Case {
             name: "pipelined requests: the first answered, then the connection closes",
             send: vec![[chat(&len, BODY), chat(&len, BODY)].concat()],
             status: 200,

@@ -155,12 +155,7 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
         print!("{}", load::report_table(&reports));
     }
     match crate::admin::compare(&running.shared, None) {
-        Ok(c) if c.strata.iter().any(|s| s.used) => println!("\nA/B verdict (GET /compare): {}", c.verdict),
-        Ok(c) => println!(
-            "\nA/B verdict (GET /compare): {}\n  (a 50/50 closed loop runs the slower backend at higher concurrency; the verdict only \
-             compares the two where both ran at the same level: let the demo cycle longer)",
-            c.verdict
-        ),
+        Ok(c) => println!("\nA/B verdict (GET /compare): {}", c.verdict),
         Err((_, e)) => println!("\nA/B verdict: {e}"),
     }
     drop(sims);

@@ -1,5 +1,6 @@
 //! A/B through the proxy: two simulated backends, one 10% slower per token at every batch
-//! size, split 50/50; `/compare` names the faster one at matched concurrency.
+//! size, split 50/50 under 32 closed-loop clients (the load at which power-of-two strata
+//! split the arms); `/compare` names the faster one at matched concurrency.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -33,7 +34,7 @@ async fn compare_names_the_faster_backend() {
     .await;
     let admin = tap.shared.config.listen.admin;
     let target = LoadArgs {
-        duration: 5.0,
+        duration: 8.0,
         warmup: 0.0,
         max_tokens: 24,
         include_usage: true,
@@ -45,9 +46,9 @@ async fn compare_names_the_faster_backend() {
     .unwrap();
     let r = load::phase(
         &target,
-        Mode::Closed { concurrency: 8 },
+        Mode::Closed { concurrency: 32 },
         Duration::ZERO,
-        Duration::from_secs(5),
+        Duration::from_secs(8),
         false,
     )
     .await;
@@ -71,11 +72,12 @@ async fn compare_names_the_faster_backend() {
         "{}",
         c["verdict"]
     );
-    assert!(c["strata"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .any(|s| s["used"] == true));
+    assert_eq!(c["reason"], serde_json::Value::Null, "{c:#}");
+    let o = &c["overlap"];
+    assert!(o["a_requests"].as_u64().unwrap() >= 50, "{o}");
+    assert!(o["b_requests"].as_u64().unwrap() >= 50, "{o}");
+    assert!(c["method"].as_str().unwrap().starts_with("regression"));
+    assert!(c["cross_check"]["tpot_ms"].is_object());
 
     // The arms are named the other way round on request.
     let swapped: serde_json::Value = serde_json::from_slice(

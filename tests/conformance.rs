@@ -604,6 +604,20 @@ fn cases() -> Vec<Case> {
             client: closed,
         },
         Case {
+            name: "an upgrade request with a chunked body is read strictly, not by pingora-proxy",
+            send: vec![b"POST /ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: upgrade\r\nTransfer-Encoding: chunked\r\n\r\n2;\nxx\r\n0\r\n\r\n".to_vec()],
+            status: 400,
+            upstream: nothing,
+            client: closed,
+        },
+        Case {
+            name: "chunk extensions past the bound",
+            send: vec![chat("Transfer-Encoding: chunked\r\n", &format!("1;{}\r\nx\r\n0\r\n\r\n", "a".repeat(9000)))],
+            status: 400,
+            upstream: nothing,
+            client: closed,
+        },
+        Case {
             name: "pipelined requests: the first answered, then the connection closes",
             send: vec![[chat(&len, BODY), chat(&len, BODY)].concat()],
             status: 200,

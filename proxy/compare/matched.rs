@@ -41,11 +41,14 @@ pub const MIN_IN_OVERLAP: usize = 50;
 pub struct Window {
     pub lo: f64,
     pub hi: f64,
+    /// `hi` itself is outside: a level that another level follows, so that a sample on
+    /// the edge between two levels is counted in one of them only.
+    pub open_hi: bool,
 }
 
 impl Window {
     fn contains(self, c: f64) -> bool {
-        (self.lo..=self.hi).contains(&c)
+        self.lo <= c && (c < self.hi || (!self.open_hi && c == self.hi))
     }
 }
 
@@ -73,6 +76,7 @@ pub fn window(a: [f64; 2], b: [f64; 2]) -> Option<Window> {
     Some(Window {
         lo: lo * (1.0 - SLACK),
         hi: hi * (1.0 + SLACK),
+        open_hi: false,
     })
 }
 
@@ -145,12 +149,18 @@ pub fn levels(a: &[RequestSample], b: &[RequestSample], w: Window) -> Vec<Window
     let enough = |l: Window| count(a, l) >= MIN_PER_LEVEL && count(b, l) >= MIN_PER_LEVEL;
     let mut out: Vec<Window> = Vec::new();
     let mut open: Option<Window> = None;
-    for e in edges.windows(2) {
-        let next = Window { lo: e[0], hi: e[1] };
+    let last = edges.len() - 2;
+    for (i, e) in edges.windows(2).enumerate() {
+        let next = Window {
+            lo: e[0],
+            hi: e[1],
+            open_hi: i < last,
+        };
         let level = match open.take() {
             Some(o) if next.hi <= o.lo * MAX_LEVEL_RATIO * MAX_LEVEL_RATIO => Window {
                 lo: o.lo,
                 hi: next.hi,
+                open_hi: next.open_hi,
             },
             Some(o) => {
                 out.push(o); // too wide to merge: stays one-sided, and unused
@@ -179,7 +189,9 @@ pub fn fit(a: &[RequestSample], b: &[RequestSample], m: usize) -> Option<LogFit>
         .map(|(c, v, arm)| (c, v.ln(), arm))
         .collect();
     let n = rows.len() as f64;
-    if a.is_empty() || b.is_empty() || n < 4.0 {
+    let b_rows = rows.iter().filter(|r| r.2 > 0.5).count();
+    // Each arm needs rows of its own after the filter (a metric can be missing or 0).
+    if b_rows < 2 || rows.len() - b_rows < 2 {
         return None;
     }
     let mean = |f: fn(&(f64, f64, f64)) -> f64| rows.iter().map(f).sum::<f64>() / n;
@@ -194,8 +206,10 @@ pub fn fit(a: &[RequestSample], b: &[RequestSample], m: usize) -> Option<LogFit>
         sdy += d * y;
     }
     let det = sxx * sdd - sxd * sxd;
-    // With no spread in concurrency the slope is undefined: the arms' means are compared.
-    let flat = sxx <= 1e-12 * n || det.abs() <= 1e-12;
+    // With no spread in concurrency, or concurrency that only tells the arms apart (a all
+    // at 10, b all at 11), the slope is undefined: the arms' means are compared. The test
+    // is relative to the scale, as rounding leaves det at ~1e-16 · sxx · sdd.
+    let flat = sxx <= 1e-12 * n || det <= 1e-9 * sxx * sdd;
     let (beta, gamma) = if flat {
         (0.0, sdy / sdd)
     } else {

@@ -286,10 +286,45 @@ fn curves_that_cross_are_called_load_dependent() {
         .collect();
     let c = compare("a", &a, "b", &b, 600);
     assert!(c.levels.len() > 3, "{:?}", c.levels);
+    // Each request in one level only.
+    let o = c.overlap.as_ref().expect("an overlap");
+    let a_in: usize = c.levels.iter().map(|l| l.a_requests).sum();
+    let b_in: usize = c.levels.iter().map(|l| l.b_requests).sum();
+    assert_eq!((a_in, b_in), (o.a_requests, o.b_requests), "{:?}", c.levels);
     assert!(
         c.verdict.contains("depends on load: a by") && c.verdict.contains(", b by"),
         "{}",
         c.verdict
     );
     assert_eq!(c.metrics.tpot_ms.better, None);
+}
+
+#[test]
+fn degenerate_samples_give_numbers_or_nothing_never_nan() {
+    // Concurrency that only tells the arms apart (a at 10, b at 11), and an arm whose TTFT
+    // is 0 throughout: finite figures or none.
+    let mut rng = StdRng::seed_from_u64(3);
+    let a = arm(&mut rng, 1.0, &[10.0], 200)
+        .into_iter()
+        .map(|mut s| {
+            s.concurrency = 10.0;
+            s
+        })
+        .collect::<Vec<_>>();
+    let b = arm(&mut rng, 1.1, &[11.0], 200)
+        .into_iter()
+        .map(|mut s| {
+            s.concurrency = 11.0;
+            s.ttft_ms = 0.0;
+            s
+        })
+        .collect::<Vec<_>>();
+    let c = compare("a", &a, "b", &b, 600);
+    let t = &c.metrics.tpot_ms;
+    assert!(t.diff_pct.is_some_and(f64::is_finite), "{t:?}");
+    assert!(t
+        .ci95_pct
+        .is_some_and(|[lo, hi]| lo.is_finite() && hi.is_finite()));
+    assert_eq!(c.metrics.ttft_ms.diff_pct, None, "b has no TTFT to compare");
+    assert!(serde_json::to_string(&c).is_ok());
 }

@@ -478,14 +478,23 @@ impl TokenTap {
             resp.remove_header(&name);
         }
         self.on_response_header(&mut resp, ctx)?;
+        // A transfer coding under the chunks (`gzip, chunked`): neither read nor rewritten,
+        // and forwarded as it came (re-framing it would lose the coding).
+        let coded = framing == Framing::Chunked && !h1::only_chunked(&resp.headers);
         if framing == Framing::Chunked {
             // RFC 9112 §6.3: `Transfer-Encoding` overrides a `Content-Length`, which a proxy
             // removes (as pingora does).
             resp.remove_header(&header::CONTENT_LENGTH);
-            if !h1::only_chunked(&resp.headers) {
-                // A compressed transfer coding: neither read nor rewritten.
+            if coded {
                 ctx.ignore_body();
             }
+        }
+        if coded && http10 {
+            // No transfer coding can reach an HTTP/1.0 client.
+            return Err(up_err(
+                InvalidHTTPHeader,
+                "a transfer coding an HTTP/1.0 client cannot take",
+            ));
         }
         let rewritten = ctx.strip_usage.is_some() && framing != Framing::Empty;
         let to_client = match framing {
@@ -497,7 +506,7 @@ impl TokenTap {
             Framing::UntilClose => ToClient::Chunked,
             _ if rewritten => ToClient::Chunked,
             // Chunk lines ended by a bare LF are read, and framed again for the client.
-            Framing::Chunked if bare_lf => ToClient::Chunked,
+            Framing::Chunked if bare_lf && !coded => ToClient::Chunked,
             _ => ToClient::AsIs,
         };
         match to_client {

@@ -256,7 +256,15 @@ pub(super) struct Chunked {
     size: u64,
     digits: u8,
     strict: bool,
+    /// Strict only: bytes of the current chunk line's extension, and of the trailer
+    /// section, neither of which counts as payload against the body limit.
+    overhead: u32,
 }
+
+/// The most bytes a strict decoder takes in one chunk line's extensions, and in the whole
+/// trailer section: without a bound, a client could keep a request open for good by
+/// sending extension or trailer bytes, which no body limit counts.
+const MAX_CHUNK_OVERHEAD: u32 = 8 * 1024;
 
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 enum ChunkState {
@@ -331,6 +339,9 @@ impl Chunked {
                 (Size | Extension, b'\n') if strict => return Err(BadChunk),
                 (Size, b'\n') | (SizeLf | Extension, b'\n') if self.digits > 0 => {
                     self.digits = 0;
+                    if self.size > 0 {
+                        self.overhead = 0; // each chunk line has its own bound
+                    }
                     if self.size == 0 {
                         TrailerStart
                     } else {
@@ -338,7 +349,11 @@ impl Chunked {
                     }
                 }
                 (Extension, b'\r') => SizeLf,
-                (Extension, b) if !strict || line_byte(b) => Extension,
+                (Extension, _) if !strict => Extension,
+                (Extension, b) if line_byte(b) => {
+                    self.count_overhead()?;
+                    Extension
+                }
                 (DataCr, b'\r') => DataLf,
                 (DataCr, b'\n') if !strict => Size,
                 (DataLf, b'\n') => Size,
@@ -347,11 +362,23 @@ impl Chunked {
                 (TrailerLine, b'\r') if strict => TrailerLf,
                 (TrailerLf, b'\n') => TrailerStart,
                 (TrailerLine, b'\n') if !strict => TrailerStart,
-                (TrailerStart | TrailerLine, b) if !strict || line_byte(b) => TrailerLine,
+                (TrailerStart | TrailerLine, _) if !strict => TrailerLine,
+                (TrailerStart | TrailerLine, b) if line_byte(b) => {
+                    self.count_overhead()?;
+                    TrailerLine
+                }
                 _ => return Err(BadChunk),
             };
         }
         Ok(i)
+    }
+
+    fn count_overhead(&mut self) -> Result<(), BadChunk> {
+        self.overhead += 1;
+        if self.overhead > MAX_CHUNK_OVERHEAD {
+            return Err(BadChunk);
+        }
+        Ok(())
     }
 
     /// Whether the last chunk and the trailer section were read.

@@ -351,6 +351,31 @@ split = { "a" = 0 }
     }
 
     #[test]
+    fn server_limits_have_defaults_and_bounds() {
+        let up = "[[upstream]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"\n";
+        let c = Config::parse(up, "t").expect("valid");
+        assert_eq!(c.limits, Limits::default());
+        assert_eq!(c.limits.client_write_timeout, Duration::from_secs(60));
+        assert_eq!(c.limits.max_request_head_bytes, 65536);
+        assert_eq!(c.limits.max_request_body_bytes, 32 << 20);
+        let p = problems(&format!(
+            "[server]\nclient_write_timeout_secs = 0\nrequest_head_timeout_secs = 0\nrequest_body_timeout_secs = 0\nmax_request_head_bytes = 10\nmax_connections = 0\nmax_request_body_bytes = 0\n{up}"
+        ));
+        for want in [
+            "server.client_write_timeout_secs: must be at least 1",
+            "server.request_head_timeout_secs: must be at least 1",
+            "server.request_body_timeout_secs: must be at least 1",
+            "server.max_request_head_bytes: must be between 1024 and 1048576",
+            "server.max_connections: must be at least 1",
+            "server.max_request_body_bytes: must be at least 1",
+        ] {
+            assert!(p.iter().any(|x| x == want), "missing {want:?} in {p:#?}");
+        }
+        let c = Config::parse(&format!("[server]\nmax_connections = 7\n{up}"), "t").expect("valid");
+        assert_eq!(c.limits.max_connections, Some(7));
+    }
+
+    #[test]
     fn unknown_keys_are_errors() {
         let p = problems("[[upstream]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"\nweight = 3\n");
         assert_eq!(p.len(), 1);

@@ -28,7 +28,7 @@ pub struct DemoArgs {
     #[arg(long, default_value = "127.0.0.1:8080")]
     pub listen: SocketAddr,
     /// Where the admin API listens.
-    #[arg(long, default_value = "127.0.0.1:9090")]
+    #[arg(long, default_value = "127.0.0.1:9191")]
     pub admin: SocketAddr,
     /// Total clients per phase, across both backends (each gets about half).
     #[arg(long, value_delimiter = ',', default_value = "2,8,32,128")]

@@ -236,6 +236,84 @@ fn json_error(status: StatusCode, message: &str) -> Response<Vec<u8>> {
 impl ServeHttp for Admin {
     async fn response(&self, session: &mut ServerSession) -> Response<Vec<u8>> {
         let req = session.req_header();
+        if let Some(refused) = self.guard(req) {
+            return refused;
+        }
+        if req.method != http::Method::HEAD {
+            return self.serve(req);
+        }
+        // HEAD: GET's status and fields, without the body.
+        let mut resp = self.serve(req);
+        resp.body_mut().clear();
+        resp
+    }
+}
+
+// === impl Admin: who may ask ===
+
+/// The longest admin request-target answered.
+const MAX_ADMIN_URI: usize = 8 * 1024;
+
+impl Admin {
+    /// The answer to a request that may not be served: a URI too long (414), a `Host` that
+    /// is neither this listener's address nor `localhost` (421: DNS rebinding), a `POST`
+    /// from another origin (403: a web page the operator has open), or a missing or wrong
+    /// token (401).
+    fn guard(&self, req: &pingora::http::RequestHeader) -> Option<Response<Vec<u8>>> {
+        if req.raw_path().len() > MAX_ADMIN_URI {
+            return Some(json_error(
+                StatusCode::URI_TOO_LONG,
+                "the request-target is longer than 8 KiB",
+            ));
+        }
+        let admin = self.shared.config.listen.admin;
+        let header = |name: http::header::HeaderName| {
+            req.headers.get(name).map(|v| v.to_str().unwrap_or("\u{0}"))
+        };
+        if let Some(host) = header(http::header::HOST) {
+            if !own_authority(host, admin) {
+                return Some(json_error(
+                    StatusCode::MISDIRECTED_REQUEST,
+                    "the Host is neither this admin listener's address nor localhost",
+                ));
+            }
+        }
+        if req.method == http::Method::POST {
+            let origin = header(http::header::ORIGIN);
+            let same = |o: &str| {
+                o.strip_prefix("http://")
+                    .or_else(|| o.strip_prefix("https://"))
+                    .is_some_and(|authority| own_authority(authority, admin))
+            };
+            if origin.is_some_and(|o| !same(o)) {
+                return Some(json_error(
+                    StatusCode::FORBIDDEN,
+                    "a POST from another origin is refused",
+                ));
+            }
+        }
+        let auth = &self.shared.config.admin;
+        let path = req.uri.path();
+        let open = path == "/healthz" || (path == "/metrics" && auth.metrics_public);
+        if let (Some(token), false) = (&auth.token, open) {
+            let given = header(http::header::AUTHORIZATION)
+                .and_then(|v| v.strip_prefix("Bearer "))
+                .unwrap_or("");
+            if !constant_time_eq(given.trim().as_bytes(), token.0.as_bytes()) {
+                let mut resp = json_error(
+                    StatusCode::UNAUTHORIZED,
+                    "this admin API needs Authorization: Bearer TOKEN (admin.token_file or TOKENTAP_ADMIN_TOKEN)",
+                );
+                if let Ok(v) = "Bearer".parse() {
+                    resp.headers_mut().insert(http::header::WWW_AUTHENTICATE, v);
+                }
+                return Some(resp);
+            }
+        }
+        None
+    }
+
+    fn serve(&self, req: &pingora::http::RequestHeader) -> Response<Vec<u8>> {
         if req.method == http::Method::POST && req.uri.path() == "/compare/reset" {
             for u in &self.shared.upstreams {
                 u.meter.reset_samples();
@@ -246,10 +324,10 @@ impl ServeHttp for Admin {
                 br#"{"reset":true}"#.to_vec(),
             );
         }
-        if req.method != http::Method::GET {
+        if req.method != http::Method::GET && req.method != http::Method::HEAD {
             return json_error(
                 StatusCode::METHOD_NOT_ALLOWED,
-                "use GET (or POST /compare/reset)",
+                "use GET or HEAD (or POST /compare/reset)",
             );
         }
         match req.uri.path() {
@@ -290,5 +368,69 @@ impl ServeHttp for Admin {
                 &format!("no such endpoint: {other} (try /stats, /metrics, /compare, /healthz)"),
             ),
         }
+    }
+}
+
+/// Whether a `Host` (or an origin's authority) names the admin listener: its own address,
+/// or `localhost`, at its port (an IP literal of any interface when it listens on all).
+fn own_authority(authority: &str, admin: std::net::SocketAddr) -> bool {
+    let Ok(parsed) = authority.parse::<http::uri::Authority>() else {
+        return false;
+    };
+    let port = parsed.port_u16().unwrap_or(80);
+    if port != admin.port() {
+        return false;
+    }
+    let host = parsed.host().trim_start_matches('[').trim_end_matches(']');
+    if host.eq_ignore_ascii_case("localhost") {
+        return true;
+    }
+    host.parse::<std::net::IpAddr>()
+        .is_ok_and(|ip| ip == admin.ip() || admin.ip().is_unspecified())
+}
+
+/// Equal bytes, in time that depends on the lengths only.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    let mut diff = u8::from(a.len() != b.len());
+    for i in 0..a.len().max(b.len()) {
+        diff |= a.get(i).copied().unwrap_or(0) ^ b.get(i).copied().unwrap_or(0);
+    }
+    diff == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn own_authorities() {
+        let admin: std::net::SocketAddr =
+            "127.0.0.1:9191".parse().unwrap_or_else(|_| unreachable!());
+        for ok in ["127.0.0.1:9191", "localhost:9191", "LOCALHOST:9191"] {
+            assert!(own_authority(ok, admin), "{ok}");
+        }
+        for bad in [
+            "evil.example:9191",
+            "127.0.0.1:80",
+            "127.0.0.2:9191",
+            "localhost",
+            "",
+            "a b",
+        ] {
+            assert!(!own_authority(bad, admin), "{bad}");
+        }
+        let any: std::net::SocketAddr = "0.0.0.0:9191".parse().unwrap_or_else(|_| unreachable!());
+        assert!(own_authority("10.1.2.3:9191", any));
+        assert!(!own_authority("rebound.example:9191", any));
+        let v6: std::net::SocketAddr = "[::1]:9191".parse().unwrap_or_else(|_| unreachable!());
+        assert!(own_authority("[::1]:9191", v6));
+    }
+
+    #[test]
+    fn tokens_compare_whole() {
+        assert!(constant_time_eq(b"secret", b"secret"));
+        assert!(!constant_time_eq(b"secret", b"secreT"));
+        assert!(!constant_time_eq(b"secret", b"secret2"));
+        assert!(!constant_time_eq(b"", b"x"));
     }
 }

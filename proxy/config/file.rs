@@ -8,7 +8,8 @@ use indexmap::IndexMap;
 use serde::Deserialize;
 
 use super::{
-    socket_addr, upstream_url, Config, Limits, Listen, Problem, Problems, Route, Upstream,
+    socket_addr, upstream_url, AdminAuth, Config, Limits, Listen, Problem, Problems, Route, Secret,
+    Upstream, ADMIN_TOKEN_ENV,
 };
 use super::{DEFAULT_CONNECT_TIMEOUT_MS, DEFAULT_READ_TIMEOUT_SECS};
 use crate::estimate::Estimate;
@@ -26,6 +27,8 @@ pub struct FileConfig {
     #[serde(default)]
     pub compare: CompareFile,
     #[serde(default)]
+    pub admin: AdminFile,
+    #[serde(default)]
     pub upstream: Vec<UpstreamFile>,
     #[serde(default)]
     pub route: Vec<RouteFile>,
@@ -36,7 +39,8 @@ pub struct FileConfig {
 pub struct ListenFile {
     /// Where clients connect. Default `127.0.0.1:8080`.
     pub proxy: String,
-    /// The admin API (/stats, /metrics, /healthz). Default `127.0.0.1:9090`: loopback, since
+    /// The admin API (/stats, /metrics, /healthz). Default `127.0.0.1:9191` (Prometheus
+    /// itself is on 9090): loopback, since
     /// it is unauthenticated.
     pub admin: String,
 }
@@ -45,7 +49,7 @@ impl Default for ListenFile {
     fn default() -> Self {
         ListenFile {
             proxy: "127.0.0.1:8080".into(),
-            admin: "127.0.0.1:9090".into(),
+            admin: "127.0.0.1:9191".into(),
         }
     }
 }
@@ -67,6 +71,16 @@ impl Default for MetricsFile {
             max_event_bytes: 1 << 20,
         }
     }
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AdminFile {
+    /// A file holding the admin token: when set (or `TOKENTAP_ADMIN_TOKEN` is), every admin
+    /// endpoint but `/healthz` needs `Authorization: Bearer TOKEN`. Default: none.
+    pub token_file: Option<String>,
+    /// `/metrics` answers without the token. Default false.
+    pub metrics_public: bool,
 }
 
 #[derive(Debug, Deserialize)]
@@ -112,6 +126,36 @@ pub struct ServerFile {
     pub max_connections: Option<usize>,
     /// Larger request bodies get 413, bytes. Default 33554432 (32 MiB).
     pub max_request_body_bytes: Option<u64>,
+}
+
+impl AdminFile {
+    /// The admin token (the file's first line, else `TOKENTAP_ADMIN_TOKEN`), checked.
+    fn auth(&self, p: &mut Problems) -> AdminAuth {
+        let token = match &self.token_file {
+            Some(path) => match std::fs::read_to_string(path) {
+                Ok(text) => match text.lines().next().map(str::trim) {
+                    Some(t) if !t.is_empty() => Some(Secret(t.to_owned())),
+                    _ => {
+                        p.add("admin.token_file", format!("`{path}` holds no token"));
+                        None
+                    }
+                },
+                Err(e) => {
+                    p.add("admin.token_file", format!("cannot read `{path}`: {e}"));
+                    None
+                }
+            },
+            None => std::env::var(ADMIN_TOKEN_ENV)
+                .ok()
+                .map(|t| t.trim().to_owned())
+                .filter(|t| !t.is_empty())
+                .map(Secret),
+        };
+        AdminAuth {
+            token,
+            metrics_public: self.metrics_public,
+        }
+    }
 }
 
 impl ServerFile {
@@ -446,6 +490,7 @@ impl FileConfig {
         }
 
         let limits = self.server.limits(&mut p);
+        let admin_auth = self.admin.auth(&mut p);
         let threads = self
             .server
             .threads
@@ -469,6 +514,7 @@ impl FileConfig {
             keepalive_pool,
             work_stealing: self.server.work_stealing.unwrap_or(true),
             limits,
+            admin: admin_auth,
             upstreams,
             routes,
         })

@@ -36,10 +36,33 @@ pub struct Config {
     pub work_stealing: bool,
     /// What a client connection may take: time, head and body size, connections.
     pub limits: Limits,
+    /// Who may use the admin API.
+    pub admin: AdminAuth,
     pub upstreams: Vec<Upstream>,
     /// Routes in file order; first match wins. Never empty: a config with one upstream and
     /// no route gets one route for `/` to it.
     pub routes: Vec<Route>,
+}
+
+/// The environment variable that holds the admin token when `admin.token_file` is unset.
+pub const ADMIN_TOKEN_ENV: &str = "TOKENTAP_ADMIN_TOKEN";
+
+/// Who may use the admin API (`[admin]`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AdminAuth {
+    /// Every endpoint but `/healthz` (and `/metrics` when public) needs it as a bearer token.
+    pub token: Option<Secret>,
+    pub metrics_public: bool,
+}
+
+/// A value never printed (`Debug` shows `***`).
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(pub String);
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("***")
+    }
 }
 
 /// The limits that hold against slow, huge and numerous clients (`[server]`).
@@ -288,7 +311,7 @@ mod tests {
         )
         .expect("valid");
         assert_eq!(c.listen.proxy.to_string(), "127.0.0.1:8080");
-        assert_eq!(c.listen.admin.to_string(), "127.0.0.1:9090");
+        assert_eq!(c.listen.admin.to_string(), "127.0.0.1:9191");
         assert_eq!(c.window, Duration::from_secs(10));
         assert_eq!(c.routes.len(), 1);
         assert_eq!(c.routes[0].split, vec![(0, 1)]);

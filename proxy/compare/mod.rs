@@ -147,6 +147,13 @@ pub struct Level {
     pub tpot_ci95_pct: Option<[f64; 2]>,
 }
 
+/// The levels a verdict rests on: their range and requests.
+struct Compared {
+    concurrency: [f64; 2],
+    a_requests: usize,
+    b_requests: usize,
+}
+
 /// The stratified comparison of TPOT.
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct CrossCheck {
@@ -224,6 +231,21 @@ pub fn compare(
         })
     };
     let crossing = faster_in(true).zip(faster_in(false));
+    // What was compared: the levels with enough of both arms.
+    let used: Vec<&Level> = levels_out.iter().filter(|l| l.used).collect();
+    let compared = used.first().zip(used.last()).map(|(first, last)| Compared {
+        concurrency: [first.concurrency[0], last.concurrency[1]],
+        a_requests: used.iter().map(|l| l.a_requests).sum(),
+        b_requests: used.iter().map(|l| l.b_requests).sum(),
+    });
+    let reason = match (reason, &overlap, &compared) {
+        (None, Some(o), None) => Some(format!(
+            "not enough data: where both ran ({} in flight) no concurrency level has {} finished requests of each arm yet; let both run longer at the same load",
+            o.concurrency.map_or_else(String::new, span),
+            matched::MIN_PER_LEVEL
+        )),
+        (reason, _, _) => reason,
+    };
     if crossing.is_some() {
         diffs[0].better = None;
         diffs[2].better = None;
@@ -257,7 +279,7 @@ pub fn compare(
             }
         })
         .collect();
-    let verdict = match (&reason, &overlap, crossing) {
+    let verdict = match (&reason, &compared, crossing) {
         (Some(why), _, _) => why.clone(),
         (None, Some(o), None) => verdict(&diffs, o, None),
         (None, Some(o), Some((b_level, a_level))) => {
@@ -271,7 +293,7 @@ pub fn compare(
             );
             verdict(&diffs, o, Some(which))
         }
-        (None, None, _) => unreachable!("a verdict has an overlap"),
+        (None, None, _) => unreachable!("no reason means a level was compared"),
     };
     let mut it = diffs.into_iter();
     let mut next = || it.next().unwrap_or_else(|| unreachable!("four metrics"));
@@ -526,7 +548,7 @@ fn gap(m: &MetricDiff) -> Option<(&str, f64, f64, f64)> {
     }
 }
 
-fn verdict(d: &[MetricDiff], o: &Overlap, crossing: Option<String>) -> String {
+fn verdict(d: &[MetricDiff], o: &Compared, crossing: Option<String>) -> String {
     let tpot = match (crossing, gap(&d[0])) {
         (Some(which), _) => which,
         (None, Some((w, pct, lo, hi))) => format!("{w} is {pct:.1}% faster per output token (95% CI {lo:.1}–{hi:.1}%) at matched concurrency"),
@@ -544,7 +566,7 @@ fn verdict(d: &[MetricDiff], o: &Overlap, crossing: Option<String>) -> String {
         }
         None => "system T/s: no significant difference".to_owned(),
     };
-    let at = o.concurrency.map_or_else(String::new, span);
+    let at = span(o.concurrency);
     format!(
         "{tpot}; {ttft}; {system} (compared at {at} in flight, {} and {} requests, by regression at matched concurrency)",
         o.a_requests, o.b_requests

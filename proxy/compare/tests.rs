@@ -328,3 +328,26 @@ fn degenerate_samples_give_numbers_or_nothing_never_nan() {
     assert_eq!(c.metrics.ttft_ms.diff_pct, None, "b has no TTFT to compare");
     assert!(serde_json::to_string(&c).is_ok());
 }
+
+#[test]
+fn the_verdict_names_the_levels_it_rests_on() {
+    // A load sweep: the verdict's range and counts are those of the levels compared.
+    let mut rng = StdRng::seed_from_u64(9);
+    let mut a = arm(&mut rng, 1.0, &[64.0], 300);
+    let mut b = arm(&mut rng, 1.1, &[64.0], 300);
+    a.extend(arm(&mut rng, 1.0, &[8.0, 16.0, 32.0], 120));
+    b.extend(arm(&mut rng, 1.1, &[8.0, 16.0, 32.0], 30));
+    let c = compare("a", &a, "b", &b, 600);
+    let used: Vec<&Level> = c.levels.iter().filter(|l| l.used).collect();
+    assert!(!used.is_empty(), "{:?}", c.levels);
+    let (na, nb): (usize, usize) = (
+        used.iter().map(|l| l.a_requests).sum(),
+        used.iter().map(|l| l.b_requests).sum(),
+    );
+    assert!(c.verdict.starts_with("a is "), "{}", c.verdict);
+    assert!(
+        c.verdict.contains(&format!("{na} and {nb} requests")),
+        "{} (used levels: {used:?})",
+        c.verdict
+    );
+}

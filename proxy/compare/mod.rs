@@ -201,7 +201,7 @@ pub fn compare(
         Some((ia, _, _)) => {
             let fits: Vec<matched::LogFit> =
                 levels.iter().filter_map(|l| level_fit(m, l)).collect();
-            let a_mean = ia.iter().map(|s| value(s, m)).sum::<f64>() / ia.len() as f64;
+            let a_mean = mean(ia, m).unwrap_or(f64::NAN);
             from_fit(matched::combine(&fits), a_mean, m, a_name, b_name)
         }
         None => MetricDiff::none(),
@@ -393,13 +393,7 @@ fn from_fit(
     };
     let (diff_pct, ci95_pct) = f.pct();
     let significant = f.significant();
-    let better = significant.then(|| {
-        let b_wins = match METRICS[m].1 {
-            Better::Lower => diff_pct < 0.0,
-            Better::Higher => diff_pct > 0.0,
-        };
-        if b_wins { b_name } else { a_name }.to_owned()
-    });
+    let better = significant.then(|| winner(m, diff_pct, a_name, b_name));
     MetricDiff {
         a: Some(a_mean),
         b: Some(a_mean * (1.0 + diff_pct / 100.0)),
@@ -451,6 +445,15 @@ fn stratify(
     }
     out.sort_by_key(|(k, _, _)| *k);
     out
+}
+
+/// The better arm of metric `m` when b differs from a by `diff_pct`.
+fn winner(m: usize, diff_pct: f64, a_name: &str, b_name: &str) -> String {
+    let b_wins = match METRICS[m].1 {
+        Better::Lower => diff_pct < 0.0,
+        Better::Higher => diff_pct > 0.0,
+    };
+    if b_wins { b_name } else { a_name }.to_owned()
 }
 
 fn mean(s: &[RequestSample], m: usize) -> Option<f64> {
@@ -517,14 +520,7 @@ fn metric(
     let lo = boots[(0.025 * BOOTSTRAP as f64) as usize];
     let hi = boots[((0.975 * BOOTSTRAP as f64) as usize).min(BOOTSTRAP - 1)];
     let significant = lo > 0.0 || hi < 0.0;
-    let b_bigger = diff > 0.0;
-    let better = significant.then(|| {
-        let b_wins = match METRICS[m].1 {
-            Better::Lower => !b_bigger,
-            Better::Higher => b_bigger,
-        };
-        if b_wins { b_name } else { a_name }.to_owned()
-    });
+    let better = significant.then(|| winner(m, diff, a_name, b_name));
     MetricDiff {
         a: Some(ma),
         b: Some(mb),

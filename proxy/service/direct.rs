@@ -44,7 +44,7 @@ use tokio::time::{timeout, Instant};
 use super::conn::Io;
 use super::h1::{self, Chunked, Framing, Head};
 use super::request::{
-    self, error_body, json_response, Ahead, BodyKind, Checked, ClientError, Rest,
+    self, error_body, json_response, write_within, Ahead, BodyKind, Checked, ClientError, Rest,
 };
 use super::{Ctx, TokenTap, HOST, UPSTREAM_HEADER};
 use crate::config::Limits;
@@ -221,15 +221,18 @@ impl TokenTap {
         let keep_alive = !shutdown
             && req.version == http::Version::HTTP_11
             && !h1::has_token(&req.headers, header::CONNECTION, "close");
-        // What the connection can do after an answer tokentap made itself.
-        let after_answer = |leftover: &BytesMut, keep_alive: bool| {
-            if !read_whole || !leftover.is_empty() {
-                After::Linger // unread body bytes, or a pipelined request
-            } else if keep_alive {
+        // An answer tokentap makes itself keeps the connection only when the request was
+        // read whole and nothing came after it; the answer's `Connection`, and what follows.
+        let answered = |leftover: &BytesMut, watch: bool| {
+            let keep = keep_alive && read_whole && leftover.is_empty() && watch;
+            let after = if keep {
                 After::KeepAlive
+            } else if !read_whole || !leftover.is_empty() {
+                After::Linger // unread body bytes, or a pipelined request
             } else {
                 After::Close
-            }
+            };
+            (keep, after)
         };
         let mut ctx = self.new_ctx();
         ctx.t0 = t0;
@@ -242,10 +245,10 @@ impl TokenTap {
                 "invalid_request_error",
                 "tokentap_no_route",
             );
-            let keep = keep_alive && read_whole && leftover.is_empty();
+            let (keep, after) = answered(&leftover, true);
             let out = json_response(404, &body, &[], keep);
             let _ = write_within(client, &out, limits.client_write_timeout).await;
-            return after_answer(&leftover, keep);
+            return after;
         };
         ctx.choice = Some(choice);
         let upstream = &self.shared.upstreams[choice.upstream];
@@ -268,9 +271,9 @@ impl TokenTap {
             match granted {
                 Ok(Ok(permit)) => ctx.permit = Some(permit),
                 Ok(Err(why)) => {
-                    let keep = keep_alive && read_whole && leftover.is_empty() && watch;
+                    let (keep, after) = answered(&leftover, watch);
                     self.reject(client, choice, why, keep).await;
-                    return after_answer(&leftover, keep);
+                    return after;
                 }
                 Err(gone) => {
                     self.finish(&mut ctx, Some(&gone));
@@ -895,17 +898,6 @@ fn stall<T>(
         timer.as_mut().reset(deadline);
     }
     Poll::Pending
-}
-
-/// Writes a whole answer tokentap made, within the client write timeout.
-async fn write_within(client: &mut Io, bytes: &[u8], limit: Duration) -> io::Result<()> {
-    let write = async {
-        client.write_all(bytes).await?;
-        client.flush().await
-    };
-    timeout(limit, write)
-        .await
-        .unwrap_or_else(|_| Err(io::ErrorKind::TimedOut.into()))
 }
 
 /// A client's mistake found mid-request, as the error that ends it.

@@ -4,6 +4,7 @@
 //! decoded when chunked — before the upstream is chosen, the rest left to stream. What a
 //! client got wrong is a [`ClientError`], which knows its status and its error body.
 
+use std::io;
 use std::time::Duration;
 
 use bytes::{Buf, BufMut, BytesMut};
@@ -192,11 +193,11 @@ pub(super) async fn read_ahead(
         BodyKind::Chunked => false,
     };
     if checked.expects_continue && !whole_in_buffer {
-        let sent = async {
-            client.write_all(b"HTTP/1.1 100 Continue\r\n\r\n").await?;
-            client.flush().await
-        };
-        if !matches!(tokio::time::timeout(write_timeout, sent).await, Ok(Ok(()))) {
+        let continued = b"HTTP/1.1 100 Continue\r\n\r\n";
+        if write_within(client, continued, write_timeout)
+            .await
+            .is_err()
+        {
             return Ok(None);
         }
     }
@@ -311,11 +312,18 @@ pub(super) fn json_response(
 pub(super) async fn refuse(client: &mut Io, e: ClientError, write_timeout: Duration) {
     let body = error_body(&format!("tokentap: {e}"), "invalid_request_error", e.code());
     let out = json_response(e.status(), &body, &[], false);
+    let _ = write_within(client, &out, write_timeout).await;
+}
+
+/// Writes a whole answer tokentap made, within the client write timeout.
+pub(super) async fn write_within(client: &mut Io, bytes: &[u8], limit: Duration) -> io::Result<()> {
     let write = async {
-        client.write_all(&out).await?;
+        client.write_all(bytes).await?;
         client.flush().await
     };
-    let _ = tokio::time::timeout(write_timeout, write).await;
+    tokio::time::timeout(limit, write)
+        .await
+        .unwrap_or_else(|_| Err(io::ErrorKind::TimedOut.into()))
 }
 
 #[cfg(test)]

@@ -77,7 +77,7 @@ async fn main() -> anyhow::Result<()> {
             sim.engine.set_curve(Curve::reference().scaled(1.5));
             println!("-- the backend slows down 1.5× at every batch size --");
         }
-        let s = tokentap::admin::stats(&running.shared, &running.transport)
+        let s = tokentap::admin::stats(&running.shared(), &running.transport)
             .upstreams
             .remove(0);
         let cap = s.limit.unwrap_or(0);
@@ -93,7 +93,7 @@ async fn main() -> anyhow::Result<()> {
             );
         }
     }
-    let s = tokentap::admin::stats(&running.shared, &running.transport)
+    let s = tokentap::admin::stats(&running.shared(), &running.transport)
         .upstreams
         .remove(0);
     let _ = phase.await;

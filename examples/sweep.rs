@@ -59,7 +59,7 @@ async fn main() -> anyhow::Result<()> {
             .await
         });
         tokio::time::sleep(Duration::from_millis(19_900)).await;
-        let s = tokentap::admin::stats(&running.shared, &running.transport)
+        let s = tokentap::admin::stats(&running.shared(), &running.transport)
             .upstreams
             .remove(0)
             .meter;
@@ -72,7 +72,7 @@ async fn main() -> anyhow::Result<()> {
             format!("{}/{}", f(r.system_tps), f(s.system_tps)),
         );
     }
-    let s = tokentap::admin::stats(&running.shared, &running.transport)
+    let s = tokentap::admin::stats(&running.shared(), &running.transport)
         .upstreams
         .remove(0)
         .meter;

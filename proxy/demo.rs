@@ -154,7 +154,7 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
         println!("\nthe load generator's own view (client side, both backends together):");
         print!("{}", load::report_table(&reports));
     }
-    match crate::admin::compare(&running.shared, None) {
+    match crate::admin::compare(&running.shared(), None) {
         Ok(c) => println!("\nA/B verdict (GET /compare): {}", c.verdict),
         Err((_, e)) => println!("\nA/B verdict: {e}"),
     }
@@ -214,7 +214,7 @@ async fn drive(
 }
 
 fn stats(running: &Running) -> Vec<UpstreamReport> {
-    crate::admin::stats(&running.shared, &running.transport).upstreams
+    crate::admin::stats(&running.shared(), &running.transport).upstreams
 }
 
 fn f(v: Option<f64>, digits: usize) -> String {

@@ -34,6 +34,7 @@
 //! - [`sim`], [`load`], [`demo`]: a simulated batching backend, a load generator and the
 //!   embedded demo; they stand apart from the proxy like a real backend and client.
 
+pub mod access;
 pub mod admin;
 pub mod compare;
 pub mod config;
@@ -45,6 +46,7 @@ pub mod estimate;
 pub mod fuzzing;
 pub mod limit;
 pub mod load;
+pub mod logs;
 pub mod meter;
 pub mod ndjson;
 pub mod routing;

@@ -6,7 +6,26 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use pingora::server::RunArgs;
 
-use tokentap::config::Config;
+use std::sync::Arc;
+
+use tokentap::config::{Config, LogFormat};
+use tokentap::server::Signals;
+use tokentap::state::Live;
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum LogFormatArg {
+    Text,
+    Json,
+}
+
+impl From<LogFormatArg> for LogFormat {
+    fn from(f: LogFormatArg) -> Self {
+        match f {
+            LogFormatArg::Text => LogFormat::Text,
+            LogFormatArg::Json => LogFormat::Json,
+        }
+    }
+}
 
 /// A transparent reverse proxy that meters LLM token streams: single-stream T/s,
 /// system T/s, TTFT, TPOT, ITL and the concurrency→TPOT curve, per upstream, live.
@@ -27,6 +46,10 @@ enum Command {
         /// The TOML config file (see config/ for commented examples).
         #[arg(long, short)]
         config: PathBuf,
+        /// Log lines as human-readable text or as JSON objects (default: `[log] format`,
+        /// else text). The filter is RUST_LOG, else `[log] filter`, else info.
+        #[arg(long, value_enum)]
+        log_format: Option<LogFormatArg>,
     },
     /// Validate a config file: exit 0, or print every problem with its location and exit 1.
     Check {
@@ -43,7 +66,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Demo(args) => tokentap::demo::run(args),
-        Command::Run { config } => run(config),
+        Command::Run { config, log_format } => run(config, log_format.map(LogFormat::from)),
         Command::Check { config } => return check(config),
         Command::Sim(args) => tokentap::sim::run_blocking(args),
         Command::Load(args) => tokentap::load::run_blocking(args),
@@ -51,22 +74,29 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("tokentap: {e:#}");
+            eprint!("tokentap: {e:#}");
+            if !format!("{e:#}").ends_with('\n') {
+                eprintln!();
+            }
             ExitCode::FAILURE
         }
     }
 }
 
-fn run(path: PathBuf) -> anyhow::Result<()> {
+fn run(path: PathBuf, log_format: Option<LogFormat>) -> anyhow::Result<()> {
     let config = Config::load(&path)?;
-    eprintln!(
-        "tokentap: proxy on http://{}, admin on http://{} (/stats, /metrics, /healthz)",
-        config.listen.proxy, config.listen.admin
-    );
-    let (server, _shared, _transport) = tokentap::server::build(config);
-    // SIGTERM: graceful (streams get the grace period), SIGINT: fast. SIGQUIT (pingora's
-    // upgrade) shuts down gracefully too: tokentap hands no listening socket over.
-    server.run(RunArgs::default());
+    tokentap::logs::init(log_format.unwrap_or(config.log.format), &config.log);
+    tokentap::logs::started(&config);
+    let live = Live::new(config, Some(path));
+    let (server, transport) = tokentap::server::build(&live);
+    let signals = Signals {
+        live: Arc::clone(&live),
+        transport,
+    };
+    server.run(RunArgs {
+        shutdown_signal: Box::new(signals),
+    });
+    live.access.flush();
     Ok(())
 }
 

@@ -1,5 +1,8 @@
-//! Assembles the pingora server from a [`Config`]: the proxy service, the admin service and
-//! the upkeep task (telemetry, idle upstream connections), all sharing one [`Shared`].
+//! Assembles the pingora server from the [`Live`] state: the proxy service, the admin
+//! service and the upkeep task (telemetry, idle upstream connections); and the signals of
+//! `tokentap run`: SIGHUP reloads, SIGUSR1 reopens the access log, SIGTERM drains (no new
+//! connections; exit once nothing is in flight, or when the grace period ends), SIGINT
+//! exits at once.
 
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -17,10 +20,11 @@ use crate::admin::Admin;
 use crate::config::Config;
 use crate::limit::slo;
 use crate::service::{Front, FrontService, TokenTap, Transport};
-use crate::state::Shared;
+use crate::state::{Live, Shared};
 
-/// The pingora server for `config`, not yet running.
-pub fn build(config: Config) -> (Server, Arc<Shared>, Arc<Transport>) {
+/// The pingora server for the state in `live`, not yet running.
+pub fn build(live: &Arc<Live>) -> (Server, Arc<Transport>) {
+    let config = &live.load().config;
     let conf = ServerConf {
         threads: config.threads,
         grace_period_seconds: Some(config.grace_period.as_secs()),
@@ -33,30 +37,29 @@ pub fn build(config: Config) -> (Server, Arc<Shared>, Arc<Transport>) {
         ..ServerConf::default()
     };
     let mut server = Server::new_with_opt_and_conf(None, conf);
-    let transport = Transport::new(&config);
-    let shared = Shared::new(config);
+    let transport = Transport::new(config);
 
-    let tap = || TokenTap::new(Arc::clone(&shared), Arc::clone(&transport));
+    let tap = || TokenTap::new(Arc::clone(live), Arc::clone(&transport));
     let proxy = pingora::proxy::http_proxy(&server.configuration, tap());
     let proxy = FrontService::new(Front::new(tap(), proxy));
-    let admin_app = Admin::new(Arc::clone(&shared), Arc::clone(&transport));
+    let admin_app = Admin::new(Arc::clone(live), Arc::clone(&transport));
     let mut admin = Service::new("tokentap admin".to_owned(), admin_app);
     admin.threads = Some(1);
-    admin.add_tcp(&shared.config.listen.admin.to_string());
-    let upkeep = Upkeep(Arc::clone(&shared), Arc::clone(&transport));
+    admin.add_tcp(&config.listen.admin.to_string());
+    let upkeep = Upkeep(Arc::clone(live), Arc::clone(&transport));
     let upkeep = background_service("upkeep", upkeep);
-    let control = background_service("slo control", SloControl(Arc::clone(&shared)));
+    let control = background_service("slo control", SloControl(Arc::clone(live)));
 
     server.add_service(proxy);
     server.add_service(admin);
     server.add_service(upkeep);
     server.add_service(control);
-    (server, shared, transport)
+    (server, transport)
 }
 
 /// Drains histogram samples every few seconds, and drops idle upstream connections that
 /// expired or were closed.
-struct Upkeep(Arc<Shared>, Arc<Transport>);
+struct Upkeep(Arc<Live>, Arc<Transport>);
 
 #[async_trait]
 impl BackgroundService for Upkeep {
@@ -65,7 +68,7 @@ impl BackgroundService for Upkeep {
         loop {
             tokio::select! {
                 _ = tick.tick() => {
-                    self.0.telemetry.upkeep();
+                    self.0.load().telemetry.upkeep();
                     self.1.sweep();
                 }
                 _ = shutdown.changed() => return,
@@ -74,28 +77,30 @@ impl BackgroundService for Upkeep {
     }
 }
 
-/// Runs the adaptive caps' control loop (`limit::slo`).
-struct SloControl(Arc<Shared>);
+/// Runs the adaptive caps' control loop (`limit::slo`) over the upstreams in force.
+struct SloControl(Arc<Live>);
 
 #[async_trait]
 impl BackgroundService for SloControl {
     async fn start(&self, shutdown: ShutdownWatch) {
-        let targets = self
-            .0
-            .upstreams
-            .iter()
-            .filter_map(|u| {
-                let adaptive = u.slo.clone()?;
-                Some((Arc::clone(&u.meter), Arc::clone(&u.limiter), adaptive))
-            })
-            .collect();
-        slo::control(targets, self.0.clock, shutdown).await;
+        let targets = || {
+            let shared: Arc<Shared> = self.0.load();
+            shared
+                .upstreams
+                .iter()
+                .filter_map(|u| {
+                    let adaptive = u.slo.clone()?;
+                    Some((Arc::clone(&u.meter), Arc::clone(&u.limiter), adaptive))
+                })
+                .collect()
+        };
+        slo::control(targets, self.0.clock(), shutdown).await;
     }
 }
 
 /// A server running on its own thread, stopped by [`Running::stop`]: for the demo and tests.
 pub struct Running {
-    pub shared: Arc<Shared>,
+    pub live: Arc<Live>,
     pub transport: Arc<Transport>,
     stop: Arc<Notify>,
     thread: Option<JoinHandle<()>>,
@@ -117,7 +122,8 @@ impl Running {
     /// Starts `config` in this process. Returns once the server thread is started; the
     /// listeners accept shortly after (see [`Running::wait_ready`]).
     pub fn start(config: Config) -> Running {
-        let (server, shared, transport) = build(config);
+        let live = Live::new(config, None);
+        let (server, transport) = build(&live);
         let stop = Arc::new(Notify::new());
         let signal = NotifyShutdown(Arc::clone(&stop));
         let thread = std::thread::Builder::new()
@@ -129,16 +135,21 @@ impl Running {
             })
             .ok();
         Running {
-            shared,
+            live,
             transport,
             stop,
             thread,
         }
     }
 
+    /// The state in force.
+    pub fn shared(&self) -> Arc<Shared> {
+        self.live.load()
+    }
+
     /// Waits until both listeners accept connections (pingora binds them asynchronously).
     pub async fn wait_ready(&self, timeout: Duration) -> std::io::Result<()> {
-        let listen = self.shared.config.listen;
+        let listen = self.shared().config.listen.clone();
         let deadline = tokio::time::Instant::now() + timeout;
         for addr in [listen.proxy, listen.admin] {
             loop {
@@ -168,5 +179,98 @@ impl Running {
 impl Drop for Running {
     fn drop(&mut self) {
         self.shutdown();
+    }
+}
+
+/// The signals of `tokentap run`: SIGHUP reloads the config file, SIGUSR1 reopens the access
+/// log, SIGTERM (and SIGQUIT) drain, SIGINT (or a second SIGTERM while draining) exits at
+/// once.
+pub struct Signals {
+    pub live: Arc<Live>,
+    pub transport: Arc<Transport>,
+}
+
+/// How often a drain looks at what is still in flight.
+const DRAIN_POLL: Duration = Duration::from_millis(20);
+
+#[async_trait]
+impl ShutdownSignalWatch for Signals {
+    async fn recv(&self) -> ShutdownSignal {
+        use tokio::signal::unix::{signal, SignalKind};
+        let kinds = [
+            SignalKind::interrupt(),
+            SignalKind::terminate(),
+            SignalKind::quit(),
+            SignalKind::hangup(),
+            SignalKind::user_defined1(),
+        ];
+        let mut streams = Vec::new();
+        for kind in kinds {
+            match signal(kind) {
+                Ok(s) => streams.push(s),
+                Err(e) => {
+                    tracing::error!("cannot watch signal {}: {e}", kind.as_raw_value());
+                    return ShutdownSignal::FastShutdown;
+                }
+            }
+        }
+        let [int, term, quit, hup, usr1] = &mut streams[..] else {
+            return ShutdownSignal::FastShutdown;
+        };
+        loop {
+            tokio::select! {
+                _ = int.recv() => {
+                    tracing::info!("SIGINT: exiting now");
+                    return ShutdownSignal::FastShutdown;
+                }
+                _ = term.recv() => return self.drain("SIGTERM", int, term).await,
+                _ = quit.recv() => return self.drain("SIGQUIT", int, term).await,
+                _ = hup.recv() => {
+                    let live = Arc::clone(&self.live);
+                    // Off the runtime: a reload reads files and resolves names.
+                    let _ = tokio::task::spawn_blocking(move || live.reload("SIGHUP")).await;
+                }
+                _ = usr1.recv() => self.live.access.reopen(),
+            }
+        }
+    }
+}
+
+impl Signals {
+    /// Stops accepting, then waits until no client connection is open, or the grace period
+    /// ends, or SIGINT or another SIGTERM comes; what is still open then is cut.
+    async fn drain(
+        &self,
+        why: &str,
+        int: &mut tokio::signal::unix::Signal,
+        term: &mut tokio::signal::unix::Signal,
+    ) -> ShutdownSignal {
+        let grace = self.live.load().config.grace_period;
+        let connections = &self.transport.connections;
+        self.transport.drain();
+        tracing::info!(
+            open_connections = connections.open(),
+            grace_period_secs = grace.as_secs(),
+            "{why}: draining: no new connections; running requests may finish"
+        );
+        let deadline = tokio::time::Instant::now() + grace;
+        let mut poll = tokio::time::interval(DRAIN_POLL);
+        loop {
+            tokio::select! {
+                _ = poll.tick() => {}
+                _ = int.recv() => break,
+                _ = term.recv() => break,
+                _ = tokio::time::sleep_until(deadline) => break,
+            }
+            if connections.open() == 0 {
+                tracing::info!("drained: exiting");
+                return ShutdownSignal::FastShutdown;
+            }
+        }
+        tracing::warn!(
+            cut_connections = connections.open(),
+            "drain ended before every connection closed: cutting the rest"
+        );
+        ShutdownSignal::FastShutdown
     }
 }

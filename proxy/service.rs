@@ -27,7 +27,7 @@ use crate::meter::{Nanos, Outcome, Stream};
 use crate::ndjson::NdjsonParser;
 use crate::routing::Choice;
 use crate::sse::SseParser;
-use crate::state::Shared;
+use crate::state::{Live, Shared};
 use crate::usage::UsageStripper;
 
 mod conn;
@@ -49,7 +49,7 @@ const MAX_JSON_BODY: usize = 4 << 20;
 
 /// The proxy.
 pub struct TokenTap {
-    shared: Arc<Shared>,
+    live: Arc<Live>,
     transport: Arc<Transport>,
 }
 
@@ -61,6 +61,8 @@ pub struct Transport {
     /// Idle plain-TCP upstream connections.
     pool: Pool,
     pub connections: Connections,
+    /// Turns true when the proxy drains (SIGTERM): no new connections, idle ones closed.
+    drain: tokio::sync::watch::Sender<bool>,
 }
 
 // === impl Transport ===
@@ -77,9 +79,21 @@ impl Transport {
             connector: pingora::connectors::TransportConnector::new(Some(
                 pingora::connectors::ConnectorOptions::new(config.keepalive_pool),
             )),
-            pool: Pool::new(config.upstreams.len(), config.keepalive_pool),
+            pool: Pool::new(config.keepalive_pool),
             connections: Connections::new(max_connections),
+            drain: tokio::sync::watch::Sender::new(false),
         })
+    }
+
+    /// Stops taking connections: the listener stops accepting, idle client connections
+    /// close, and each request in flight closes its connection when it ends.
+    pub fn drain(&self) {
+        self.drain.send_replace(true);
+    }
+
+    /// True once [`Transport::drain`] was called.
+    fn draining(&self) -> tokio::sync::watch::Receiver<bool> {
+        self.drain.subscribe()
     }
 
     /// Drops idle upstream connections that expired or were closed.
@@ -111,6 +125,8 @@ fn connections_for(fd_limit: u64) -> usize {
 
 /// Per-request state.
 pub struct Ctx {
+    /// The state the request started on, kept until it ends (a reload swaps in another).
+    shared: Arc<Shared>,
     t0: Nanos,
     dialect: Option<Dialect>,
     choice: Option<Choice>,
@@ -149,12 +165,12 @@ enum Body {
 // === impl TokenTap ===
 
 impl TokenTap {
-    pub fn new(shared: Arc<Shared>, transport: Arc<Transport>) -> Self {
-        TokenTap { shared, transport }
+    pub fn new(live: Arc<Live>, transport: Arc<Transport>) -> Self {
+        TokenTap { live, transport }
     }
 
     fn now(&self) -> Nanos {
-        self.shared.clock.now()
+        self.live.clock().now()
     }
 
     /// Feeds one response fragment to the framing and the dialect.
@@ -244,6 +260,7 @@ impl ProxyHttp for TokenTap {
 
     fn new_ctx(&self) -> Ctx {
         Ctx {
+            shared: self.live.load(),
             t0: self.now(),
             dialect: None,
             choice: None,
@@ -262,8 +279,8 @@ impl ProxyHttp for TokenTap {
     async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
         ctx.t0 = self.now();
         let req = session.req_header();
-        let upstreams = &self.shared.upstreams;
-        let choice = self
+        let upstreams = &ctx.shared.upstreams;
+        let choice = ctx
             .shared
             .router
             .choose(req.uri.path(), &req.headers, |u| {
@@ -279,12 +296,10 @@ impl ProxyHttp for TokenTap {
             .choice
             .ok_or_else(|| Error::explain(InternalError, "no upstream chosen"))?;
         if ctx.dialect.is_some() && ctx.stream.is_none() {
-            let meter = &self.shared.upstreams[choice.upstream].meter;
+            let meter = &ctx.shared.upstreams[choice.upstream].meter;
             ctx.stream = Some(meter.begin(ctx.t0, self.now()));
         }
-        Ok(Box::new(
-            self.shared.upstreams[choice.upstream].peer.clone(),
-        ))
+        Ok(Box::new(ctx.shared.upstreams[choice.upstream].peer.clone()))
     }
 
     async fn upstream_request_filter(
@@ -294,7 +309,7 @@ impl ProxyHttp for TokenTap {
         ctx: &mut Ctx,
     ) -> Result<()> {
         if let Some(c) = ctx.choice {
-            let host = &self.shared.upstreams[c.upstream].config.host_header;
+            let host = &ctx.shared.upstreams[c.upstream].config.host_header;
             req.insert_header(HOST, host.as_str())?;
         }
         Ok(())
@@ -336,7 +351,7 @@ impl TokenTap {
     fn on_response_header(&self, resp: &mut ResponseHeader, ctx: &mut Ctx) -> Result<()> {
         ctx.status = resp.status.as_u16();
         if let Some(c) = ctx.choice {
-            let name = &self.shared.upstreams[c.upstream].config.name;
+            let name = &ctx.shared.upstreams[c.upstream].config.name;
             resp.insert_header(UPSTREAM_HEADER, name.as_str())?;
         }
         let encoded = resp
@@ -347,7 +362,7 @@ impl TokenTap {
             .headers
             .get(CONTENT_TYPE)
             .and_then(|v| Framing::from_content_type(v.as_bytes()));
-        let max = self.shared.config.max_event_bytes;
+        let max = ctx.shared.config.max_event_bytes;
         ctx.body = match framing {
             _ if ctx.dialect.is_none() || !resp.status.is_success() || encoded => Body::Ignore,
             Some(Framing::Sse) => Body::Sse(SseParser::new(max)),
@@ -381,7 +396,7 @@ impl TokenTap {
             return;
         };
         let outcome = Self::outcome(ctx, e);
-        let meter = &self.shared.upstreams[choice.upstream].meter;
+        let meter = &ctx.shared.upstreams[choice.upstream].meter;
         ctx.unparsed += match &ctx.body {
             Body::Sse(p) => p.oversized_events(),
             Body::Ndjson(p) => p.oversized_events(),

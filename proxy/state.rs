@@ -1,27 +1,38 @@
 //! The running state the proxy, the admin API and the background tasks share: the config,
 //! the clock, one [`Upstream`] per configured upstream (its config, peer, meter, limiter and
-//! adaptive cap together, found by name), the router and the telemetry. Built whole by
-//! [`Shared::new`]; a reload will build a new one aside and swap it in.
+//! adaptive cap together, found by name), the router and the telemetry.
+//!
+//! [`Live`] holds the state in force. A reload builds the next [`Shared`] aside from a
+//! validated config ([`Shared::successor`]) and swaps it in with one store; a request holds
+//! the state it started with until it ends, so a removed upstream drains on it. Upstreams
+//! kept by name keep their meter (windows, curve, A/B samples) and limiter (in-flight
+//! count, queue), reconfigured in place.
 
-use std::sync::Arc;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
 
+use arc_swap::ArcSwap;
 use pingora::upstreams::peer::HttpPeer;
 
-use crate::config::{self, Config};
+use crate::access::Access;
+use crate::config::{self, Config, ConfigError};
 use crate::limit::slo::Adaptive;
 use crate::limit::{LimitConfig, Limiter};
+use crate::logs::Throttle;
 use crate::meter::{Clock, UpstreamMeter};
 use crate::routing::Router;
 use crate::telemetry::Telemetry;
 
-/// What the proxy, the admin API and the background tasks share.
+/// What the proxy, the admin API and the background tasks share: one generation of the
+/// running state.
 pub struct Shared {
     pub config: Config,
     pub clock: Clock,
     /// In config order: routes name upstreams by their place here.
     pub upstreams: Vec<Upstream>,
     pub router: Router,
-    pub telemetry: Telemetry,
+    pub telemetry: Arc<Telemetry>,
 }
 
 /// Everything tokentap keeps for one upstream.
@@ -40,12 +51,22 @@ pub struct Upstream {
 
 impl Shared {
     pub fn new(config: Config) -> Arc<Shared> {
-        let clock = Clock::new();
-        let telemetry = Telemetry::new();
+        Shared::build(config, Clock::new(), Arc::new(Telemetry::new()), |_| None)
+    }
+
+    fn build<'a>(
+        config: Config,
+        clock: Clock,
+        telemetry: Arc<Telemetry>,
+        kept: impl Fn(&str) -> Option<&'a Upstream>,
+    ) -> Arc<Shared> {
         let upstreams = config
             .upstreams
             .iter()
-            .map(|u| Upstream::new(u, &config, clock, &telemetry))
+            .map(|u| match kept(&u.name) {
+                Some(old) => old.successor(u, &config),
+                None => Upstream::new(u, &config, clock, &telemetry),
+            })
             .collect();
         Arc::new(Shared {
             router: Router::new(&config.routes),
@@ -54,6 +75,76 @@ impl Shared {
             telemetry,
             config,
         })
+    }
+
+    /// The state `config` describes, following this one: upstreams of the same name keep
+    /// their meter, limiter and adaptive cap. What cannot change while running (listen
+    /// addresses, threads, the connection limit and pool size, work stealing, the live
+    /// window's length) keeps its running value; each such change is returned as a note.
+    pub fn successor(&self, mut config: Config) -> (Arc<Shared>, Vec<String>) {
+        let old = &self.config;
+        let mut notes = Vec::new();
+        let mut fixed = |key: &str, was: String, now: String| {
+            if was != now {
+                notes.push(format!(
+                    "{key}: changes only on restart; still {was} (the file says {now})"
+                ));
+            }
+        };
+        fixed(
+            "listen.proxy",
+            old.listen.proxy.to_string(),
+            config.listen.proxy.to_string(),
+        );
+        fixed(
+            "listen.admin",
+            old.listen.admin.to_string(),
+            config.listen.admin.to_string(),
+        );
+        fixed(
+            "server.threads",
+            old.threads.to_string(),
+            config.threads.to_string(),
+        );
+        fixed(
+            "server.work_stealing",
+            old.work_stealing.to_string(),
+            config.work_stealing.to_string(),
+        );
+        fixed(
+            "server.upstream_keepalive_pool_size",
+            old.keepalive_pool.to_string(),
+            config.keepalive_pool.to_string(),
+        );
+        let show =
+            |m: Option<usize>| m.map_or("derived from the file limit".into(), |m| m.to_string());
+        fixed(
+            "server.max_connections",
+            show(old.limits.max_connections),
+            show(config.limits.max_connections),
+        );
+        fixed(
+            "metrics.window_secs",
+            old.window.as_secs().to_string(),
+            config.window.as_secs().to_string(),
+        );
+        config.listen.proxy = old.listen.proxy;
+        config.listen.admin = old.listen.admin;
+        config.threads = old.threads;
+        config.work_stealing = old.work_stealing;
+        config.keepalive_pool = old.keepalive_pool;
+        config.limits.max_connections = old.limits.max_connections;
+        config.window = old.window;
+        fixed(
+            "log.format",
+            format!("{:?}", old.log.format).to_lowercase(),
+            format!("{:?}", config.log.format).to_lowercase(),
+        );
+        config.log.format = old.log.format;
+        let next = Shared::build(config, self.clock, Arc::clone(&self.telemetry), |name| {
+            self.upstream(name).map(|(_, u)| u)
+        });
+        (next, notes)
     }
 
     /// The upstream called `name`, and its place.
@@ -73,18 +164,49 @@ impl Upstream {
             UpstreamMeter::new(&u.name, config.window, clock, telemetry.histograms(&u.name));
         meter.set_sample_window(config.compare_window);
         let slo = u.slo.map(|slo| Arc::new(Adaptive::new(slo)));
-        let limit = LimitConfig {
-            initial: slo.as_ref().map_or(u.max_concurrency, |s| Some(s.limit())),
-            max_queue: u.max_queue,
-            queue_timeout: u.queue_timeout,
-        };
+        let limiter = Limiter::new(
+            limit_config(u, slo.as_deref()),
+            telemetry.queue_wait(&u.name),
+        );
         Upstream {
             config: u.clone(),
             peer: peer(u),
             meter,
-            limiter: Limiter::new(limit, telemetry.queue_wait(&u.name)),
+            limiter,
             slo,
         }
+    }
+
+    /// This upstream as `u` configures it now: the same meter and limiter (its in-flight
+    /// requests and queue carry over; a lower cap admits nothing new until in-flight is
+    /// under it), and the same adaptive cap when it keeps an SLO, retuned.
+    fn successor(&self, u: &config::Upstream, config: &Config) -> Upstream {
+        self.meter.set_sample_window(config.compare_window);
+        let slo = match (u.slo, &self.slo) {
+            (Some(slo), Some(adaptive)) => {
+                adaptive.retune(slo);
+                Some(Arc::clone(adaptive))
+            }
+            (Some(slo), None) => Some(Arc::new(Adaptive::new(slo))),
+            (None, _) => None,
+        };
+        // An adaptive cap kept goes on from the limit it is at.
+        self.limiter.reconfigure(limit_config(u, slo.as_deref()));
+        Upstream {
+            config: u.clone(),
+            peer: peer(u),
+            meter: Arc::clone(&self.meter),
+            limiter: Arc::clone(&self.limiter),
+            slo,
+        }
+    }
+}
+
+fn limit_config(u: &config::Upstream, slo: Option<&Adaptive>) -> LimitConfig {
+    LimitConfig {
+        initial: slo.map_or(u.max_concurrency, |s| Some(s.limit())),
+        max_queue: u.max_queue,
+        queue_timeout: u.queue_timeout,
     }
 }
 
@@ -95,5 +217,150 @@ fn peer(u: &config::Upstream) -> HttpPeer {
     p.options.read_timeout = Some(u.read_timeout);
     p.options.write_timeout = Some(u.write_timeout);
     p.options.idle_timeout = Some(u.idle_timeout);
+    p.options.verify_cert = u.tls_verify;
+    p.options.verify_hostname = u.tls_verify;
+    p.options.ca = u.trust.clone();
     p
+}
+
+/// The state in force, swapped whole by a reload, and the reloads' record.
+pub struct Live {
+    current: ArcSwap<Shared>,
+    clock: Clock,
+    /// The access log (`[log] access`).
+    pub access: Access,
+    /// Failure lines, at most one a second per upstream and cause.
+    pub throttle: Throttle,
+    /// The file a reload reads; `None`: the config was given in memory (tests, the demo).
+    source: Option<PathBuf>,
+    /// One reload at a time (SIGHUP and `POST /reload` may race).
+    reloading: Mutex<()>,
+    reloads_ok: AtomicU64,
+    reloads_failed: AtomicU64,
+    /// Unix time of the last successful reload (of the start until one), seconds.
+    last_success: AtomicU64,
+}
+
+/// What a reload did.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct Reloaded {
+    pub ok: bool,
+    /// Why the file was refused, each with its dotted path; the running config stays.
+    pub problems: Vec<String>,
+    /// Settings that changed in the file but only take effect on restart.
+    pub notes: Vec<String>,
+}
+
+// === impl Live ===
+
+impl Live {
+    pub fn new(config: Config, source: Option<PathBuf>) -> Arc<Live> {
+        let access = Access::new(&config.log.access);
+        let shared = Shared::new(config);
+        Arc::new(Live {
+            access,
+            throttle: Throttle::default(),
+            clock: shared.clock,
+            current: ArcSwap::new(shared),
+            source,
+            reloading: Mutex::new(()),
+            reloads_ok: AtomicU64::new(0),
+            reloads_failed: AtomicU64::new(0),
+            last_success: AtomicU64::new(unix_now()),
+        })
+    }
+
+    /// The clock every generation of the state shares.
+    pub fn clock(&self) -> Clock {
+        self.clock
+    }
+
+    /// The state in force now; a request keeps the one it started with.
+    pub fn load(&self) -> Arc<Shared> {
+        self.current.load_full()
+    }
+
+    /// Reads the config file again and swaps the state it describes in; a file with
+    /// problems changes nothing. Logged (each problem and note on a line), as asked by
+    /// `trigger` (SIGHUP, POST /reload).
+    pub fn reload(&self, trigger: &str) -> Reloaded {
+        let reloaded = self.reload_file();
+        let (ok, failed, _) = self.reload_counts();
+        if reloaded.ok {
+            tracing::info!(trigger, reloads_ok = ok, "config reloaded");
+        } else {
+            tracing::error!(
+                trigger,
+                reloads_failed = failed,
+                "config reload refused; the running config stays"
+            );
+        }
+        for problem in &reloaded.problems {
+            tracing::error!(trigger, "config problem: {problem}");
+        }
+        for note in &reloaded.notes {
+            tracing::warn!(trigger, "config: {note}");
+        }
+        reloaded
+    }
+
+    fn reload_file(&self) -> Reloaded {
+        let Some(path) = &self.source else {
+            return self.refused(vec![
+                "this tokentap was started without a config file: nothing to reload".into(),
+            ]);
+        };
+        match Config::load(path) {
+            Ok(config) => self.apply(config),
+            Err(ConfigError { problems, .. }) => self.refused(
+                problems
+                    .into_iter()
+                    .map(|p| match p.path.is_empty() {
+                        true => p.message,
+                        false => format!("{}: {}", p.path, p.message),
+                    })
+                    .collect(),
+            ),
+        }
+    }
+
+    /// Swaps in the state `config` describes (validated already), with its log settings.
+    pub fn apply(&self, config: Config) -> Reloaded {
+        let _one = self.reloading.lock().unwrap_or_else(|p| p.into_inner());
+        let (next, mut notes) = self.load().successor(config);
+        notes.extend(crate::logs::apply(&next.config.log));
+        self.access.set(&next.config.log.access);
+        self.current.store(next);
+        self.reloads_ok.fetch_add(1, Relaxed);
+        self.last_success.store(unix_now(), Relaxed);
+        Reloaded {
+            ok: true,
+            problems: Vec::new(),
+            notes,
+        }
+    }
+
+    fn refused(&self, problems: Vec<String>) -> Reloaded {
+        self.reloads_failed.fetch_add(1, Relaxed);
+        Reloaded {
+            ok: false,
+            problems,
+            notes: Vec::new(),
+        }
+    }
+
+    /// Reloads that succeeded and failed, and the Unix time of the last success.
+    pub fn reload_counts(&self) -> (u64, u64, u64) {
+        (
+            self.reloads_ok.load(Relaxed),
+            self.reloads_failed.load(Relaxed),
+            self.last_success.load(Relaxed),
+        )
+    }
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }

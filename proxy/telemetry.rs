@@ -87,6 +87,15 @@ impl Default for Telemetry {
 }
 
 fn describe() {
+    describe_counter!(
+        "tokentap_config_reloads_total",
+        "Config reloads (SIGHUP, POST /reload), by result: success or failure (the file was refused and the running config kept)."
+    );
+    describe_gauge!(
+        "tokentap_config_last_reload_success_timestamp_seconds",
+        Unit::Seconds,
+        "Unix time of the last successful reload (of the start before any)."
+    );
     describe_gauge!("tokentap_client_connections", "Open client connections.");
     describe_gauge!(
         "tokentap_client_connections_max",

@@ -29,7 +29,7 @@ async fn raw(admin: SocketAddr, head: &str) -> (u16, String) {
 async fn without_a_token_the_admin_still_refuses_other_sites() {
     let backend = mock(vec![]).await;
     let running = proxy(&[("up", backend.addr)], "").await;
-    let admin = running.shared.config.listen.admin;
+    let admin = running.shared().config.listen.admin;
     let host = format!("Host: {admin}\r\n");
 
     let (status, _) = raw(admin, &format!("GET /stats HTTP/1.1\r\n{host}")).await;
@@ -88,7 +88,7 @@ async fn a_token_locks_every_endpoint_but_healthz() {
             file.display()
         );
         let running = proxy(&[("up", backend.addr)], &extra).await;
-        let admin = running.shared.config.listen.admin;
+        let admin = running.shared().config.listen.admin;
         let host = format!("Host: {admin}\r\n");
         let get = |path: &str, auth: &str| format!("GET {path} HTTP/1.1\r\n{host}{auth}");
 

@@ -32,7 +32,7 @@ async fn compare_names_the_faster_backend() {
         "[[route]]\npath_prefix = \"/\"\nsplit = { \"fast\" = 50, \"slow\" = 50 }\n",
     )
     .await;
-    let admin = tap.shared.config.listen.admin;
+    let admin = tap.shared().config.listen.admin;
     let target = LoadArgs {
         duration: 8.0,
         warmup: 0.0,

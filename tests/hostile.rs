@@ -162,7 +162,7 @@ async fn connections_past_max_connections_are_closed_at_once_and_counted() {
     let st = admin_stats().await;
     assert_eq!(st["connections"]["refused_total"], 1, "{st}");
     assert_eq!(st["connections"]["max"], 3, "{st}");
-    let metrics = fetch(running.shared.config.listen.admin, "GET", "/metrics", b"").await;
+    let metrics = fetch(running.shared().config.listen.admin, "GET", "/metrics", b"").await;
     let text = String::from_utf8_lossy(&metrics.body);
     assert!(
         text.contains("tokentap_client_connections_refused_total 1"),

@@ -107,7 +107,7 @@ async fn beyond_the_queue_clients_get_429_with_retry_after() {
     assert_eq!(u["rejected_by_reason"]["queue_full"], 1);
     assert_eq!(u["rejected_by_reason"]["queue_timeout"], 1);
     let metrics = String::from_utf8(
-        fetch(tap.shared.config.listen.admin, "GET", "/metrics", b"")
+        fetch(tap.shared().config.listen.admin, "GET", "/metrics", b"")
             .await
             .body,
     )
@@ -187,7 +187,7 @@ async fn a_thousand_fickle_clients_leak_no_slot() {
         "{u:#}"
     );
     assert_eq!(
-        tap.shared.upstreams[0].limiter.stats().in_flight,
+        tap.shared().upstreams[0].limiter.stats().in_flight,
         0,
         "every permit came back"
     );

@@ -133,7 +133,7 @@ async fn bodies_are_forwarded_byte_for_byte() {
     assert_eq!(u["unparsed_events_total"], 0);
     assert_eq!(u["estimated_output_tokens_total"], 28);
     assert_eq!(u["tokens_per_event"]["max"], 1);
-    let metrics = fetch(tap.shared.config.listen.admin, "GET", "/metrics", b"").await;
+    let metrics = fetch(tap.shared().config.listen.admin, "GET", "/metrics", b"").await;
     let text = String::from_utf8(metrics.body).unwrap();
     for name in [
         "tokentap_requests_total{upstream=\"mock\",status=\"ok\"} 6",
@@ -149,7 +149,7 @@ async fn bodies_are_forwarded_byte_for_byte() {
     ] {
         assert!(text.contains(name), "/metrics lacks {name}:\n{text}");
     }
-    let health = fetch(tap.shared.config.listen.admin, "GET", "/healthz", b"").await;
+    let health = fetch(tap.shared().config.listen.admin, "GET", "/healthz", b"").await;
     assert_eq!(health.status, 200);
 }
 

@@ -18,8 +18,13 @@ pub fn render(
     stats: &[UpstreamReport],
     connections: &ConnectionStats,
     distributions: &[(&str, Distributions)],
+    (reloads_ok, reloads_failed, last_reload): (u64, u64, u64),
 ) -> String {
     let mut text = telemetry.scrape(|| {
+        counter!("tokentap_config_reloads_total", "result" => "success").absolute(reloads_ok);
+        counter!("tokentap_config_reloads_total", "result" => "failure")
+            .absolute(reloads_failed);
+        gauge!("tokentap_config_last_reload_success_timestamp_seconds").set(last_reload as f64);
         gauge!("tokentap_client_connections").set(connections.open as f64);
         gauge!("tokentap_client_connections_max").set(connections.max as f64);
         counter!("tokentap_client_connections_refused_total")

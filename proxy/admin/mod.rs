@@ -16,7 +16,7 @@ use serde::Serialize;
 use crate::compare::Comparison;
 use crate::meter::MeterStats;
 use crate::service::Transport;
-use crate::state::{Shared, Upstream};
+use crate::state::{Live, Shared, Upstream};
 
 /// The `/stats` document (DESIGN §5).
 #[derive(Debug, Serialize)]
@@ -78,15 +78,15 @@ pub struct ConnectionStats {
 
 /// The admin HTTP app.
 pub struct Admin {
-    shared: Arc<Shared>,
+    live: Arc<Live>,
     transport: Arc<Transport>,
 }
 
 // === impl Admin ===
 
 impl Admin {
-    pub fn new(shared: Arc<Shared>, transport: Arc<Transport>) -> Self {
-        Admin { shared, transport }
+    pub fn new(live: Arc<Live>, transport: Arc<Transport>) -> Self {
+        Admin { live, transport }
     }
 }
 
@@ -127,14 +127,13 @@ fn report(shared: &Shared, i: usize, u: &Upstream, now: crate::meter::Nanos) -> 
         .collect(),
         slo: u.slo.as_ref().map(|a| {
             let current = a.current_tpot_ms();
+            let slo = a.slo();
             SloStats {
-                tpot_ms: a.slo.tpot_ms,
-                percentile: a.slo.percentile,
-                met: current.map(|c| c <= a.slo.tpot_ms),
+                tpot_ms: slo.tpot_ms,
+                percentile: slo.percentile,
+                met: current.map(|c| c <= slo.tpot_ms),
                 current_tpot_ms: current,
-                slo_bounded_system_tps: u
-                    .meter
-                    .slo_bounded_system_tps(a.slo.tpot_ms, a.slo.percentile),
+                slo_bounded_system_tps: u.meter.slo_bounded_system_tps(slo.tpot_ms, slo.percentile),
             }
         }),
         arms: arms(shared, i),
@@ -236,14 +235,18 @@ fn json_error(status: StatusCode, message: &str) -> Response<Vec<u8>> {
 impl ServeHttp for Admin {
     async fn response(&self, session: &mut ServerSession) -> Response<Vec<u8>> {
         let req = session.req_header();
-        if let Some(refused) = self.guard(req) {
+        let shared = self.live.load();
+        if let Some(refused) = guard(&shared, req) {
             return refused;
         }
+        if req.method == http::Method::POST && req.uri.path() == "/reload" {
+            return self.reload().await;
+        }
         if req.method != http::Method::HEAD {
-            return self.serve(req);
+            return self.serve(&shared, req);
         }
         // HEAD: GET's status and fields, without the body.
-        let mut resp = self.serve(req);
+        let mut resp = self.serve(&shared, req);
         resp.body_mut().clear();
         resp
     }
@@ -254,68 +257,90 @@ impl ServeHttp for Admin {
 /// The longest admin request-target answered.
 const MAX_ADMIN_URI: usize = 8 * 1024;
 
-impl Admin {
-    /// The answer to a request that may not be served: a URI too long (414), a `Host` that
-    /// is neither this listener's address nor `localhost` (421: DNS rebinding), a `POST`
-    /// from another origin (403: a web page the operator has open), or a missing or wrong
-    /// token (401).
-    fn guard(&self, req: &pingora::http::RequestHeader) -> Option<Response<Vec<u8>>> {
-        if req.raw_path().len() > MAX_ADMIN_URI {
+/// The answer to a request that may not be served: a URI too long (414), a `Host` that
+/// is neither this listener's address nor `localhost` (421: DNS rebinding), a `POST`
+/// from another origin (403: a web page the operator has open), or a missing or wrong
+/// token (401).
+fn guard(shared: &Shared, req: &pingora::http::RequestHeader) -> Option<Response<Vec<u8>>> {
+    if req.raw_path().len() > MAX_ADMIN_URI {
+        return Some(json_error(
+            StatusCode::URI_TOO_LONG,
+            "the request-target is longer than 8 KiB",
+        ));
+    }
+    let admin = shared.config.listen.admin;
+    let header = |name: http::header::HeaderName| {
+        req.headers.get(name).map(|v| v.to_str().unwrap_or("\u{0}"))
+    };
+    if let Some(host) = header(http::header::HOST) {
+        if !own_authority(host, admin) {
             return Some(json_error(
-                StatusCode::URI_TOO_LONG,
-                "the request-target is longer than 8 KiB",
+                StatusCode::MISDIRECTED_REQUEST,
+                "the Host is neither this admin listener's address nor localhost",
             ));
         }
-        let admin = self.shared.config.listen.admin;
-        let header = |name: http::header::HeaderName| {
-            req.headers.get(name).map(|v| v.to_str().unwrap_or("\u{0}"))
+    }
+    if req.method == http::Method::POST {
+        let origin = header(http::header::ORIGIN);
+        let same = |o: &str| {
+            o.strip_prefix("http://")
+                .or_else(|| o.strip_prefix("https://"))
+                .is_some_and(|authority| own_authority(authority, admin))
         };
-        if let Some(host) = header(http::header::HOST) {
-            if !own_authority(host, admin) {
-                return Some(json_error(
-                    StatusCode::MISDIRECTED_REQUEST,
-                    "the Host is neither this admin listener's address nor localhost",
-                ));
-            }
+        if origin.is_some_and(|o| !same(o)) {
+            return Some(json_error(
+                StatusCode::FORBIDDEN,
+                "a POST from another origin is refused",
+            ));
         }
-        if req.method == http::Method::POST {
-            let origin = header(http::header::ORIGIN);
-            let same = |o: &str| {
-                o.strip_prefix("http://")
-                    .or_else(|| o.strip_prefix("https://"))
-                    .is_some_and(|authority| own_authority(authority, admin))
-            };
-            if origin.is_some_and(|o| !same(o)) {
-                return Some(json_error(
-                    StatusCode::FORBIDDEN,
-                    "a POST from another origin is refused",
-                ));
-            }
-        }
-        let auth = &self.shared.config.admin;
-        let path = req.uri.path();
-        let open = path == "/healthz" || (path == "/metrics" && auth.metrics_public);
-        if let (Some(token), false) = (&auth.token, open) {
-            let given = header(http::header::AUTHORIZATION)
-                .and_then(|v| v.strip_prefix("Bearer "))
-                .unwrap_or("");
-            if !constant_time_eq(given.trim().as_bytes(), token.0.as_bytes()) {
-                let mut resp = json_error(
+    }
+    let auth = &shared.config.admin;
+    let path = req.uri.path();
+    let open = path == "/healthz" || (path == "/metrics" && auth.metrics_public);
+    if let (Some(token), false) = (&auth.token, open) {
+        let given = header(http::header::AUTHORIZATION)
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .unwrap_or("");
+        if !constant_time_eq(given.trim().as_bytes(), token.0.as_bytes()) {
+            let mut resp = json_error(
                     StatusCode::UNAUTHORIZED,
                     "this admin API needs Authorization: Bearer TOKEN (admin.token_file or TOKENTAP_ADMIN_TOKEN)",
                 );
-                if let Ok(v) = "Bearer".parse() {
-                    resp.headers_mut().insert(http::header::WWW_AUTHENTICATE, v);
-                }
-                return Some(resp);
+            if let Ok(v) = "Bearer".parse() {
+                resp.headers_mut().insert(http::header::WWW_AUTHENTICATE, v);
             }
+            return Some(resp);
         }
-        None
+    }
+    None
+}
+
+impl Admin {
+    /// `POST /reload`: the config file read again, off the admin's thread (it reads files
+    /// and resolves names); `{"ok", "problems", "notes"}`, 200 or 422.
+    async fn reload(&self) -> Response<Vec<u8>> {
+        let live = Arc::clone(&self.live);
+        let done = tokio::task::spawn_blocking(move || live.reload("POST /reload"));
+        let Ok(reloaded) = done.await else {
+            return json_error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "the reload did not finish",
+            );
+        };
+        let status = if reloaded.ok {
+            StatusCode::OK
+        } else {
+            StatusCode::UNPROCESSABLE_ENTITY
+        };
+        match serde_json::to_vec_pretty(&reloaded) {
+            Ok(body) => respond(status, "application/json", body),
+            Err(e) => json_error(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
+        }
     }
 
-    fn serve(&self, req: &pingora::http::RequestHeader) -> Response<Vec<u8>> {
+    fn serve(&self, shared: &Shared, req: &pingora::http::RequestHeader) -> Response<Vec<u8>> {
         if req.method == http::Method::POST && req.uri.path() == "/compare/reset" {
-            for u in &self.shared.upstreams {
+            for u in &shared.upstreams {
                 u.meter.reset_samples();
             }
             return respond(
@@ -327,34 +352,34 @@ impl Admin {
         if req.method != http::Method::GET && req.method != http::Method::HEAD {
             return json_error(
                 StatusCode::METHOD_NOT_ALLOWED,
-                "use GET or HEAD (or POST /compare/reset)",
+                "use GET or HEAD (or POST /reload, POST /compare/reset)",
             );
         }
         match req.uri.path() {
-            "/compare" => match compare(&self.shared, req.uri.query()) {
+            "/compare" => match compare(shared, req.uri.query()) {
                 Ok(c) => match serde_json::to_vec_pretty(&c) {
                     Ok(body) => respond(StatusCode::OK, "application/json", body),
                     Err(e) => json_error(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
                 },
                 Err((status, message)) => json_error(status, &message),
             },
-            "/stats" => match serde_json::to_vec_pretty(&stats(&self.shared, &self.transport)) {
+            "/stats" => match serde_json::to_vec_pretty(&stats(shared, &self.transport)) {
                 Ok(body) => respond(StatusCode::OK, "application/json", body),
                 Err(e) => json_error(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
             },
             "/metrics" => {
-                let distributions: Vec<_> = self
-                    .shared
+                let distributions: Vec<_> = shared
                     .upstreams
                     .iter()
                     .map(|u| (u.meter.name(), u.meter.distributions()))
                     .collect();
-                let stats = stats(&self.shared, &self.transport);
+                let stats = stats(shared, &self.transport);
                 let text = metrics::render(
-                    &self.shared.telemetry,
+                    &shared.telemetry,
                     &stats.upstreams,
                     &stats.connections,
                     &distributions,
+                    self.live.reload_counts(),
                 );
                 respond(
                     StatusCode::OK,

@@ -8,8 +8,8 @@ use indexmap::IndexMap;
 use serde::Deserialize;
 
 use super::{
-    socket_addr, upstream_url, AdminAuth, Config, Limits, Listen, Problem, Problems, Route, Secret,
-    Upstream, ADMIN_TOKEN_ENV,
+    socket_addr, tls, upstream_url, AccessLog, AdminAuth, Config, Limits, Listen, ListenTls, Log,
+    LogFormat, Problem, Problems, Route, Secret, Upstream, ADMIN_TOKEN_ENV, DEFAULT_LOG_FILTER,
 };
 use super::{DEFAULT_CONNECT_TIMEOUT_MS, DEFAULT_READ_TIMEOUT_SECS};
 use crate::estimate::Estimate;
@@ -29,6 +29,8 @@ pub struct FileConfig {
     #[serde(default)]
     pub admin: AdminFile,
     #[serde(default)]
+    pub log: LogFile,
+    #[serde(default)]
     pub upstream: Vec<UpstreamFile>,
     #[serde(default)]
     pub route: Vec<RouteFile>,
@@ -43,6 +45,11 @@ pub struct ListenFile {
     /// itself is on 9090): loopback, since
     /// it is unauthenticated.
     pub admin: String,
+    /// A PEM certificate chain (leaf first): with `tls_key`, the proxy listener speaks
+    /// TLS. Read again on reload. Default: none (plain TCP).
+    pub tls_cert: Option<String>,
+    /// The PEM private key of `tls_cert`.
+    pub tls_key: Option<String>,
 }
 
 impl Default for ListenFile {
@@ -50,6 +57,80 @@ impl Default for ListenFile {
         ListenFile {
             proxy: "127.0.0.1:8080".into(),
             admin: "127.0.0.1:9191".into(),
+            tls_cert: None,
+            tls_key: None,
+        }
+    }
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LogFile {
+    /// A `RUST_LOG`-style filter, e.g. `"debug"` or `"info,tokentap=debug"`; the
+    /// `RUST_LOG` environment variable wins when set. Default: tokentap at info, pingora at
+    /// warn.
+    pub filter: Option<String>,
+    /// `"text"` or `"json"` (one object per line); `--log-format` wins. Default "text".
+    pub format: Option<String>,
+    /// The access log, one JSON line per request: `"off"`, `"stdout"`, `"stderr"` or a file
+    /// path (appended to, reopened on SIGUSR1). Default "off".
+    pub access: Option<String>,
+}
+
+impl LogFile {
+    fn log(&self, p: &mut Problems) -> Log {
+        let filter = match &self.filter {
+            Some(f) => match tracing_subscriber::EnvFilter::builder().parse(f) {
+                Ok(_) => f.clone(),
+                Err(e) => {
+                    p.add("log.filter", format!("`{f}` is not a log filter: {e}"));
+                    DEFAULT_LOG_FILTER.into()
+                }
+            },
+            None => DEFAULT_LOG_FILTER.into(),
+        };
+        let format = match self.format.as_deref() {
+            None | Some("text") => LogFormat::Text,
+            Some("json") => LogFormat::Json,
+            Some(other) => {
+                p.add(
+                    "log.format",
+                    format!("must be \"text\" or \"json\", not `{other}`"),
+                );
+                LogFormat::Text
+            }
+        };
+        let access = match self.access.as_deref() {
+            None | Some("off") => AccessLog::Off,
+            Some("stdout") => AccessLog::Stdout,
+            Some("stderr") => AccessLog::Stderr,
+            Some("") => {
+                p.add(
+                    "log.access",
+                    "must be \"off\", \"stdout\", \"stderr\" or a file path",
+                );
+                AccessLog::Off
+            }
+            Some(path) => {
+                // Opened (created) now, so that a path that cannot be written is a problem
+                // of the file, not a silent gap in the log.
+                let open = std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(path);
+                if let Err(e) = open {
+                    p.add(
+                        "log.access",
+                        format!("cannot open `{path}` for appending: {e}"),
+                    );
+                }
+                AccessLog::File(path.into())
+            }
+        };
+        Log {
+            filter,
+            format,
+            access,
         }
     }
 }
@@ -126,6 +207,34 @@ pub struct ServerFile {
     pub max_connections: Option<usize>,
     /// Larger request bodies get 413, bytes. Default 33554432 (32 MiB).
     pub max_request_body_bytes: Option<u64>,
+}
+
+impl ListenFile {
+    /// The proxy listener's TLS identity, loaded and checked.
+    fn tls(&self, p: &mut Problems) -> Option<ListenTls> {
+        match (&self.tls_cert, &self.tls_key) {
+            (None, None) => None,
+            (Some(_), None) => {
+                p.add("listen.tls_key", "is needed with listen.tls_cert");
+                None
+            }
+            (None, Some(_)) => {
+                p.add("listen.tls_cert", "is needed with listen.tls_key");
+                None
+            }
+            (Some(cert), Some(key)) => match tls::acceptor(cert, key) {
+                Ok(acceptor) => Some(ListenTls {
+                    cert: cert.clone(),
+                    key: key.clone(),
+                    acceptor,
+                }),
+                Err(e) => {
+                    p.add("listen.tls_cert", e);
+                    None
+                }
+            },
+        }
+    }
 }
 
 impl AdminFile {
@@ -261,6 +370,14 @@ pub struct UpstreamFile {
     /// How long an idle keep-alive connection to the upstream is kept, seconds. Default 60.
     #[serde(default)]
     pub idle_timeout_secs: Option<u64>,
+    /// An https upstream: a PEM bundle of CA certificates trusted besides the platform's
+    /// roots (a private CA). Default: none.
+    #[serde(default)]
+    pub ca_file: Option<String>,
+    /// An https upstream: verify its certificate and name. `false` accepts any certificate
+    /// (tokentap warns at start). Default true.
+    #[serde(default)]
+    pub tls_verify: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -402,6 +519,21 @@ impl FileConfig {
             let write = positive(&mut p, "write_timeout_secs", u.write_timeout_secs, 60);
             let idle = positive(&mut p, "idle_timeout_secs", u.idle_timeout_secs, 60);
             let queue_timeout = positive(&mut p, "queue_timeout_ms", u.queue_timeout_ms, 30_000);
+            let https = u.url.starts_with("https://");
+            if !https && (u.ca_file.is_some() || u.tls_verify.is_some()) {
+                let key = if u.ca_file.is_some() {
+                    "ca_file"
+                } else {
+                    "tls_verify"
+                };
+                p.add(at(key), "applies to an https:// upstream only");
+            }
+            let trust = match &u.ca_file {
+                Some(path) if https => tls::trust_with(path)
+                    .map_err(|e| p.add(at("ca_file"), e))
+                    .ok(),
+                _ => None,
+            };
             match upstream_url(&u.url) {
                 Ok((tls, host_header, sni, addr)) => upstreams.push(Upstream {
                     name: u.name.clone(),
@@ -420,6 +552,9 @@ impl FileConfig {
                     slo,
                     inject_usage: u.inject_usage,
                     estimate: u.estimate,
+                    tls_verify: u.tls_verify.unwrap_or(true),
+                    ca_file: u.ca_file.clone(),
+                    trust,
                 }),
                 Err(e) => p.add(at("url"), e),
             }
@@ -491,6 +626,8 @@ impl FileConfig {
 
         let limits = self.server.limits(&mut p);
         let admin_auth = self.admin.auth(&mut p);
+        let log = self.log.log(&mut p);
+        let listen_tls = self.listen.tls(&mut p);
         let threads = self
             .server
             .threads
@@ -505,6 +642,7 @@ impl FileConfig {
                 // Both are Ok here: an Err added a problem.
                 proxy: proxy.unwrap_or_else(|_| unreachable!()),
                 admin: admin.unwrap_or_else(|_| unreachable!()),
+                tls: listen_tls,
             },
             window,
             compare_window,
@@ -515,6 +653,7 @@ impl FileConfig {
             work_stealing: self.server.work_stealing.unwrap_or(true),
             limits,
             admin: admin_auth,
+            log,
             upstreams,
             routes,
         })

@@ -3,6 +3,7 @@
 //! with its dotted path (`route[1].split.vllm-b: unknown upstream`).
 
 mod file;
+mod tls;
 
 use std::fmt;
 use std::net::{SocketAddr, ToSocketAddrs};
@@ -15,6 +16,7 @@ use http::Uri;
 use crate::limit::controller::Slo;
 
 pub use file::FileConfig;
+pub use tls::Trust;
 
 /// A validated configuration.
 #[derive(Debug, Clone)]
@@ -38,6 +40,8 @@ pub struct Config {
     pub limits: Limits,
     /// Who may use the admin API.
     pub admin: AdminAuth,
+    /// What tokentap logs, and where requests are logged.
+    pub log: Log,
     pub upstreams: Vec<Upstream>,
     /// Routes in file order; first match wins. Never empty: a config with one upstream and
     /// no route gets one route for `/` to it.
@@ -96,11 +100,73 @@ impl Default for Limits {
     }
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct Listen {
     pub proxy: SocketAddr,
     pub admin: SocketAddr,
+    /// The proxy listener speaks TLS with this identity; `None`: plain TCP.
+    pub tls: Option<ListenTls>,
 }
+
+/// The proxy listener's TLS identity (`listen.tls_cert`, `listen.tls_key`), loaded.
+#[derive(Clone)]
+pub struct ListenTls {
+    pub cert: String,
+    pub key: String,
+    pub acceptor: pingora::tls::TlsAcceptor,
+}
+
+impl fmt::Debug for ListenTls {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ListenTls")
+            .field("cert", &self.cert)
+            .field("key", &self.key)
+            .finish_non_exhaustive()
+    }
+}
+
+/// `[log]`: the log's filter and format, and the access log.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Log {
+    /// A `RUST_LOG`-style filter (`RUST_LOG` itself wins when set).
+    pub filter: String,
+    pub format: LogFormat,
+    pub access: AccessLog,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    #[default]
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Where the access log goes.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum AccessLog {
+    #[default]
+    Off,
+    Stdout,
+    Stderr,
+    /// Appended to this file, reopened on SIGUSR1.
+    File(std::path::PathBuf),
+}
+
+impl Default for Log {
+    fn default() -> Self {
+        Log {
+            filter: DEFAULT_LOG_FILTER.into(),
+            format: LogFormat::Text,
+            access: AccessLog::Off,
+        }
+    }
+}
+
+/// The log filter when neither `RUST_LOG` nor `log.filter` says otherwise: tokentap's own
+/// lines at info, pingora's at warn (its info lines narrate every start and stop).
+pub const DEFAULT_LOG_FILTER: &str = "info,pingora=warn,pingora_core=warn,pingora_proxy=warn";
 
 #[derive(Debug, Clone)]
 pub struct Upstream {
@@ -130,6 +196,12 @@ pub struct Upstream {
     pub inject_usage: bool,
     /// How tokens without an exact count are estimated.
     pub estimate: crate::estimate::Estimate,
+    /// Verify an https upstream's certificate and name (`tls_verify`, default true).
+    pub tls_verify: bool,
+    /// `ca_file`, when given: the file, and the trust roots it makes (the platform's with
+    /// the file's certificates added).
+    pub ca_file: Option<String>,
+    pub trust: Option<Trust>,
 }
 
 #[derive(Debug, Clone)]

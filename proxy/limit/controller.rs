@@ -79,6 +79,18 @@ impl Controller {
         self.limit
     }
 
+    /// Holds `slo` from now on, from the current limit (within the new bounds). The history
+    /// was judged against the old SLO and is dropped.
+    pub fn retune(&mut self, slo: Slo) {
+        if slo == self.slo {
+            return;
+        }
+        self.limit = self.limit.clamp(slo.min_concurrency, slo.max_concurrency);
+        self.slo = slo;
+        self.history.clear();
+        self.drain_to = None;
+    }
+
     /// The concurrency at which the fitted line meets 95% of the SLO, if the recent ticks
     /// spread wide enough to fit one with a rising slope.
     pub fn target(&self) -> Option<f64> {

@@ -49,7 +49,6 @@ pub struct LimitConfig {
 pub struct Limiter {
     /// `u64::MAX` when unlimited.
     limit: AtomicU64,
-    config: LimitConfig,
     state: Mutex<State>,
     rejected: [AtomicU64; 2],
     /// A request had to queue (or was refused) since the controller last looked.
@@ -57,11 +56,12 @@ pub struct Limiter {
     waits: metrics::Histogram,
 }
 
-#[derive(Default)]
 struct State {
     in_flight: u64,
     queue: VecDeque<Waiter>,
     next_id: u64,
+    max_queue: usize,
+    queue_timeout: Duration,
 }
 
 struct Waiter {
@@ -85,8 +85,13 @@ impl Limiter {
     pub fn new(config: LimitConfig, waits: metrics::Histogram) -> Arc<Limiter> {
         Arc::new(Limiter {
             limit: AtomicU64::new(config.initial.unwrap_or(u64::MAX)),
-            config,
-            state: Mutex::new(State::default()),
+            state: Mutex::new(State {
+                in_flight: 0,
+                queue: VecDeque::new(),
+                next_id: 0,
+                max_queue: config.max_queue,
+                queue_timeout: config.queue_timeout,
+            }),
             rejected: [AtomicU64::new(0), AtomicU64::new(0)],
             binding: AtomicBool::new(false),
             waits,
@@ -116,14 +121,14 @@ impl Limiter {
     /// A slot now, or after waiting in line; `Err` when the queue is full or the wait runs
     /// out. Dropping the future (the client went away) leaves the queue at once.
     pub async fn acquire(self: &Arc<Self>) -> Result<Permit, Rejected> {
-        let (id, rx) = {
+        let (id, rx, queue_timeout) = {
             let mut st = self.lock();
             if st.queue.is_empty() && st.in_flight < self.limit.load(Relaxed) {
                 st.in_flight += 1;
                 return Ok(Permit(Arc::clone(self)));
             }
             self.binding.store(true, Relaxed);
-            if st.queue.len() >= self.config.max_queue {
+            if st.queue.len() >= st.max_queue {
                 self.reject(Rejected::QueueFull);
                 return Err(Rejected::QueueFull);
             }
@@ -131,7 +136,7 @@ impl Limiter {
             let id = st.next_id;
             st.next_id += 1;
             st.queue.push_back(Waiter { id, grant: tx });
-            (id, rx)
+            (id, rx, st.queue_timeout)
         };
         let started = std::time::Instant::now();
         let mut guard = QueueGuard {
@@ -139,7 +144,7 @@ impl Limiter {
             id,
             done: false,
         };
-        let granted = tokio::time::timeout(self.config.queue_timeout, rx).await;
+        let granted = tokio::time::timeout(queue_timeout, rx).await;
         guard.done = true;
         self.waits.record(started.elapsed().as_secs_f64());
         if matches!(granted, Ok(Ok(()))) {
@@ -162,6 +167,19 @@ impl Limiter {
     pub fn set_limit(&self, limit: u64) {
         self.limit.store(limit.max(1), Relaxed);
         let mut st = self.lock();
+        self.grant_waiting(&mut st);
+    }
+
+    /// Takes `config` on (a reload): the queue's bound and timeout for requests that queue
+    /// from now on, and the limit. The in-flight count and the queue carry over: a lower
+    /// limit admits nothing new until in-flight is under it, a higher one lets waiting
+    /// requests in at once.
+    pub fn reconfigure(&self, config: LimitConfig) {
+        let mut st = self.lock();
+        st.max_queue = config.max_queue;
+        st.queue_timeout = config.queue_timeout;
+        self.limit
+            .store(config.initial.map_or(u64::MAX, |l| l.max(1)), Relaxed);
         self.grant_waiting(&mut st);
     }
 

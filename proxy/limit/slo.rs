@@ -16,7 +16,7 @@ pub const CONTROL_TICK: Duration = Duration::from_secs(1);
 
 /// An upstream's adaptive cap.
 pub struct Adaptive {
-    pub slo: Slo,
+    slo: Mutex<Slo>,
     controller: Mutex<Controller>,
     /// The SLO percentile of per-token gaps over the last tick, ms.
     current_tpot_ms: Mutex<Option<f64>>,
@@ -25,13 +25,24 @@ pub struct Adaptive {
 impl Adaptive {
     pub fn new(slo: Slo) -> Self {
         Adaptive {
-            slo,
+            slo: Mutex::new(slo),
             controller: Mutex::new(Controller::new(slo)),
             current_tpot_ms: Mutex::new(None),
         }
     }
 
-    /// The limit the controller starts from.
+    /// The SLO it holds.
+    pub fn slo(&self) -> Slo {
+        *lock(&self.slo)
+    }
+
+    /// Holds `slo` from now on (a reload), from the limit in force.
+    pub fn retune(&self, slo: Slo) {
+        *lock(&self.slo) = slo;
+        lock(&self.controller).retune(slo);
+    }
+
+    /// The limit the controller is at.
     pub fn limit(&self) -> u64 {
         lock(&self.controller).limit()
     }
@@ -44,7 +55,7 @@ impl Adaptive {
     /// One controller tick: the meter's evidence since the last, the limiter's state, a
     /// new limit.
     pub fn tick(&self, meter: &UpstreamMeter, limiter: &Limiter, now: crate::meter::Nanos) {
-        let sample = meter.control_sample(now, self.slo.percentile);
+        let sample = meter.control_sample(now, self.slo().percentile);
         let tick = Tick {
             tpot_ms: sample.tpot_ms,
             concurrency: sample.concurrency,
@@ -62,18 +73,20 @@ impl Adaptive {
 /// An upstream under an adaptive cap: its meter, its limiter, its cap.
 pub type Target = (Arc<UpstreamMeter>, Arc<Limiter>, Arc<Adaptive>);
 
-/// Ticks every target's controller each [`CONTROL_TICK`] until `shutdown` turns true.
-pub async fn control(targets: Vec<Target>, clock: Clock, mut shutdown: watch::Receiver<bool>) {
-    if targets.is_empty() {
-        return;
-    }
+/// Ticks the controller of every target `targets` gives (asked each tick: a reload may
+/// change them) each [`CONTROL_TICK`] until `shutdown` turns true.
+pub async fn control(
+    targets: impl Fn() -> Vec<Target>,
+    clock: Clock,
+    mut shutdown: watch::Receiver<bool>,
+) {
     let mut tick = tokio::time::interval(CONTROL_TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             _ = tick.tick() => {
                 let now = clock.now();
-                for (meter, limiter, adaptive) in &targets {
+                for (meter, limiter, adaptive) in &targets() {
                     adaptive.tick(meter, limiter, now);
                 }
             }

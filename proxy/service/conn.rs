@@ -15,12 +15,13 @@
 use std::collections::VecDeque;
 use std::io;
 use std::mem::MaybeUninit;
+use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
+use dashmap::DashMap;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 
@@ -83,11 +84,12 @@ impl AsyncWrite for Io {
     }
 }
 
-/// Idle plain-TCP upstream connections, per upstream, the most recently used taken first;
-/// at most `capacity` in all.
+/// Idle plain-TCP upstream connections, per upstream address, the most recently used taken
+/// first; at most `capacity` in all. Keyed by address, not by an upstream's place in the
+/// config, which a reload may change.
 pub(crate) struct Pool {
-    /// Per upstream, oldest first.
-    idle: Box<[Mutex<VecDeque<Idle>>]>,
+    /// Per address, oldest first.
+    idle: DashMap<SocketAddr, VecDeque<Idle>>,
     held: AtomicUsize,
     capacity: usize,
 }
@@ -99,21 +101,19 @@ struct Idle {
 }
 
 impl Pool {
-    pub(crate) fn new(upstreams: usize, capacity: usize) -> Self {
+    pub(crate) fn new(capacity: usize) -> Self {
         Pool {
-            idle: (0..upstreams)
-                .map(|_| Mutex::new(VecDeque::new()))
-                .collect(),
+            idle: DashMap::new(),
             held: AtomicUsize::new(0),
             capacity,
         }
     }
 
-    /// An idle connection to `upstream` still open and unexpired at `now`, the most
-    /// recently released first; the ones found closed or expired are dropped.
-    pub(crate) fn take(&self, upstream: usize, now: Instant) -> Option<TcpStream> {
+    /// An idle connection to `addr` still open and unexpired at `now`, the most recently
+    /// released first; the ones found closed or expired are dropped.
+    pub(crate) fn take(&self, addr: SocketAddr, now: Instant) -> Option<TcpStream> {
         loop {
-            let idle = self.lock(upstream).pop_back()?;
+            let idle = self.idle.get_mut(&addr)?.pop_back()?;
             self.held.fetch_sub(1, Ordering::Relaxed);
             if now < idle.expires && idle.is_clean() {
                 return Some(idle.tcp);
@@ -122,11 +122,11 @@ impl Pool {
     }
 
     /// Keeps `tcp`, whose last response was read whole, for reuse until `now + idle_for`.
-    /// A full pool makes room by dropping the oldest connection of this upstream, else of
+    /// A full pool makes room by dropping the oldest connection to this address, else to
     /// another (as pingora's pool, whose least recently used goes), else drops `tcp`.
     pub(crate) fn release(
         &self,
-        upstream: usize,
+        addr: SocketAddr,
         tcp: TcpStream,
         now: Instant,
         idle_for: Duration,
@@ -142,52 +142,46 @@ impl Pool {
             })
             .is_ok();
         // An evicted connection's place (and count) goes to `tcp`.
-        let evicted = if room { None } else { self.oldest(upstream) };
+        let evicted = if room { None } else { self.oldest(addr) };
         if room || evicted.is_some() {
-            self.lock(upstream).push_back(idle);
+            self.idle.entry(addr).or_default().push_back(idle);
         }
         drop(evicted); // closed outside the lock
     }
 
-    /// Takes out the oldest idle connection of `upstream`, else of another upstream whose
-    /// list is not locked right now; `held` is left as it is.
-    fn oldest(&self, upstream: usize) -> Option<Idle> {
-        if let Some(own) = self.lock(upstream).pop_front() {
+    /// Takes out the oldest idle connection to `addr`, else to another address; `held` is
+    /// left as it is.
+    fn oldest(&self, addr: SocketAddr) -> Option<Idle> {
+        if let Some(own) = self.idle.get_mut(&addr).and_then(|mut l| l.pop_front()) {
             return Some(own);
         }
         self.idle
-            .iter()
-            .enumerate()
-            .filter(|&(u, _)| u != upstream)
-            .find_map(|(_, list)| list.try_lock().ok()?.pop_front())
+            .iter_mut()
+            .filter(|list| *list.key() != addr)
+            .find_map(|mut list| list.pop_front())
     }
 
     /// Drops the connections expired at `now`, closed by their upstream or with bytes
-    /// waiting, so that they do not hold file descriptors until they are next taken.
+    /// waiting, so that they do not hold file descriptors until they are next taken; an
+    /// address left with none is forgotten (a reload may have removed its upstream).
     pub(crate) fn sweep(&self, now: Instant) {
-        for upstream in 0..self.idle.len() {
-            let mut list = self.lock(upstream);
-            let (kept, gone): (VecDeque<Idle>, VecDeque<Idle>) = std::mem::take(&mut *list)
+        let mut gone = Vec::new();
+        self.idle.retain(|_, list| {
+            let (kept, dropped): (VecDeque<Idle>, VecDeque<Idle>) = std::mem::take(list)
                 .into_iter()
                 .partition(|idle| now < idle.expires && idle.is_clean());
             *list = kept;
-            drop(list);
-            self.held.fetch_sub(gone.len(), Ordering::Relaxed);
-            drop(gone); // closed outside the lock
-        }
+            gone.extend(dropped);
+            !list.is_empty()
+        });
+        self.held.fetch_sub(gone.len(), Ordering::Relaxed);
+        drop(gone); // closed outside the lock
     }
 
     /// Idle connections held, in all.
     #[cfg(test)]
     fn len(&self) -> usize {
         self.held.load(Ordering::Relaxed)
-    }
-
-    fn lock(&self, upstream: usize) -> std::sync::MutexGuard<'_, VecDeque<Idle>> {
-        // A panic while holding the lock leaves a list of sockets that is still valid.
-        self.idle[upstream]
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 }
 
@@ -222,39 +216,44 @@ mod tests {
 
     const IDLE: Duration = Duration::from_secs(60);
 
+    /// The address of upstream `i` (the pool never connects to it).
+    fn up(i: u16) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], 1 + i))
+    }
+
     #[tokio::test]
     async fn takes_the_most_recently_released_first() {
         let l = listener().await;
-        let pool = Pool::new(2, 8);
+        let pool = Pool::new(8);
         let now = Instant::now();
         let (a, _a) = pair(&l).await;
         let (b, _b) = pair(&l).await;
         let (a_port, b_port) = (a.local_addr().unwrap(), b.local_addr().unwrap());
-        pool.release(0, a, now, IDLE);
-        pool.release(0, b, now, IDLE);
+        pool.release(up(0), a, now, IDLE);
+        pool.release(up(0), b, now, IDLE);
         assert_eq!(pool.len(), 2);
-        assert!(pool.take(1, now).is_none(), "pools are per upstream");
-        assert_eq!(pool.take(0, now).unwrap().local_addr().unwrap(), b_port);
-        assert_eq!(pool.take(0, now).unwrap().local_addr().unwrap(), a_port);
-        assert!(pool.take(0, now).is_none());
+        assert!(pool.take(up(1), now).is_none(), "pools are per upstream");
+        assert_eq!(pool.take(up(0), now).unwrap().local_addr().unwrap(), b_port);
+        assert_eq!(pool.take(up(0), now).unwrap().local_addr().unwrap(), a_port);
+        assert!(pool.take(up(0), now).is_none());
         assert_eq!(pool.len(), 0);
     }
 
     #[tokio::test]
     async fn expired_connections_are_not_reused() {
         let l = listener().await;
-        let pool = Pool::new(1, 8);
+        let pool = Pool::new(8);
         let now = Instant::now();
         let (a, _a) = pair(&l).await;
-        pool.release(0, a, now, IDLE);
-        assert!(pool.take(0, now + IDLE).is_none());
+        pool.release(up(0), a, now, IDLE);
+        assert!(pool.take(up(0), now + IDLE).is_none());
         assert_eq!(pool.len(), 0);
     }
 
     #[tokio::test]
     async fn closed_or_unclean_connections_are_not_reused() {
         let l = listener().await;
-        let pool = Pool::new(1, 8);
+        let pool = Pool::new(8);
         let now = Instant::now();
         let (closed, theirs) = pair(&l).await;
         drop(theirs);
@@ -266,16 +265,16 @@ mod tests {
         // Wait until both are visible on our side (the kernel's, not a sleep).
         closed.readable().await.unwrap();
         chatty.readable().await.unwrap();
-        pool.release(0, closed, now, IDLE);
-        pool.release(0, chatty, now, IDLE);
-        assert!(pool.take(0, now).is_none());
+        pool.release(up(0), closed, now, IDLE);
+        pool.release(up(0), chatty, now, IDLE);
+        assert!(pool.take(up(0), now).is_none());
         assert_eq!(pool.len(), 0);
     }
 
     #[tokio::test]
     async fn sweep_drops_the_closed_and_the_expired_and_keeps_the_rest() {
         let l = listener().await;
-        let pool = Pool::new(1, 8);
+        let pool = Pool::new(8);
         let now = Instant::now();
         let (open, _open) = pair(&l).await;
         let open_port = open.local_addr().unwrap();
@@ -283,18 +282,21 @@ mod tests {
         drop(theirs);
         closed.readable().await.unwrap();
         let (old, _old) = pair(&l).await;
-        pool.release(0, old, now, Duration::from_secs(1));
-        pool.release(0, open, now, IDLE);
-        pool.release(0, closed, now, IDLE);
+        pool.release(up(0), old, now, Duration::from_secs(1));
+        pool.release(up(0), open, now, IDLE);
+        pool.release(up(0), closed, now, IDLE);
         pool.sweep(now + Duration::from_secs(1));
         assert_eq!(pool.len(), 1);
-        assert_eq!(pool.take(0, now).unwrap().local_addr().unwrap(), open_port);
+        assert_eq!(
+            pool.take(up(0), now).unwrap().local_addr().unwrap(),
+            open_port
+        );
     }
 
     #[tokio::test]
     async fn a_full_pool_drops_the_oldest_of_the_upstream_else_of_another() {
         let l = listener().await;
-        let pool = Pool::new(2, 2);
+        let pool = Pool::new(2);
         let now = Instant::now();
         let (a, _a) = pair(&l).await;
         let (b, _b) = pair(&l).await;
@@ -302,24 +304,24 @@ mod tests {
         let (d, _d) = pair(&l).await;
         let port = |s: &TcpStream| s.local_addr().unwrap();
         let (c_port, d_port) = (port(&c), port(&d));
-        pool.release(0, a, now, IDLE);
-        pool.release(0, b, now, IDLE);
-        pool.release(0, c, now, IDLE); // `a` makes room
+        pool.release(up(0), a, now, IDLE);
+        pool.release(up(0), b, now, IDLE);
+        pool.release(up(0), c, now, IDLE); // `a` makes room
         assert_eq!(pool.len(), 2);
-        pool.release(1, d, now, IDLE); // none of upstream 1's to drop: `b` makes room
+        pool.release(up(1), d, now, IDLE); // none of upstream 1's to drop: `b` makes room
         assert_eq!(pool.len(), 2);
-        assert_eq!(port(&pool.take(1, now).unwrap()), d_port);
-        assert_eq!(port(&pool.take(0, now).unwrap()), c_port);
-        assert!(pool.take(0, now).is_none());
+        assert_eq!(port(&pool.take(up(1), now).unwrap()), d_port);
+        assert_eq!(port(&pool.take(up(0), now).unwrap()), c_port);
+        assert!(pool.take(up(0), now).is_none());
     }
 
     #[tokio::test]
     async fn a_pool_of_none_keeps_nothing() {
         let l = listener().await;
-        let pool = Pool::new(1, 0);
+        let pool = Pool::new(0);
         let (a, _a) = pair(&l).await;
-        pool.release(0, a, Instant::now(), IDLE);
+        pool.release(up(0), a, Instant::now(), IDLE);
         assert_eq!(pool.len(), 0);
-        assert!(pool.take(0, Instant::now()).is_none());
+        assert!(pool.take(up(0), Instant::now()).is_none());
     }
 }

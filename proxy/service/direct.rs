@@ -28,6 +28,7 @@ use std::cell::RefCell;
 use std::future::{poll_fn, Future};
 use std::io;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
@@ -53,6 +54,7 @@ use crate::estimate::Estimate;
 use crate::limit::Rejected;
 use crate::meter::Nanos;
 use crate::routing::Choice;
+use crate::state::Shared;
 use crate::usage::{self, UsageStripper};
 
 /// Attempts at connecting: a connect that failed in a way pingora marks retryable is tried
@@ -216,7 +218,9 @@ impl TokenTap {
             rest,
             mut leftover,
         } = ahead;
-        let limits = self.shared.config.limits;
+        let mut ctx = self.new_ctx();
+        let shared = Arc::clone(&ctx.shared);
+        let limits = shared.config.limits;
         let read_whole = matches!(rest, Rest::Done);
         let keep_alive = !shutdown
             && req.version == http::Version::HTTP_11
@@ -234,12 +238,11 @@ impl TokenTap {
             };
             (keep, after)
         };
-        let mut ctx = self.new_ctx();
         ctx.t0 = t0;
         if req.method == http::Method::POST {
             ctx.dialect = Dialect::from_path(req.uri.path());
         }
-        let Some(choice) = self.route(&req) else {
+        let Some(choice) = route(&shared, &req) else {
             let body = error_body(
                 "tokentap: no route matches this request",
                 "invalid_request_error",
@@ -251,7 +254,7 @@ impl TokenTap {
             return after;
         };
         ctx.choice = Some(choice);
-        let upstream = &self.shared.upstreams[choice.upstream];
+        let upstream = &shared.upstreams[choice.upstream];
         ctx.tokenize = upstream.config.estimate == Estimate::Tokenizer;
 
         // Caps apply to generation requests only. A queued client whose body was read whole
@@ -272,7 +275,7 @@ impl TokenTap {
                 Ok(Ok(permit)) => ctx.permit = Some(permit),
                 Ok(Err(why)) => {
                     let (keep, after) = answered(&leftover, watch);
-                    self.reject(client, choice, why, keep).await;
+                    reject(client, &shared, choice, why, keep).await;
                     return after;
                 }
                 Err(gone) => {
@@ -311,17 +314,19 @@ impl TokenTap {
         }
         let result = match opened {
             Ok(mut open) => {
-                let peer = &self.shared.upstreams[choice.upstream].peer;
+                let upstream = &shared.upstreams[choice.upstream];
+                let peer = &upstream.peer;
                 let relayed = self
                     .relay(client, &mut ctx, &mut open, peer.options.read_timeout)
                     .await;
                 relayed.map(|()| {
                     if open.relay.reusable {
-                        let idle = self.shared.upstreams[choice.upstream].config.idle_timeout;
+                        let idle = upstream.config.idle_timeout;
                         match open.up {
                             Io::Tcp(tcp) => {
                                 let now = std::time::Instant::now();
-                                self.transport.pool.release(choice.upstream, tcp, now, idle);
+                                let addr = upstream.config.addr;
+                                self.transport.pool.release(addr, tcp, now, idle);
                             }
                             Io::Pingora(tls) => {
                                 let hash = peer.reuse_hash();
@@ -349,36 +354,6 @@ impl TokenTap {
             Err(e) if e.esource() == &ErrorSource::Downstream && !read_whole => After::Linger,
             Err(_) => After::Close,
         }
-    }
-
-    /// The upstream of a request, if a route matches.
-    fn route(&self, req: &RequestHeader) -> Option<Choice> {
-        let upstreams = &self.shared.upstreams;
-        self.shared
-            .router
-            .choose(req.uri.path(), &req.headers, |u| {
-                upstreams[u].limiter.has_headroom()
-            })
-    }
-
-    /// Answers 429 with `Retry-After` and an OpenAI-style error body.
-    async fn reject(&self, client: &mut Io, choice: Choice, why: Rejected, keep_alive: bool) {
-        let upstream = &self.shared.upstreams[choice.upstream];
-        let name = &upstream.config.name;
-        let limit = upstream
-            .limiter
-            .limit()
-            .map_or("-".to_owned(), |l| l.to_string());
-        let message = match why {
-            Rejected::QueueFull => format!("tokentap: upstream {name} is at its concurrency limit ({limit}) and its queue is full"),
-            Rejected::QueueTimeout => format!("tokentap: no slot on upstream {name} (limit {limit}) within the queue timeout"),
-        };
-        let code = format!("tokentap_{}", why.label());
-        let body = error_body(&message, "rate_limit_exceeded", &code);
-        let extra = [("Retry-After", "1"), (UPSTREAM_HEADER, name.as_str())];
-        let out = json_response(429, &body, &extra, keep_alive);
-        let cwt = self.shared.config.limits.client_write_timeout;
-        let _ = write_within(client, &out, cwt).await;
     }
 
     /// Everything up to the response body: the upstream request (usage injected), the
@@ -409,11 +384,12 @@ impl TokenTap {
             !shutdown && !http10 && !h1::has_token(&req.headers, header::CONNECTION, "close");
         let mut body = body.freeze();
         let read_whole = matches!(rest, Rest::Done);
-        let upstream = &self.shared.upstreams[choice.upstream];
+        let shared = Arc::clone(&ctx.shared);
+        let upstream = &shared.upstreams[choice.upstream];
         if read_whole && ctx.dialect == Some(Dialect::OpenAi) && upstream.config.inject_usage {
             if let Some(rewritten) = usage::request_with_usage(&body) {
                 body = rewritten;
-                ctx.strip_usage = Some(UsageStripper::new(self.shared.config.max_event_bytes));
+                ctx.strip_usage = Some(UsageStripper::new(shared.config.max_event_bytes));
             }
         }
         let expects_body = matches!(
@@ -429,7 +405,7 @@ impl TokenTap {
             (BodyKind::Length(n), _) => UpBody::Length(n),
             (BodyKind::Chunked, _) => UpBody::Chunked,
         };
-        let up_req = self.upstream_request(&req, choice, up_body)?;
+        let up_req = upstream_request(&req, &upstream.config.host_header, up_body)?;
         drop(req);
         let Some(mut wire) = http_req_header_to_wire(&up_req) else {
             return Error::e_explain(InvalidHTTPHeader, "request target");
@@ -449,13 +425,13 @@ impl TokenTap {
         let peer = &upstream.peer;
         // Boxed: connecting (TCP, TLS, the pool) is a large future, needed only until the
         // response header; kept inline, every open stream would hold its space.
-        let send = Box::pin(self.connect_and_write(choice.upstream, peer, wire));
+        let send = Box::pin(self.connect_and_write(upstream.config.addr, peer, wire));
         let mut up = if read_whole {
             watching(client, &mut watch, &mut leftover, send).await?
         } else {
             let up = send.await?;
             let mut up = up;
-            let limits = self.shared.config.limits;
+            let limits = shared.config.limits;
             let streamed = Box::pin(send_rest(
                 client,
                 &mut up,
@@ -579,7 +555,7 @@ impl TokenTap {
             leftover,
             ..
         } = open;
-        let stall_limit = self.shared.config.limits.client_write_timeout;
+        let stall_limit = ctx.shared.config.limits.client_write_timeout;
         // The timeouts, kept lazily: one timer, which when it fires checks the time of the
         // last fragment written (the upstream's silence) or of the stall's start (the
         // client's).
@@ -650,52 +626,20 @@ impl TokenTap {
         .await
     }
 
-    /// The request as the upstream gets it.
-    fn upstream_request(
-        &self,
-        client: &RequestHeader,
-        choice: Choice,
-        body: UpBody,
-    ) -> Result<RequestHeader> {
-        let mut req = client.clone();
-        for name in h1::hop_by_hop(&req.headers, &[]) {
-            req.remove_header(&name);
-        }
-        req.remove_header(&header::EXPECT); // the body is on its way already
-        req.remove_header(&header::CONTENT_LENGTH);
-        req.set_version(http::Version::HTTP_11);
-        let host = &self.shared.upstreams[choice.upstream].config.host_header;
-        req.insert_header(HOST, host.as_str())?;
-        match body {
-            UpBody::None => {}
-            UpBody::Length(n) => req.insert_header(header::CONTENT_LENGTH, n.to_string())?,
-            UpBody::Chunked => req.insert_header(header::TRANSFER_ENCODING, "chunked")?,
-        }
-        Ok(req)
-    }
-
     /// A pooled connection to `upstream`, else a new one. Plain TCP is tokio's own, pooled
     /// in [`Pool`](super::Pool); TLS is pingora's connector and pool. (pingora's connect
     /// future, with TLS, proxies and socket options tokentap does not set, is 8.5 KiB: a
     /// burst of thousands of new streams would leave that much per stream behind in the
     /// allocator.)
-    async fn connect(&self, upstream: usize, peer: &HttpPeer) -> Result<Io> {
-        let plain = match peer._address {
-            pingora::protocols::l4::socket::SocketAddr::Inet(addr) if !peer.is_tls() => Some(addr),
-            _ => None,
-        };
-        let Some(addr) = plain else {
+    async fn connect(&self, addr: std::net::SocketAddr, peer: &HttpPeer) -> Result<Io> {
+        if peer.is_tls() {
             let connector = &self.transport.connector;
             if let Some(pooled) = connector.reused_stream(peer).await {
                 return Ok(Io::Pingora(pooled));
             }
             return Box::pin(connector.new_stream(peer)).await.map(Io::Pingora);
-        };
-        if let Some(pooled) = self
-            .transport
-            .pool
-            .take(upstream, std::time::Instant::now())
-        {
+        }
+        if let Some(pooled) = self.transport.pool.take(addr, std::time::Instant::now()) {
             return Ok(Io::Tcp(pooled));
         }
         let connect = tokio::net::TcpStream::connect(addr);
@@ -723,14 +667,14 @@ impl TokenTap {
     /// request head with the body read so far, in one write.
     async fn connect_and_write(
         &self,
-        upstream: usize,
+        addr: std::net::SocketAddr,
         peer: &HttpPeer,
         wire: BytesMut,
     ) -> Result<Io> {
         let mut attempt = 0;
         let mut up = loop {
             attempt += 1;
-            match self.connect(upstream, peer).await {
+            match self.connect(addr, peer).await {
                 Ok(up) => break up,
                 Err(mut e) => {
                     e.retry.decide_reuse(false);
@@ -744,6 +688,56 @@ impl TokenTap {
         write_up(&mut up, &wire, peer.options.write_timeout).await?;
         Ok(up)
     }
+}
+
+/// The upstream of a request, if a route matches.
+fn route(shared: &Shared, req: &RequestHeader) -> Option<Choice> {
+    let upstreams = &shared.upstreams;
+    shared.router.choose(req.uri.path(), &req.headers, |u| {
+        upstreams[u].limiter.has_headroom()
+    })
+}
+
+/// Answers 429 with `Retry-After` and an OpenAI-style error body.
+async fn reject(client: &mut Io, shared: &Shared, choice: Choice, why: Rejected, keep_alive: bool) {
+    let upstream = &shared.upstreams[choice.upstream];
+    let name = &upstream.config.name;
+    let limit = upstream
+        .limiter
+        .limit()
+        .map_or("-".to_owned(), |l| l.to_string());
+    let message = match why {
+        Rejected::QueueFull => format!(
+            "tokentap: upstream {name} is at its concurrency limit ({limit}) and its queue is full"
+        ),
+        Rejected::QueueTimeout => {
+            format!("tokentap: no slot on upstream {name} (limit {limit}) within the queue timeout")
+        }
+    };
+    let code = format!("tokentap_{}", why.label());
+    let body = error_body(&message, "rate_limit_exceeded", &code);
+    let extra = [("Retry-After", "1"), (UPSTREAM_HEADER, name.as_str())];
+    let out = json_response(429, &body, &extra, keep_alive);
+    let cwt = shared.config.limits.client_write_timeout;
+    let _ = write_within(client, &out, cwt).await;
+}
+
+/// The request as the upstream gets it.
+fn upstream_request(client: &RequestHeader, host: &str, body: UpBody) -> Result<RequestHeader> {
+    let mut req = client.clone();
+    for name in h1::hop_by_hop(&req.headers, &[]) {
+        req.remove_header(&name);
+    }
+    req.remove_header(&header::EXPECT); // the body is on its way already
+    req.remove_header(&header::CONTENT_LENGTH);
+    req.set_version(http::Version::HTTP_11);
+    req.insert_header(HOST, host)?;
+    match body {
+        UpBody::None => {}
+        UpBody::Length(n) => req.insert_header(header::CONTENT_LENGTH, n.to_string())?,
+        UpBody::Chunked => req.insert_header(header::TRANSFER_ENCODING, "chunked")?,
+    }
+    Ok(req)
 }
 
 /// Writes to the upstream within its write timeout.

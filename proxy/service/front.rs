@@ -55,8 +55,9 @@ impl Front {
     /// Serves one client connection until it closes, fails, idles out or the server shuts
     /// down.
     async fn connection(self: Arc<Self>, mut client: Io, shutdown: ShutdownWatch) {
-        let limits = self.tap.shared.config.limits;
         loop {
+            // Per request: a reload changes the limits of the requests that follow.
+            let limits = self.tap.live.load().config.limits;
             let (mut read, head_len, req) = match read_head(&mut client, &shutdown, &limits).await {
                 Ok(Some(head)) => head,
                 Ok(None) => return,
@@ -100,7 +101,7 @@ impl Front {
 
     /// Lets pingora-proxy serve the (upgrade) request whose first bytes are `read`.
     async fn hand_over(&self, client: Io, read: BytesMut, shutdown: &ShutdownWatch) -> Option<Io> {
-        let limits = self.tap.shared.config.limits;
+        let limits = self.tap.live.load().config.limits;
         let mut session = ServerSession::new_http1(client.into_pingora());
         session.set_keepalive((!*shutdown.borrow()).then_some(KEEPALIVE.as_secs()));
         session.set_write_timeout(Some(limits.client_write_timeout));
@@ -267,12 +268,15 @@ impl Service for FrontService {
     async fn start_service(
         &mut self,
         _fds: Option<ListenFds>,
-        mut shutdown: ShutdownWatch,
+        pingora_shutdown: ShutdownWatch,
         _listeners_per_fd: usize,
     ) {
         let Some(front) = self.0.take() else { return };
         let front = Arc::new(front);
-        let addr = front.tap.shared.config.listen.proxy;
+        // pingora's shutdown, or tokentap's own drain (SIGTERM), stops the listener and the
+        // connections alike.
+        let mut shutdown = either(pingora_shutdown, front.tap.transport.draining());
+        let addr = front.tap.live.load().config.listen.proxy;
         let listener = match listen(addr) {
             Ok(l) => l,
             Err(e) => {
@@ -324,6 +328,20 @@ impl Service for FrontService {
     fn name(&self) -> &str {
         "tokentap proxy"
     }
+}
+
+/// A watch that turns true when either of `a` and `b` does.
+fn either(mut a: ShutdownWatch, mut b: ShutdownWatch) -> ShutdownWatch {
+    let (tx, rx) = tokio::sync::watch::channel(*a.borrow() || *b.borrow());
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = a.wait_for(|&v| v) => {}
+            _ = b.wait_for(|&v| v) => {}
+            _ = tx.closed() => return,
+        }
+        tx.send_replace(true);
+    });
+    rx
 }
 
 fn listen(addr: SocketAddr) -> std::io::Result<TcpListener> {

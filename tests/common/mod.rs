@@ -43,12 +43,12 @@ pub async fn proxy(upstreams: &[(&str, SocketAddr)], extra: &str) -> Running {
 }
 
 pub fn proxy_addr(r: &Running) -> SocketAddr {
-    r.shared.config.listen.proxy
+    r.shared().config.listen.proxy
 }
 
 /// `/stats` of the running proxy, as JSON.
 pub async fn stats(r: &Running) -> serde_json::Value {
-    let resp = fetch(r.shared.config.listen.admin, "GET", "/stats", b"").await;
+    let resp = fetch(r.shared().config.listen.admin, "GET", "/stats", b"").await;
     assert_eq!(resp.status, 200);
     serde_json::from_slice(&resp.body).unwrap()
 }

@@ -29,17 +29,21 @@ use crate::routing::Choice;
 use crate::sse::SseParser;
 use crate::state::{Live, Shared};
 use crate::usage::UsageStripper;
+use record::{RequestId, Seen};
 
 mod conn;
 mod direct;
+mod failure;
 mod front;
 #[cfg(feature = "fuzzing")]
 pub(crate) mod fuzzing;
 mod h1;
+mod record;
 mod request;
 
 pub(crate) use conn::Pool;
 pub use front::{Connections, Front, FrontService};
+pub use record::REQUEST_ID_HEADER;
 pub use request::ClientError;
 
 /// The response header naming the upstream that served a request.
@@ -142,6 +146,13 @@ pub struct Ctx {
     facts: Facts,
     unparsed: u64,
     status: u16,
+    request_id: RequestId,
+    /// Bytes written to the client.
+    bytes_out: u64,
+    /// How the request ended, once it has.
+    outcome: Option<Outcome>,
+    /// What the access log needs besides, when it is on.
+    seen: Option<Box<Seen>>,
 }
 
 impl Ctx {
@@ -228,6 +239,9 @@ impl TokenTap {
         }
         ctx.facts.finished |= facts.finished;
         ctx.facts.error |= facts.error;
+        if facts.input_tokens.is_some() {
+            ctx.facts.input_tokens = facts.input_tokens;
+        }
     }
 
     fn outcome(ctx: &Ctx, e: Option<&pingora::Error>) -> Outcome {
@@ -272,6 +286,10 @@ impl ProxyHttp for TokenTap {
             facts: Facts::default(),
             unparsed: 0,
             status: 0,
+            request_id: RequestId::Ours(0),
+            bytes_out: 0,
+            outcome: None,
+            seen: None,
         }
     }
 
@@ -354,6 +372,10 @@ impl TokenTap {
             let name = &ctx.shared.upstreams[c.upstream].config.name;
             resp.insert_header(UPSTREAM_HEADER, name.as_str())?;
         }
+        // The upstream's own request id, if it sends one, is its to keep.
+        if !resp.headers.contains_key(REQUEST_ID_HEADER) {
+            resp.insert_header(REQUEST_ID_HEADER, ctx.request_id.to_header())?;
+        }
         let encoded = resp
             .headers
             .get(CONTENT_ENCODING)
@@ -372,6 +394,9 @@ impl TokenTap {
         };
         if !matches!(ctx.body, Body::Sse(_)) {
             ctx.strip_usage = None; // only an SSE stream carries a usage chunk to take out
+        }
+        if let Some(seen) = ctx.seen.as_mut() {
+            seen.stream = matches!(framing, Some(Framing::Sse | Framing::Ndjson));
         }
         Ok(())
     }
@@ -396,6 +421,7 @@ impl TokenTap {
             return;
         };
         let outcome = Self::outcome(ctx, e);
+        ctx.outcome = Some(outcome);
         let meter = &ctx.shared.upstreams[choice.upstream].meter;
         ctx.unparsed += match &ctx.body {
             Body::Sse(p) => p.oversized_events(),
@@ -404,7 +430,12 @@ impl TokenTap {
         };
         meter.count_unparsed(ctx.unparsed);
         match ctx.stream.take() {
-            Some(stream) => stream.finish(self.now(), outcome),
+            Some(stream) => {
+                if let Some(seen) = ctx.seen.as_mut() {
+                    seen.summary = Some(stream.summary());
+                }
+                stream.finish(self.now(), outcome)
+            }
             None => meter.count_plain(outcome),
         }
         ctx.permit = None;

@@ -113,7 +113,7 @@ pub struct Listen {
 pub struct ListenTls {
     pub cert: String,
     pub key: String,
-    pub acceptor: pingora::tls::TlsAcceptor,
+    pub acceptor: std::sync::Arc<pingora::listeners::tls::Acceptor>,
 }
 
 impl fmt::Debug for ListenTls {

@@ -4,24 +4,29 @@
 
 use std::sync::Arc;
 
-use pingora::tls::{load_native_certs, CertificateDer, PrivateKeyDer, ServerConfig, TlsAcceptor};
+use pingora::listeners::tls::{Acceptor, TlsSettings};
+use pingora::listeners::ALPN;
+use pingora::tls::{load_native_certs, CertificateDer, PrivateKeyDer, ServerConfig};
 use pingora::utils::tls::WrappedX509;
 use rustls_pki_types::pem::PemObject;
 
 /// The trust roots pingora's connector takes per peer.
 pub type Trust = Arc<pingora::protocols::tls::CaType>;
 
-/// A TLS acceptor for the certificate chain in `cert` and the private key in `key`.
-pub(crate) fn acceptor(cert: &str, key: &str) -> Result<TlsAcceptor, String> {
+/// pingora's TLS acceptor (HTTP/1.1 only) for the certificate chain in `cert` and the
+/// private key in `key`, both checked first: pingora's builder panics on a bad file.
+pub(crate) fn acceptor(cert: &str, key: &str) -> Result<Arc<Acceptor>, String> {
     pingora::tls::install_default_crypto_provider();
     let chain = certificates(cert)?;
-    let key = PrivateKeyDer::from_pem_file(key)
+    let private = PrivateKeyDer::from_pem_file(key)
         .map_err(|e| format!("`{key}` holds no private key: {}", pem_error(&e)))?;
-    let config = ServerConfig::builder()
+    ServerConfig::builder()
         .with_no_client_auth()
-        .with_single_cert(chain, key)
+        .with_single_cert(chain, private)
         .map_err(|e| format!("the certificate and key do not make a TLS identity: {e}"))?;
-    Ok(TlsAcceptor::from(Arc::new(config)))
+    let mut settings = TlsSettings::intermediate(cert, key).map_err(|e| e.to_string())?;
+    settings.set_alpn(ALPN::H1);
+    Ok(Arc::new(settings.build()))
 }
 
 /// The platform's trust roots (`SSL_CERT_FILE` and `SSL_CERT_DIR` included) with the

@@ -19,6 +19,14 @@ struct Ev<'a> {
     kind: Cow<'a, str>,
     delta: Option<Delta>,
     usage: Option<Usage>,
+    message: Option<Start>,
+}
+
+/// `message_start`'s message: its usage holds the prompt's tokens.
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct Start {
+    usage: Option<Usage>,
 }
 
 #[derive(Deserialize, Default)]
@@ -33,6 +41,7 @@ struct Delta {
 #[serde(default)]
 struct Usage {
     output_tokens: Option<u64>,
+    input_tokens: Option<u64>,
 }
 
 pub fn event(event: &Event<'_>) -> Facts {
@@ -48,7 +57,15 @@ pub fn event(event: &Event<'_>) -> Facts {
             ),
             ..Facts::default()
         },
+        "message_start" => Facts {
+            input_tokens: ev
+                .message
+                .and_then(|m| m.usage)
+                .and_then(|u| u.input_tokens),
+            ..Facts::default()
+        },
         "message_delta" => Facts {
+            input_tokens: ev.usage.as_ref().and_then(|u| u.input_tokens),
             exact_total: ev.usage.and_then(|u| u.output_tokens),
             ..Facts::default()
         },
@@ -60,7 +77,7 @@ pub fn event(event: &Event<'_>) -> Facts {
             error: true,
             ..Facts::default()
         },
-        _ => Facts::default(), // message_start, content_block_start/stop, ping
+        _ => Facts::default(), // content_block_start/stop, ping
     }
 }
 
@@ -75,6 +92,7 @@ pub fn body(body: &[u8]) -> Facts {
     }
     match parse::<Whole>(body) {
         Ok(w) => Facts {
+            input_tokens: w.usage.as_ref().and_then(|u| u.input_tokens),
             exact_total: w.usage.and_then(|u| u.output_tokens),
             finished: true,
             error: w.kind == "error",

@@ -34,6 +34,8 @@ pub struct Facts {
     pub usage_only: bool,
     /// Events that could not be understood (broken JSON where JSON was due).
     pub unparsed: u32,
+    /// The prompt's tokens, when the stream or body reports them.
+    pub input_tokens: Option<u64>,
 }
 
 // === impl Facts ===
@@ -42,6 +44,9 @@ impl Facts {
     /// Folds the facts of a later event into these (one fragment can hold several events).
     pub fn merge(&mut self, later: Facts) {
         self.tokens += later.tokens;
+        if later.input_tokens.is_some() {
+            self.input_tokens = later.input_tokens;
+        }
         if later.exact_total.is_some() {
             self.exact_total = later.exact_total;
         }
@@ -99,6 +104,18 @@ impl Framing {
 // === impl Dialect ===
 
 impl Dialect {
+    /// Its name in the access log.
+    pub fn label(self) -> &'static str {
+        match self {
+            Dialect::OpenAi => "openai",
+            Dialect::Responses => "responses",
+            Dialect::Anthropic => "anthropic",
+            Dialect::Tgi => "tgi",
+            Dialect::Ollama => "ollama",
+            Dialect::LlamaCpp => "llamacpp",
+        }
+    }
+
     /// The dialect of a request path, or `None` for traffic that is not generation
     /// (model lists, health checks, embeddings…), which is forwarded and counted only.
     pub fn from_path(path: &str) -> Option<Dialect> {

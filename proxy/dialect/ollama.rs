@@ -18,6 +18,7 @@ struct Line {
     thinking: NonEmpty,
     done: bool,
     eval_count: Option<u64>,
+    prompt_eval_count: Option<u64>,
     error: Option<IgnoredAny>,
 }
 
@@ -40,6 +41,7 @@ pub fn event(event: &Event<'_>) -> Facts {
     Facts {
         tokens: u32::from(in_message || line.response.0 || line.thinking.0),
         exact_total: line.eval_count.filter(|_| line.done),
+        input_tokens: line.prompt_eval_count.filter(|_| line.done),
         finished: line.done,
         error: line.error.is_some(),
         ..Facts::default()

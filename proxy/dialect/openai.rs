@@ -165,6 +165,7 @@ struct Chunk {
 #[serde(default)]
 struct Usage {
     completion_tokens: Option<u64>,
+    prompt_tokens: Option<u64>,
 }
 
 impl Chunk {
@@ -180,6 +181,7 @@ impl Chunk {
                     .is_some_and(|u| u.completion_tokens.is_some()),
             error: self.error.is_some(),
             unparsed: 0,
+            input_tokens: self.usage.as_ref().and_then(|u| u.prompt_tokens),
         }
     }
 }

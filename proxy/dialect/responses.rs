@@ -30,6 +30,7 @@ struct Response {
 #[serde(default)]
 struct Usage {
     output_tokens: Option<u64>,
+    input_tokens: Option<u64>,
 }
 
 pub fn event(event: &Event<'_>) -> Facts {
@@ -49,6 +50,12 @@ pub fn event(event: &Event<'_>) -> Facts {
                 && !kind.contains("audio")
                 && ev.delta.0,
         ),
+        input_tokens: ev
+            .response
+            .as_ref()
+            .and_then(|r| r.usage.as_ref())
+            .and_then(|u| u.input_tokens)
+            .filter(|_| terminal),
         exact_total: ev
             .response
             .and_then(|r| r.usage)
@@ -71,6 +78,7 @@ pub fn body(body: &[u8]) -> Facts {
     }
     match parse::<Whole>(body) {
         Ok(w) => Facts {
+            input_tokens: w.usage.as_ref().and_then(|u| u.input_tokens),
             exact_total: w.usage.and_then(|u| u.output_tokens),
             finished: true,
             error: w.error.is_some() || w.status.as_deref() == Some("failed"),

@@ -407,6 +407,16 @@ pub struct Stream {
     events: u64,
 }
 
+/// One request's figures, for the access log.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Summary {
+    pub ttft_ms: Option<f64>,
+    pub tpot_ms: Option<f64>,
+    pub output_tokens: u64,
+    /// The stream reported its count; else it is estimated.
+    pub exact: bool,
+}
+
 // === impl Stream ===
 
 impl Stream {
@@ -446,6 +456,21 @@ impl Stream {
     /// Tokens counted so far (the exact count once one arrived).
     pub fn output_tokens(&self) -> u64 {
         self.exact.unwrap_or(self.tokens)
+    }
+
+    /// What the request's record says so far: TTFT, TPOT, output tokens and whether they
+    /// are exact.
+    pub fn summary(&self) -> Summary {
+        let total = self.output_tokens();
+        Summary {
+            ttft_ms: self.first.map(|f| f.saturating_sub(self.t0) as f64 / 1e6),
+            tpot_ms: self
+                .first
+                .filter(|&f| total >= 2 && self.last > f)
+                .map(|f| (self.last - f) as f64 / 1e6 / (total - 1) as f64),
+            output_tokens: total,
+            exact: self.exact.is_some(),
+        }
     }
 
     /// The response ended at `now`.

@@ -43,16 +43,18 @@ use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::time::{timeout, Instant};
 
 use super::conn::Io;
+use super::failure::{self, Failure};
 use super::h1::{self, Chunked, Framing, Head};
+use super::record::{self, model_of, RequestId, Seen, REQUEST_ID_HEADER};
 use super::request::{
-    self, error_body, json_response, write_within, Ahead, BodyKind, Checked, ClientError, Rest,
+    self, error_body, json_response, Ahead, BodyKind, Checked, ClientError, Rest,
 };
 use super::{Ctx, TokenTap, HOST, UPSTREAM_HEADER};
 use crate::config::Limits;
 use crate::dialect::Dialect;
 use crate::estimate::Estimate;
 use crate::limit::Rejected;
-use crate::meter::Nanos;
+use crate::meter::{Nanos, Outcome};
 use crate::routing::Choice;
 use crate::state::Shared;
 use crate::usage::{self, UsageStripper};
@@ -137,6 +139,8 @@ pub(super) struct Incoming {
     pub(super) ahead: Ahead,
     /// When its head had arrived.
     pub(super) t0: Nanos,
+    /// The client's address.
+    pub(super) peer: Option<std::net::SocketAddr>,
 }
 
 /// What goes upstream: the client's head and body as read so far.
@@ -202,14 +206,90 @@ struct Relay {
 // === impl TokenTap ===
 
 impl TokenTap {
-    /// Routes, admits and proxies a request; its outcome is recorded however it ends.
+    /// Routes, admits and proxies a request; its outcome is recorded however it ends, and
+    /// logged (a failure line, the access log).
     pub(super) async fn serve(
         &self,
         client: &mut Io,
         incoming: Box<Incoming>,
         shutdown: bool,
     ) -> After {
-        let Incoming { checked, ahead, t0 } = *incoming;
+        let mut ctx = self.new_ctx();
+        let req = &incoming.checked.req;
+        ctx.request_id = RequestId::of(&req.headers);
+        if self.live.access.on() {
+            ctx.seen = Some(Box::new(Seen {
+                method: req.method.as_str().to_owned(),
+                path: req.uri.path().to_owned(),
+                client: incoming.peer,
+                model: model_of(&incoming.ahead.bytes),
+                ..Seen::default()
+            }));
+        }
+        let (after, failure) = Box::pin(self.exchange(client, &mut ctx, incoming, shutdown)).await;
+        let upstream = ctx
+            .choice
+            .map(|c| ctx.shared.upstreams[c.upstream].config.name.as_str());
+        if let (Some(f), Some(upstream)) = (&failure, upstream) {
+            record::log_failure(&self.live.throttle, &ctx.request_id, upstream, f);
+        }
+        if ctx.seen.is_some() {
+            self.log_access(&ctx, failure.as_ref());
+        }
+        after
+    }
+
+    /// Writes the access-log line of a request that ended.
+    fn log_access(&self, ctx: &Ctx, failure: Option<&Failure>) {
+        let Some(seen) = ctx.seen.as_deref() else {
+            return;
+        };
+        let summary = seen.summary;
+        let outcome = ctx
+            .outcome
+            .unwrap_or_else(|| Outcome::from_status(ctx.status));
+        let line = record::Line {
+            ts: record::timestamp(),
+            request_id: ctx.request_id.to_header(),
+            method: &seen.method,
+            path: &seen.path,
+            upstream: ctx
+                .choice
+                .map(|c| ctx.shared.upstreams[c.upstream].config.name.as_str()),
+            route: ctx.choice.map(|c| c.route),
+            status: (ctx.status > 0).then_some(ctx.status),
+            outcome: outcome.label(),
+            cause: failure.map(|f| f.cause),
+            dialect: ctx.dialect.map(Dialect::label),
+            model: seen.model.as_deref(),
+            stream: seen.stream,
+            queue_ms: seen.queue_ms,
+            ttft_ms: summary.and_then(|s| s.ttft_ms),
+            tpot_ms: summary.and_then(|s| s.tpot_ms),
+            e2e_ms: self.now().saturating_sub(ctx.t0) as f64 / 1e6,
+            input_tokens: ctx.facts.input_tokens,
+            output_tokens: summary.map(|s| s.output_tokens),
+            counts: summary.map(|s| if s.exact { "exact" } else { "estimated" }),
+            bytes_out: ctx.bytes_out,
+            client: seen.client.map(|a| a.to_string()),
+        };
+        if let Ok(text) = serde_json::to_string(&line) {
+            self.live.access.write(text);
+        }
+    }
+
+    /// [`TokenTap::serve`] but for the logging: the connection's fate, and why the request
+    /// failed if it did.
+    async fn exchange(
+        &self,
+        client: &mut Io,
+        ctx: &mut Ctx,
+        incoming: Box<Incoming>,
+        shutdown: bool,
+    ) -> (After, Option<Failure>) {
+        let Incoming {
+            checked, ahead, t0, ..
+        } = *incoming;
         let Checked {
             req, body: kind, ..
         } = checked;
@@ -218,7 +298,6 @@ impl TokenTap {
             rest,
             mut leftover,
         } = ahead;
-        let mut ctx = self.new_ctx();
         let shared = Arc::clone(&ctx.shared);
         let limits = shared.config.limits;
         let read_whole = matches!(rest, Rest::Done);
@@ -246,12 +325,14 @@ impl TokenTap {
             let body = error_body(
                 "tokentap: no route matches this request",
                 "invalid_request_error",
-                "tokentap_no_route",
+                "no_route",
             );
             let (keep, after) = answered(&leftover, true);
-            let out = json_response(404, &body, &[], keep);
-            let _ = write_within(client, &out, limits.client_write_timeout).await;
-            return after;
+            let id = ctx.request_id.to_header();
+            let out = json_response(404, &body, &[(REQUEST_ID_HEADER, &id)], keep);
+            ctx.status = 404;
+            ctx.bytes_out += request::answer(client, &out, limits.client_write_timeout).await;
+            return (after, None);
         };
         ctx.choice = Some(choice);
         let upstream = &shared.upstreams[choice.upstream];
@@ -262,6 +343,7 @@ impl TokenTap {
         // unwatched (its body bytes are not read here), bounded by the queue timeout.
         let mut watch = true;
         if ctx.dialect.is_some() {
+            let queued = std::time::Instant::now();
             let limiter = &upstream.limiter;
             let granted = match limiter.try_acquire() {
                 Some(permit) => Ok(Ok(permit)),
@@ -271,16 +353,23 @@ impl TokenTap {
                 }
                 None => Ok(limiter.acquire().await),
             };
+            if let Some(seen) = ctx.seen.as_mut() {
+                seen.queue_ms = queued.elapsed().as_secs_f64() * 1e3;
+            }
             match granted {
                 Ok(Ok(permit)) => ctx.permit = Some(permit),
                 Ok(Err(why)) => {
                     let (keep, after) = answered(&leftover, watch);
-                    reject(client, &shared, choice, why, keep).await;
-                    return after;
+                    ctx.status = 429;
+                    ctx.bytes_out += reject(client, ctx, choice, why, keep).await;
+                    return (after, None);
                 }
                 Err(gone) => {
-                    self.finish(&mut ctx, Some(&gone));
-                    return After::Close;
+                    self.finish(ctx, Some(&gone));
+                    return (
+                        After::Close,
+                        Some(failure::of(&gone, &upstream.config.name)),
+                    );
                 }
             }
         }
@@ -293,22 +382,22 @@ impl TokenTap {
         };
         // Boxed: setting up is a large future needed only until the response header; kept
         // inline, every open stream would hold its space.
-        let opened = Box::pin(self.open(client, &mut ctx, outgoing, leftover, watch, shutdown));
+        let opened = Box::pin(self.open(client, ctx, outgoing, leftover, watch, shutdown));
         let opened = opened.await;
         if let Err(e) = &opened {
             // Nothing reached the client yet: answer.
             let cwt = limits.client_write_timeout;
-            match e.esource() {
-                ErrorSource::Downstream => {
-                    if let Some(mistake) = e.root_cause().downcast_ref::<ClientError>() {
-                        request::refuse(client, *mistake, cwt).await;
-                    }
+            let mistake = e.root_cause().downcast_ref::<ClientError>();
+            match (e.esource(), mistake) {
+                (ErrorSource::Downstream, Some(mistake)) => {
+                    ctx.status = mistake.status();
+                    ctx.bytes_out += request::refuse(client, *mistake, cwt).await;
                 }
-                ErrorSource::Upstream => {
-                    let _ = timeout(cwt, write_error(client, 502)).await;
-                }
-                ErrorSource::Internal | ErrorSource::Unset => {
-                    let _ = timeout(cwt, write_error(client, 500)).await;
+                (ErrorSource::Downstream, None) => {} // gone: nobody to answer
+                _ => {
+                    let f = failure::of(e, &upstream.config.name);
+                    ctx.status = f.status;
+                    ctx.bytes_out += answer_failure(client, ctx, choice, &f, cwt).await;
                 }
             }
         }
@@ -317,7 +406,7 @@ impl TokenTap {
                 let upstream = &shared.upstreams[choice.upstream];
                 let peer = &upstream.peer;
                 let relayed = self
-                    .relay(client, &mut ctx, &mut open, peer.options.read_timeout)
+                    .relay(client, ctx, &mut open, peer.options.read_timeout)
                     .await;
                 relayed.map(|()| {
                     if open.relay.reusable {
@@ -347,13 +436,19 @@ impl TokenTap {
             }
             Err(e) => Err(e),
         };
-        self.finish(&mut ctx, result.as_ref().err().map(|e| &**e));
-        match result {
+        self.finish(ctx, result.as_ref().err().map(|e| &**e));
+        let failure = result.as_ref().err().and_then(|e| {
+            // A client's mistake was answered as such; it is not a failure.
+            let mistake = e.root_cause().downcast_ref::<ClientError>().is_some();
+            (!mistake).then(|| failure::of(e, &upstream.config.name))
+        });
+        let after = match result {
             Ok(after) => after,
             // A refused body (malformed, too large, too slow) may have more bytes coming.
             Err(e) if e.esource() == &ErrorSource::Downstream && !read_whole => After::Linger,
             Err(_) => After::Close,
-        }
+        };
+        (after, failure)
     }
 
     /// Everything up to the response body: the upstream request (usage injected), the
@@ -405,7 +500,8 @@ impl TokenTap {
             (BodyKind::Length(n), _) => UpBody::Length(n),
             (BodyKind::Chunked, _) => UpBody::Chunked,
         };
-        let up_req = upstream_request(&req, &upstream.config.host_header, up_body)?;
+        let id = ctx.request_id.is_ours().then(|| ctx.request_id.to_header());
+        let up_req = upstream_request(&req, &upstream.config.host_header, id, up_body)?;
         drop(req);
         let Some(mut wire) = http_req_header_to_wire(&up_req) else {
             return Error::e_explain(InvalidHTTPHeader, "request target");
@@ -570,8 +666,14 @@ impl TokenTap {
                     Poll::Ready(Ok(0)) => {
                         return Poll::Ready(Err(down(WriteError, "client took 0 bytes")))
                     }
-                    Poll::Ready(Ok(n)) if n == out.len() => *out = BytesMut::new(), // its memory too
-                    Poll::Ready(Ok(n)) => out.advance(n),
+                    Poll::Ready(Ok(n)) if n == out.len() => {
+                        ctx.bytes_out += n as u64;
+                        *out = BytesMut::new(); // its memory too
+                    }
+                    Poll::Ready(Ok(n)) => {
+                        ctx.bytes_out += n as u64;
+                        out.advance(n);
+                    }
                     Poll::Ready(Err(e)) => return Poll::Ready(Err(down_io(WriteError, e))),
                     Poll::Pending => {
                         return stall(cx, timer.as_mut(), &mut stalled, stall_limit);
@@ -698,8 +800,15 @@ fn route(shared: &Shared, req: &RequestHeader) -> Option<Choice> {
     })
 }
 
-/// Answers 429 with `Retry-After` and an OpenAI-style error body.
-async fn reject(client: &mut Io, shared: &Shared, choice: Choice, why: Rejected, keep_alive: bool) {
+/// Answers 429 with `Retry-After` and an OpenAI-style error body; the bytes written.
+async fn reject(
+    client: &mut Io,
+    ctx: &Ctx,
+    choice: Choice,
+    why: Rejected,
+    keep_alive: bool,
+) -> u64 {
+    let shared = &ctx.shared;
     let upstream = &shared.upstreams[choice.upstream];
     let name = &upstream.config.name;
     let limit = upstream
@@ -714,16 +823,48 @@ async fn reject(client: &mut Io, shared: &Shared, choice: Choice, why: Rejected,
             format!("tokentap: no slot on upstream {name} (limit {limit}) within the queue timeout")
         }
     };
-    let code = format!("tokentap_{}", why.label());
-    let body = error_body(&message, "rate_limit_exceeded", &code);
-    let extra = [("Retry-After", "1"), (UPSTREAM_HEADER, name.as_str())];
+    let body = error_body(&message, "rate_limit_exceeded", why.label());
+    let id = ctx.request_id.to_header();
+    let extra = [
+        ("Retry-After", "1"),
+        (UPSTREAM_HEADER, name.as_str()),
+        (REQUEST_ID_HEADER, &id),
+    ];
     let out = json_response(429, &body, &extra, keep_alive);
     let cwt = shared.config.limits.client_write_timeout;
-    let _ = write_within(client, &out, cwt).await;
+    request::answer(client, &out, cwt).await
 }
 
-/// The request as the upstream gets it.
-fn upstream_request(client: &RequestHeader, host: &str, body: UpBody) -> Result<RequestHeader> {
+/// Answers a request the upstream failed before its response began: the status and an
+/// OpenAI-style body naming the cause, with the upstream's name; closes. The bytes written.
+async fn answer_failure(
+    client: &mut Io,
+    ctx: &Ctx,
+    choice: Choice,
+    f: &Failure,
+    limit: Duration,
+) -> u64 {
+    let kind = if f.status == 500 {
+        "server_error"
+    } else {
+        "upstream_error"
+    };
+    let body = error_body(&f.message, kind, f.code);
+    let name = &ctx.shared.upstreams[choice.upstream].config.name;
+    let id = ctx.request_id.to_header();
+    let extra = [(UPSTREAM_HEADER, name.as_str()), (REQUEST_ID_HEADER, &id)];
+    let out = json_response(f.status, &body, &extra, false);
+    request::answer(client, &out, limit).await
+}
+
+/// The request as the upstream gets it (with tokentap's request `id` when the client sent
+/// none).
+fn upstream_request(
+    client: &RequestHeader,
+    host: &str,
+    id: Option<String>,
+    body: UpBody,
+) -> Result<RequestHeader> {
     let mut req = client.clone();
     for name in h1::hop_by_hop(&req.headers, &[]) {
         req.remove_header(&name);
@@ -732,6 +873,9 @@ fn upstream_request(client: &RequestHeader, host: &str, body: UpBody) -> Result<
     req.remove_header(&header::CONTENT_LENGTH);
     req.set_version(http::Version::HTTP_11);
     req.insert_header(HOST, host)?;
+    if let Some(id) = id {
+        req.insert_header(REQUEST_ID_HEADER, id)?;
+    }
     match body {
         UpBody::None => {}
         UpBody::Length(n) => req.insert_header(header::CONTENT_LENGTH, n.to_string())?,
@@ -949,7 +1093,7 @@ impl Relay {
         // Forwarded as it came before it is metered: the client does not wait on the meter.
         let mut client = client;
         if mode == ToClient::AsIs {
-            forward(body, out, client.take());
+            ctx.bytes_out += forward(body, out, client.take());
         }
         // Metered; otherwise framed by tokentap: `kept` is what the client gets (with the
         // usage chunk being taken out, what the stripper lets through).
@@ -985,15 +1129,15 @@ impl Relay {
             }
         }
         if mode != ToClient::AsIs {
-            forward(&kept, out, client);
+            ctx.bytes_out += forward(&kept, out, client);
         }
         Ok(())
     }
 }
 
 /// Writes `bytes` to the client now when nothing is queued before them, queueing what it
-/// does not take.
-fn forward(bytes: &[u8], out: &mut BytesMut, client: Option<(&mut Io, &mut Context<'_>)>) {
+/// does not take; the bytes written now.
+fn forward(bytes: &[u8], out: &mut BytesMut, client: Option<(&mut Io, &mut Context<'_>)>) -> u64 {
     let mut written = 0;
     if let (true, Some((client, cx))) = (out.is_empty(), client) {
         while written < bytes.len() {
@@ -1005,6 +1149,7 @@ fn forward(bytes: &[u8], out: &mut BytesMut, client: Option<(&mut Io, &mut Conte
         }
     }
     out.extend_from_slice(&bytes[written..]);
+    written as u64
 }
 
 /// Runs `work` while watching the client: a client that goes away ends it with a downstream
@@ -1054,20 +1199,6 @@ fn poll_client_gone(
         }
         Poll::Pending => None,
     }
-}
-
-/// Answers `code` as pingora does when proxying fails, and closes.
-pub(super) async fn write_error(client: &mut Io, code: u16) -> io::Result<()> {
-    let mut resp = pingora::protocols::http::error_resp::gen_error_response(code);
-    let _ = resp.insert_header(
-        header::DATE,
-        pingora::protocols::http::date::get_cached_date(),
-    );
-    let _ = resp.insert_header(header::CONNECTION, "close");
-    let mut out = BytesMut::with_capacity(256);
-    h1::write_response(&resp, &mut out);
-    client.write_all(&out).await?;
-    client.flush().await
 }
 
 fn down(kind: ErrorType, what: &'static str) -> Box<Error> {

@@ -54,7 +54,12 @@ impl Front {
 
     /// Serves one client connection until it closes, fails, idles out or the server shuts
     /// down.
-    async fn connection(self: Arc<Self>, mut client: Io, shutdown: ShutdownWatch) {
+    async fn connection(
+        self: Arc<Self>,
+        mut client: Io,
+        peer: Option<SocketAddr>,
+        shutdown: ShutdownWatch,
+    ) {
         loop {
             // Per request: a reload changes the limits of the requests that follow.
             let limits = self.tap.live.load().config.limits;
@@ -86,7 +91,12 @@ impl Front {
                 Ok(None) => return,
                 Err(e) => return refuse(client, e, &limits).await,
             };
-            let incoming = Box::new(Incoming { checked, ahead, t0 });
+            let incoming = Box::new(Incoming {
+                checked,
+                ahead,
+                t0,
+                peer,
+            });
             let shutting_down = *shutdown.borrow();
             // Boxed, as pingora-proxy's path is: inline, every connection's task held room
             // for a request's state, idle or not (valgrind massif).
@@ -95,6 +105,30 @@ impl Front {
                 After::KeepAlive => {}
                 After::Close => return,
                 After::Linger => return linger(client).await,
+            }
+        }
+    }
+
+    /// The client connection as requests are read from it: with `listen.tls_cert`, after
+    /// the TLS handshake (within `server.request_head_timeout_secs`), else as it is. A
+    /// failed handshake closes it, logged at debug (scanners fail handshakes all day).
+    async fn secure(&self, tcp: tokio::net::TcpStream, peer: SocketAddr) -> Option<Io> {
+        let shared = self.tap.live.load();
+        let Some(tls) = &shared.config.listen.tls else {
+            return Some(Io::Tcp(tcp));
+        };
+        let limit = shared.config.limits.request_head_timeout;
+        let stream = pingora::protocols::l4::stream::Stream::from(tcp);
+        let handshake = pingora::protocols::tls::server::handshake(&tls.acceptor, stream);
+        match tokio::time::timeout(limit, handshake).await {
+            Ok(Ok(tls)) => Some(Io::Pingora(Box::new(tls))),
+            Ok(Err(e)) => {
+                tracing::debug!(client = %peer, "TLS handshake failed: {e}");
+                None
+            }
+            Err(_) => {
+                tracing::debug!(client = %peer, "TLS handshake timed out");
+                None
             }
         }
     }
@@ -113,7 +147,7 @@ impl Front {
 
 /// Answers a client's mistake and closes.
 async fn refuse(mut client: Io, e: ClientError, limits: &Limits) {
-    request::refuse(&mut client, e, limits.client_write_timeout).await;
+    let _ = request::refuse(&mut client, e, limits.client_write_timeout).await;
     linger(client).await;
 }
 
@@ -292,18 +326,20 @@ impl Service for FrontService {
                 accepted = listener.accept() => accepted,
             };
             match accepted {
-                Ok((tcp, _peer)) => {
+                Ok((tcp, peer)) => {
                     // Over the limit: closed at once (dropped), counted and logged.
                     let Some(open) = Connections::admit(&front.tap.transport) else {
                         continue;
                     };
                     let _ = tcp.set_nodelay(true);
-                    let client = Io::Tcp(tcp);
-                    let connection = Arc::clone(&front).connection(client, shutdown.clone());
+                    let front = Arc::clone(&front);
+                    let shutdown = shutdown.clone();
                     // On a random worker with `work_stealing = false` (tokio::spawn would put
                     // every connection on the accept loop's thread), as pingora's listener.
                     pingora_runtime::current_handle().spawn(async move {
-                        connection.await;
+                        if let Some(client) = front.secure(tcp, peer).await {
+                            front.connection(client, Some(peer), shutdown).await;
+                        }
                         drop(open);
                     });
                 }

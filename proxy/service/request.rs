@@ -69,17 +69,17 @@ impl ClientError {
     /// The `code` of the error body.
     pub fn code(self) -> &'static str {
         match self {
-            ClientError::BadHead => "tokentap_bad_request",
-            ClientError::HeadTooLarge => "tokentap_head_too_large",
-            ClientError::HeadTimeout => "tokentap_head_timeout",
-            ClientError::Host => "tokentap_bad_host",
-            ClientError::BadLength | ClientError::AmbiguousLength => "tokentap_bad_length",
-            ClientError::UnsupportedCoding => "tokentap_unsupported_coding",
-            ClientError::BadChunk => "tokentap_bad_chunk",
-            ClientError::BodyTooLarge => "tokentap_body_too_large",
-            ClientError::BodyTimeout => "tokentap_body_timeout",
-            ClientError::Expectation => "tokentap_expectation_failed",
-            ClientError::Connect => "tokentap_method_not_supported",
+            ClientError::BadHead => "bad_request",
+            ClientError::HeadTooLarge => "head_too_large",
+            ClientError::HeadTimeout => "head_timeout",
+            ClientError::Host => "bad_host",
+            ClientError::BadLength | ClientError::AmbiguousLength => "bad_length",
+            ClientError::UnsupportedCoding => "unsupported_coding",
+            ClientError::BadChunk => "bad_chunk",
+            ClientError::BodyTooLarge => "body_too_large",
+            ClientError::BodyTimeout => "body_timeout",
+            ClientError::Expectation => "expectation_failed",
+            ClientError::Connect => "method_not_supported",
         }
     }
 }
@@ -309,10 +309,19 @@ pub(super) fn json_response(
 }
 
 /// Answers a client's mistake; the connection is closed after.
-pub(super) async fn refuse(client: &mut Io, e: ClientError, write_timeout: Duration) {
+pub(super) async fn refuse(client: &mut Io, e: ClientError, write_timeout: Duration) -> u64 {
     let body = error_body(&format!("tokentap: {e}"), "invalid_request_error", e.code());
     let out = json_response(e.status(), &body, &[], false);
-    let _ = write_within(client, &out, write_timeout).await;
+    answer(client, &out, write_timeout).await
+}
+
+/// Writes a whole answer tokentap made, within the client write timeout; the bytes that
+/// reached the client (none counted if the write failed).
+pub(super) async fn answer(client: &mut Io, bytes: &[u8], limit: Duration) -> u64 {
+    match write_within(client, bytes, limit).await {
+        Ok(()) => bytes.len() as u64,
+        Err(_) => 0,
+    }
 }
 
 /// Writes a whole answer tokentap made, within the client write timeout.

@@ -124,6 +124,51 @@ pub async fn fetch(addr: SocketAddr, method: &str, path: &str, body: &[u8]) -> R
     }
 }
 
+/// As [`fetch`], with extra request headers, and failures (connect, a broken response)
+/// returned rather than panicking.
+pub async fn try_fetch(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: &[u8],
+    headers: &[(&str, &str)],
+) -> Result<Resp, String> {
+    let stream = TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .map_err(|e| e.to_string())?;
+    tokio::spawn(conn);
+    let mut req = http::Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", addr.to_string())
+        .header("content-type", "application/json");
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let req = req
+        .body(Full::new(Bytes::copy_from_slice(body)))
+        .map_err(|e| e.to_string())?;
+    let resp = sender.send_request(req).await.map_err(|e| e.to_string())?;
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let mut b = resp.into_body();
+    let mut out = Vec::new();
+    while let Some(f) = b.frame().await {
+        let f = f.map_err(|e| format!("body: {e}"))?;
+        if let Ok(d) = f.into_data() {
+            out.extend_from_slice(&d);
+        }
+    }
+    Ok(Resp {
+        status,
+        headers,
+        body: out,
+        frames: Vec::new(),
+        error: false,
+    })
+}
+
 /// How a scripted response ends.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Ending {
@@ -343,3 +388,4 @@ pub fn chunked_sse_response(events: Vec<Vec<u8>>) -> Vec<u8> {
     out.extend_from_slice(b"0\r\n\r\n");
     out
 }
+pub mod process;

@@ -1,0 +1,185 @@
+//! What is written about a request when it ends: its id (the client's `x-request-id`, or
+//! one tokentap makes), the failure line when it failed, and the access-log line.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::OnceLock;
+
+use http::HeaderMap;
+use serde::Serialize;
+
+use super::failure::Failure;
+use crate::meter::Summary;
+
+/// The header a request's id travels in, both ways.
+pub const REQUEST_ID_HEADER: &str = "x-request-id";
+
+/// The longest client request id kept; a longer or odd one is replaced by tokentap's.
+const MAX_CLIENT_ID: usize = 128;
+
+/// A request's id.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum RequestId {
+    /// The client's own `x-request-id`.
+    Client(Box<str>),
+    /// One tokentap made: this process's random prefix and a counter.
+    Ours(u64),
+}
+
+impl RequestId {
+    /// The client's id when it sent a usable one (1–128 visible ASCII characters), else a
+    /// new one.
+    pub(crate) fn of(headers: &HeaderMap) -> RequestId {
+        let theirs = headers.get(REQUEST_ID_HEADER).map(|v| v.as_bytes());
+        match theirs {
+            Some(id)
+                if (1..=MAX_CLIENT_ID).contains(&id.len())
+                    && id.iter().all(|b| b.is_ascii_graphic()) =>
+            {
+                // Visible ASCII is UTF-8.
+                RequestId::Client(String::from_utf8_lossy(id).into())
+            }
+            _ => {
+                static NEXT: AtomicU64 = AtomicU64::new(0);
+                RequestId::Ours(NEXT.fetch_add(1, Relaxed))
+            }
+        }
+    }
+
+    /// Whether tokentap made it (and so must add it to the upstream request).
+    pub(crate) fn is_ours(&self) -> bool {
+        matches!(self, RequestId::Ours(_))
+    }
+
+    pub(crate) fn to_header(&self) -> String {
+        match self {
+            RequestId::Client(id) => id.to_string(),
+            RequestId::Ours(n) => {
+                static PREFIX: OnceLock<u64> = OnceLock::new();
+                let prefix = PREFIX.get_or_init(rand::random);
+                format!("tt-{prefix:016x}-{n:x}")
+            }
+        }
+    }
+}
+
+/// What the access log needs of a request beyond its ctx, gathered only when it is on.
+#[derive(Debug, Default)]
+pub(crate) struct Seen {
+    pub(crate) method: String,
+    /// Without the query.
+    pub(crate) path: String,
+    pub(crate) client: Option<SocketAddr>,
+    /// The request body's `model`, at most 128 characters.
+    pub(crate) model: Option<String>,
+    pub(crate) queue_ms: f64,
+    pub(crate) summary: Option<Summary>,
+    pub(crate) stream: bool,
+}
+
+/// One access-log line (every field always present; `null` when unknown).
+#[derive(Serialize)]
+pub(crate) struct Line<'a> {
+    pub(crate) ts: String,
+    pub(crate) request_id: String,
+    pub(crate) method: &'a str,
+    pub(crate) path: &'a str,
+    pub(crate) upstream: Option<&'a str>,
+    pub(crate) route: Option<usize>,
+    pub(crate) status: Option<u16>,
+    pub(crate) outcome: &'a str,
+    pub(crate) cause: Option<&'a str>,
+    pub(crate) dialect: Option<&'a str>,
+    pub(crate) model: Option<&'a str>,
+    pub(crate) stream: bool,
+    pub(crate) queue_ms: f64,
+    pub(crate) ttft_ms: Option<f64>,
+    pub(crate) tpot_ms: Option<f64>,
+    pub(crate) e2e_ms: f64,
+    pub(crate) input_tokens: Option<u64>,
+    pub(crate) output_tokens: Option<u64>,
+    pub(crate) counts: Option<&'a str>,
+    pub(crate) bytes_out: u64,
+    pub(crate) client: Option<String>,
+}
+
+/// The body's `model`, cut to 128 characters: a scan of the JSON, without reading the rest.
+pub(crate) fn model_of(body: &[u8]) -> Option<String> {
+    #[derive(serde::Deserialize)]
+    struct Probe {
+        model: Option<String>,
+    }
+    let probe: Probe = serde_json::from_slice(body).ok()?;
+    let model = probe.model?;
+    Some(model.chars().take(128).collect())
+}
+
+/// The RFC 3339 time now, in ms.
+pub(crate) fn timestamp() -> String {
+    chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
+}
+
+/// Logs a failed request: one line with its id, upstream and cause, at most one a second
+/// per upstream and cause (the next says how many were held back). A client that went away
+/// is an ordinary event (debug); everything else is a warning.
+pub(crate) fn log_failure(
+    throttle: &crate::logs::Throttle,
+    id: &RequestId,
+    upstream: &str,
+    f: &Failure,
+) {
+    if f.cause == "client_gone" {
+        tracing::debug!(request_id = %id.to_header(), upstream, cause = f.cause, "{}", f.message);
+        return;
+    }
+    let Some(held) = throttle.admit(upstream, f.cause) else {
+        return;
+    };
+    let status = (f.status > 0).then_some(f.status);
+    if held > 0 {
+        tracing::warn!(
+            request_id = %id.to_header(),
+            upstream,
+            cause = f.cause,
+            status,
+            similar_held_back = held,
+            "{}",
+            f.message
+        );
+    } else {
+        tracing::warn!(request_id = %id.to_header(), upstream, cause = f.cause, status, "{}", f.message);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_client_id_is_kept_when_it_is_plain_and_short() {
+        let mut h = HeaderMap::new();
+        h.insert(REQUEST_ID_HEADER, "abc-123".parse().unwrap());
+        assert_eq!(RequestId::of(&h), RequestId::Client("abc-123".into()));
+        h.insert(REQUEST_ID_HEADER, "a b".parse().unwrap());
+        assert!(RequestId::of(&h).is_ours());
+        h.insert(REQUEST_ID_HEADER, "x".repeat(129).parse().unwrap());
+        assert!(RequestId::of(&h).is_ours());
+        let (a, b) = (
+            RequestId::of(&HeaderMap::new()),
+            RequestId::of(&HeaderMap::new()),
+        );
+        assert_ne!(a.to_header(), b.to_header());
+        assert!(a.to_header().starts_with("tt-"));
+    }
+
+    #[test]
+    fn the_model_is_read_and_bounded() {
+        assert_eq!(
+            model_of(br#"{"messages":[],"model":"llama"}"#),
+            Some("llama".into())
+        );
+        let long = format!(r#"{{"model":"{}"}}"#, "m".repeat(300));
+        assert_eq!(model_of(long.as_bytes()).map(|m| m.len()), Some(128));
+        assert_eq!(model_of(b"{broken"), None);
+    }
+}

@@ -1,0 +1,226 @@
+//! Live reload as an operator does it, on the real binary: 256 streaming clients through
+//! two upstreams while the split is reloaded 20 times (SIGHUP and `POST /reload` in turn,
+//! weights 90/10 and 10/90): no client sees an error, the new weights show in `/stats`
+//! within a second of each reload, no slot is leaked, and a broken file keeps the running
+//! config and is counted as a failure.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::process::{listen_section, Scratch, Tokentap};
+use common::*;
+use nix::sys::signal::Signal;
+use tokentap::sim::{Sim, SimArgs};
+
+const CLIENTS: usize = 256;
+const RELOADS: usize = 20;
+
+fn config(listen: &str, a: &Sim, b: &Sim, weights: (u32, u32)) -> String {
+    format!(
+        "{listen}[server]\ngrace_period_secs = 5\n\
+         [[upstream]]\nname = \"a\"\nurl = \"http://{}\"\nmax_concurrency = 1024\n\
+         [[upstream]]\nname = \"b\"\nurl = \"http://{}\"\nmax_concurrency = 1024\n\
+         [[route]]\npath_prefix = \"/\"\nsplit = {{ a = {}, b = {} }}\n",
+        a.addr, b.addr, weights.0, weights.1
+    )
+}
+
+/// The share (percent) `/stats` gives upstream `name` in route 0.
+fn share(stats: &serde_json::Value, name: &str) -> f64 {
+    stats["upstreams"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|u| u["name"] == name)
+        .and_then(|u| u["arms"][0]["share_pct"].as_f64())
+        .unwrap_or(f64::NAN)
+}
+
+async fn admin_json(admin: std::net::SocketAddr, path: &str) -> serde_json::Value {
+    let r = fetch(admin, "GET", path, b"").await;
+    assert_eq!(r.status, 200);
+    serde_json::from_slice(&r.body).unwrap()
+}
+
+fn metric(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find(|l| l.starts_with(series))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(f64::NAN)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_split_reloads_under_256_streams_without_an_error_or_a_leaked_slot() {
+    let sim_args = || SimArgs {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        ttft_ms: 5.0,
+        tpot_curve: "1:3,256:6".parse().unwrap(),
+        max_tokens: 12,
+        ..SimArgs::defaults()
+    };
+    let a = Sim::start(sim_args()).await.unwrap();
+    let b = Sim::start(sim_args()).await.unwrap();
+    let dir = Scratch::new("reload");
+    let (listen, proxy, admin) = listen_section();
+    let mut tap = Tokentap::start(
+        &dir.0,
+        &config(&listen, &a, &b, (90, 10)),
+        proxy,
+        admin,
+        &[],
+    );
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let (ok, errors) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let mut clients = Vec::new();
+    for _ in 0..CLIENTS {
+        let (stop, ok, errors) = (Arc::clone(&stop), Arc::clone(&ok), Arc::clone(&errors));
+        clients.push(tokio::spawn(async move {
+            let body =
+                br#"{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
+            while !stop.load(SeqCst) {
+                match try_fetch(proxy, "POST", "/v1/chat/completions", body, &[]).await {
+                    Ok(r) if r.status == 200 && r.body.ends_with(b"data: [DONE]\n\n") => {
+                        ok.fetch_add(1, SeqCst);
+                    }
+                    Ok(r) => {
+                        errors.fetch_add(1, SeqCst);
+                        eprintln!(
+                            "client: {} {:?}",
+                            r.status,
+                            String::from_utf8_lossy(&r.body)
+                        );
+                    }
+                    Err(e) => {
+                        errors.fetch_add(1, SeqCst);
+                        eprintln!("client: {e}");
+                    }
+                }
+            }
+        }));
+    }
+    // All clients streaming before the first reload.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while ok.load(SeqCst) < CLIENTS as u64 {
+        assert!(Instant::now() < deadline, "clients did not get going");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    for i in 0..RELOADS {
+        let weights = if i % 2 == 0 { (10, 90) } else { (90, 10) };
+        std::fs::write(&tap.config, config(&listen, &a, &b, weights)).unwrap();
+        let asked = Instant::now();
+        if i % 2 == 0 {
+            tap.signal(Signal::SIGHUP);
+        } else {
+            let r = fetch(admin, "POST", "/reload", b"").await;
+            assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+            let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+            assert_eq!(v["ok"], true);
+            assert_eq!(v["problems"].as_array().map(Vec::len), Some(0));
+        }
+        loop {
+            let s = admin_json(admin, "/stats").await;
+            if share(&s, "a") == f64::from(weights.0) && share(&s, "b") == f64::from(weights.1) {
+                break;
+            }
+            assert!(
+                asked.elapsed() < Duration::from_secs(1),
+                "reload {i}: the weights {weights:?} are not in /stats after 1 s"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        // Traffic flows between reloads.
+        let before = ok.load(SeqCst);
+        while ok.load(SeqCst) < before + 64 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    // A broken file: refused with every problem, the running config kept, counted.
+    std::fs::write(
+        &tap.config,
+        format!(
+            "{listen}[[upstream]]\nname = \"a\"\nurl = \"ftp://nowhere\"\nmax_queue = 2000000\n"
+        ),
+    )
+    .unwrap();
+    let r = fetch(admin, "POST", "/reload", b"").await;
+    assert_eq!(r.status, 422);
+    let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+    assert_eq!(v["ok"], false);
+    let problems: Vec<String> = v["problems"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p.as_str().unwrap().to_owned())
+        .collect();
+    assert!(
+        problems.iter().any(|p| p.starts_with("upstream[0].url:")),
+        "{problems:?}"
+    );
+    assert!(
+        problems
+            .iter()
+            .any(|p| p.starts_with("upstream[0].max_queue:")),
+        "{problems:?}"
+    );
+    tap.signal(Signal::SIGHUP);
+    tap.log_line(&["config reload refused", "SIGHUP"], Duration::from_secs(5));
+    tap.log_line(&["upstream[0].url"], Duration::from_secs(5));
+    let s = admin_json(admin, "/stats").await;
+    assert_eq!(
+        (share(&s, "a"), share(&s, "b")),
+        (90.0, 10.0),
+        "the running split stays"
+    );
+    let m = fetch(admin, "GET", "/metrics", b"").await;
+    let m = String::from_utf8_lossy(&m.body);
+    assert_eq!(
+        metric(&m, "tokentap_config_reloads_total{result=\"success\"}"),
+        RELOADS as f64
+    );
+    assert_eq!(
+        metric(&m, "tokentap_config_reloads_total{result=\"failure\"}"),
+        2.0
+    );
+    assert!(metric(&m, "tokentap_config_last_reload_success_timestamp_seconds") > 1.7e9);
+
+    stop.store(true, SeqCst);
+    for c in clients {
+        c.await.unwrap();
+    }
+    assert_eq!(errors.load(SeqCst), 0, "client errors");
+    // Every slot came back: nothing in flight or queued on either upstream.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let s = admin_json(admin, "/stats").await;
+        let busy: Vec<_> = s["upstreams"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|u| u["in_flight"] != 0 || u["queued"] != 0)
+            .map(|u| u["name"].clone())
+            .collect();
+        if busy.is_empty() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "slots leaked on {busy:?}: {s}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let served: u64 = admin_json(admin, "/stats").await["upstreams"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|u| u["requests_total"].as_u64().unwrap_or(0))
+        .sum();
+    assert!(served >= ok.load(SeqCst), "{served} requests recorded");
+    tap.signal(Signal::SIGTERM);
+    let (status, _) = tap.wait_exit(Duration::from_secs(10)).expect("exits");
+    assert!(status.success());
+}

@@ -31,6 +31,7 @@ pub fn init(format: LogFormat, log: &Log) {
             .with(
                 tracing_subscriber::fmt::layer()
                     .with_writer(std::io::stderr)
+                    .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
                     .with_target(false),
             )
             .try_init(),

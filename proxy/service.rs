@@ -112,7 +112,7 @@ fn raise_fd_limit() -> u64 {
     match rlimit::increase_nofile_limit(u64::MAX) {
         Ok(limit) => limit,
         Err(e) => {
-            eprintln!("tokentap: cannot raise the open-file limit: {e}");
+            tracing::warn!("cannot raise the open-file limit: {e}");
             rlimit::getrlimit(rlimit::Resource::NOFILE).map_or(1024, |(soft, _)| soft)
         }
     }

@@ -94,12 +94,12 @@ async fn beyond_the_queue_clients_get_429_with_retry_after() {
     assert_eq!(c.headers.get("retry-after").unwrap(), "1");
     let v: serde_json::Value = serde_json::from_slice(&c.body).unwrap();
     assert_eq!(v["error"]["type"], "rate_limit_exceeded");
-    assert_eq!(v["error"]["code"], "tokentap_queue_full");
+    assert_eq!(v["error"]["code"], "queue_full");
     // B's wait runs out.
     let b = b.await.unwrap();
     assert_eq!(b.status, 429);
     let v: serde_json::Value = serde_json::from_slice(&b.body).unwrap();
-    assert_eq!(v["error"]["code"], "tokentap_queue_timeout");
+    assert_eq!(v["error"]["code"], "queue_timeout");
     drop(a);
     let s = stats_when(&tap, |u| u["in_flight"] == 0).await;
     let u = &s["upstreams"][0];

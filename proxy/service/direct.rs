@@ -849,7 +849,7 @@ async fn answer_failure(
     } else {
         "upstream_error"
     };
-    let body = error_body(&f.message, kind, f.code);
+    let body = error_body(&format!("tokentap: {}", f.message), kind, f.code);
     let name = &ctx.shared.upstreams[choice.upstream].config.name;
     let id = ctx.request_id.to_header();
     let extra = [(UPSTREAM_HEADER, name.as_str()), (REQUEST_ID_HEADER, &id)];

@@ -14,7 +14,8 @@ pub(super) struct Failure {
     pub(super) status: u16,
     /// The error body's `code`.
     pub(super) code: &'static str,
-    /// The error body's `message` (for the client, and the log's detail).
+    /// What happened, in words (the log line; the error body's `message` after
+    /// `tokentap: `).
     pub(super) message: String,
     /// The upstream's part in it: the client, not the upstream, ended the request.
     pub(super) client: bool,
@@ -115,28 +116,44 @@ pub(super) fn of(e: &Error, upstream: &str) -> Failure {
         cause,
         status,
         code,
-        message: format!("tokentap: {message}"),
+        message,
         client,
     }
 }
 
-/// The innermost words of `e`: the I/O or TLS error itself, else its context.
+/// The innermost words of `e`: the I/O or TLS error at the bottom of its chain, else the
+/// innermost context.
 fn root_cause(e: &Error) -> String {
     let mut words = e.context.as_ref().map(|c| c.as_str().to_owned());
-    let mut cause = e.cause.as_deref();
-    while let Some(c) = cause {
-        match c.downcast_ref::<Error>() {
+    let mut next: Option<&(dyn std::error::Error + 'static)> = match e.cause.as_deref() {
+        Some(c) => Some(c),
+        None => None,
+    };
+    while let Some(c) = next {
+        next = match c.downcast_ref::<Error>() {
             Some(inner) => {
                 if let Some(ctx) = &inner.context {
                     words = Some(ctx.as_str().to_owned());
                 }
-                cause = inner.cause.as_deref();
+                match inner.cause.as_deref() {
+                    Some(c) => Some(c),
+                    None => None,
+                }
             }
-            None => {
-                words = Some(c.to_string());
-                break;
-            }
-        }
+            // A wrapper (pingora's connect details) has its error as its source.
+            None => match c.source() {
+                Some(source) => Some(source),
+                None => {
+                    let said = c.to_string();
+                    // pingora's connect details with nothing wrapped name only the local
+                    // address; the handshake's error is in the context above.
+                    if !said.starts_with("local address ") {
+                        words = Some(said);
+                    }
+                    None
+                }
+            },
+        };
     }
     words.unwrap_or_else(|| e.etype().as_str().to_owned())
 }
@@ -158,7 +175,7 @@ mod tests {
             (f.cause, f.status, f.code),
             ("connect_refused", 502, "upstream_connect_failed")
         );
-        assert_eq!(f.message, "tokentap: upstream a refused the connection");
+        assert_eq!(f.message, "upstream a refused the connection");
 
         let timeout = Error::explain(ErrorType::ReadTimedout, "reading").into_up();
         assert_eq!(of(&timeout, "a").status, 504);

@@ -268,7 +268,7 @@ impl Connections {
             let refused = c.refused.fetch_add(1, Relaxed) + 1;
             c.log_at_most_every_second(|| {
                 format!(
-                    "tokentap: refusing new client connections: server.max_connections ({}) are open ({refused} refused so far)",
+                    "refusing new client connections: server.max_connections ({}) are open ({refused} refused so far)",
                     c.max
                 )
             });
@@ -282,7 +282,7 @@ impl Connections {
         let now = self.start.elapsed().as_secs();
         let last = self.logged.swap(now, Relaxed);
         if last != now {
-            eprintln!("{}", line());
+            tracing::warn!("{}", line());
         }
     }
 }
@@ -315,6 +315,7 @@ impl Service for FrontService {
             Ok(l) => l,
             Err(e) => {
                 // As pingora's listening service: a proxy that cannot listen stops.
+                tracing::error!("cannot listen on {addr}: {e}");
                 eprintln!("tokentap: cannot listen on {addr}: {e}");
                 std::process::exit(1);
             }
@@ -351,7 +352,7 @@ impl Service for FrontService {
                         .transport
                         .connections
                         .log_at_most_every_second(|| {
-                            format!("tokentap: cannot accept a client connection: {e}")
+                            format!("cannot accept a client connection: {e}")
                         });
                     tokio::time::sleep(Duration::from_millis(10)).await;
                 }

@@ -286,7 +286,7 @@ impl ProxyHttp for TokenTap {
             facts: Facts::default(),
             unparsed: 0,
             status: 0,
-            request_id: RequestId::Ours(0),
+            request_id: RequestId::default(),
             bytes_out: 0,
             outcome: None,
             seen: None,
@@ -297,6 +297,7 @@ impl ProxyHttp for TokenTap {
     async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
         ctx.t0 = self.now();
         let req = session.req_header();
+        ctx.request_id = RequestId::of(&req.headers);
         let upstreams = &ctx.shared.upstreams;
         let choice = ctx
             .shared
@@ -329,6 +330,9 @@ impl ProxyHttp for TokenTap {
         if let Some(c) = ctx.choice {
             let host = &ctx.shared.upstreams[c.upstream].config.host_header;
             req.insert_header(HOST, host.as_str())?;
+        }
+        if ctx.request_id.is_ours() {
+            req.insert_header(REQUEST_ID_HEADER, ctx.request_id.as_str())?;
         }
         Ok(())
     }
@@ -373,8 +377,9 @@ impl TokenTap {
             resp.insert_header(UPSTREAM_HEADER, name.as_str())?;
         }
         // The upstream's own request id, if it sends one, is its to keep.
-        if !resp.headers.contains_key(REQUEST_ID_HEADER) {
-            resp.insert_header(REQUEST_ID_HEADER, ctx.request_id.to_header())?;
+        let id = ctx.request_id.as_str();
+        if !id.is_empty() && !resp.headers.contains_key(REQUEST_ID_HEADER) {
+            resp.insert_header(REQUEST_ID_HEADER, id)?;
         }
         let encoded = resp
             .headers

@@ -84,63 +84,31 @@ impl Shared {
     pub fn successor(&self, mut config: Config) -> (Arc<Shared>, Vec<String>) {
         let old = &self.config;
         let mut notes = Vec::new();
-        let mut fixed = |key: &str, was: String, now: String| {
-            if was != now {
-                notes.push(format!(
-                    "{key}: changes only on restart; still {was} (the file says {now})"
-                ));
-            }
-        };
-        fixed(
-            "listen.proxy",
-            old.listen.proxy.to_string(),
-            config.listen.proxy.to_string(),
-        );
-        fixed(
-            "listen.admin",
-            old.listen.admin.to_string(),
-            config.listen.admin.to_string(),
-        );
-        fixed(
-            "server.threads",
-            old.threads.to_string(),
-            config.threads.to_string(),
-        );
-        fixed(
+        let n = &mut notes;
+        let c = &mut config;
+        keep(n, "listen.proxy", &mut c.listen.proxy, old.listen.proxy);
+        keep(n, "listen.admin", &mut c.listen.admin, old.listen.admin);
+        keep(n, "server.threads", &mut c.threads, old.threads);
+        keep(
+            n,
             "server.work_stealing",
-            old.work_stealing.to_string(),
-            config.work_stealing.to_string(),
+            &mut c.work_stealing,
+            old.work_stealing,
         );
-        fixed(
+        keep(
+            n,
             "server.upstream_keepalive_pool_size",
-            old.keepalive_pool.to_string(),
-            config.keepalive_pool.to_string(),
+            &mut c.keepalive_pool,
+            old.keepalive_pool,
         );
-        let show =
-            |m: Option<usize>| m.map_or("derived from the file limit".into(), |m| m.to_string());
-        fixed(
+        keep(
+            n,
             "server.max_connections",
-            show(old.limits.max_connections),
-            show(config.limits.max_connections),
+            &mut c.limits.max_connections,
+            old.limits.max_connections,
         );
-        fixed(
-            "metrics.window_secs",
-            old.window.as_secs().to_string(),
-            config.window.as_secs().to_string(),
-        );
-        config.listen.proxy = old.listen.proxy;
-        config.listen.admin = old.listen.admin;
-        config.threads = old.threads;
-        config.work_stealing = old.work_stealing;
-        config.keepalive_pool = old.keepalive_pool;
-        config.limits.max_connections = old.limits.max_connections;
-        config.window = old.window;
-        fixed(
-            "log.format",
-            format!("{:?}", old.log.format).to_lowercase(),
-            format!("{:?}", config.log.format).to_lowercase(),
-        );
-        config.log.format = old.log.format;
+        keep(n, "metrics.window_secs", &mut c.window, old.window);
+        keep(n, "log.format", &mut c.log.format, old.log.format);
         let next = Shared::build(config, self.clock, Arc::clone(&self.telemetry), |name| {
             self.upstream(name).map(|(_, u)| u)
         });
@@ -153,6 +121,23 @@ impl Shared {
             .iter()
             .enumerate()
             .find(|(_, u)| u.config.name == name)
+    }
+}
+
+/// A setting that changes only on restart: `field` (the file's value) is set back to
+/// `running`, with a note when they differ.
+fn keep<T: PartialEq + Copy + std::fmt::Debug>(
+    notes: &mut Vec<String>,
+    key: &str,
+    field: &mut T,
+    running: T,
+) {
+    if *field != running {
+        notes.push(format!(
+            "{key}: changes only on restart; still {running:?} (the file says {:?})",
+            *field
+        ));
+        *field = running;
     }
 }
 
@@ -241,6 +226,16 @@ pub struct Live {
     last_success: AtomicU64,
 }
 
+/// What `/metrics` shows of the process itself: its reloads and its access log.
+pub struct Process {
+    pub reloads_ok: u64,
+    pub reloads_failed: u64,
+    /// Unix time of the last successful reload (of the start until one), seconds.
+    pub last_reload_success: u64,
+    /// Access-log lines dropped because the writer could not keep up.
+    pub access_dropped: u64,
+}
+
 /// What a reload did.
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct Reloaded {
@@ -285,7 +280,10 @@ impl Live {
     /// `trigger` (SIGHUP, POST /reload).
     pub fn reload(&self, trigger: &str) -> Reloaded {
         let reloaded = self.reload_file();
-        let (ok, failed, _) = self.reload_counts();
+        let (ok, failed) = (
+            self.reloads_ok.load(Relaxed),
+            self.reloads_failed.load(Relaxed),
+        );
         if reloaded.ok {
             tracing::info!(trigger, reloads_ok = ok, "config reloaded");
         } else {
@@ -349,13 +347,14 @@ impl Live {
         }
     }
 
-    /// Reloads that succeeded and failed, and the Unix time of the last success.
-    pub fn reload_counts(&self) -> (u64, u64, u64) {
-        (
-            self.reloads_ok.load(Relaxed),
-            self.reloads_failed.load(Relaxed),
-            self.last_success.load(Relaxed),
-        )
+    /// What `/metrics` shows of the process: its reloads and access log.
+    pub fn process(&self) -> Process {
+        Process {
+            reloads_ok: self.reloads_ok.load(Relaxed),
+            reloads_failed: self.reloads_failed.load(Relaxed),
+            last_reload_success: self.last_success.load(Relaxed),
+            access_dropped: self.access.dropped(),
+        }
     }
 }
 

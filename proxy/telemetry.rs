@@ -91,6 +91,10 @@ fn describe() {
         "tokentap_config_reloads_total",
         "Config reloads (SIGHUP, POST /reload), by result: success or failure (the file was refused and the running config kept)."
     );
+    describe_counter!(
+        "tokentap_access_log_dropped_lines_total",
+        "Access-log lines dropped because the writer could not keep up (its queue was full)."
+    );
     describe_gauge!(
         "tokentap_config_last_reload_success_timestamp_seconds",
         Unit::Seconds,

@@ -211,7 +211,7 @@ async fn failures_explain_themselves_to_the_client_and_in_one_log_line() {
             headers.push(("x-request-id", id));
         }
         async move {
-            try_fetch(
+            send(
                 proxy,
                 "POST",
                 "/v1/chat/completions?key=SECRET-QUERY-5",

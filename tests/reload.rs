@@ -84,8 +84,10 @@ async fn the_split_reloads_under_256_streams_without_an_error_or_a_leaked_slot()
             let body =
                 br#"{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
             while !stop.load(SeqCst) {
-                match try_fetch(proxy, "POST", "/v1/chat/completions", body, &[]).await {
-                    Ok(r) if r.status == 200 && r.body.ends_with(b"data: [DONE]\n\n") => {
+                match send(proxy, "POST", "/v1/chat/completions", body, &[]).await {
+                    Ok(r)
+                        if r.status == 200 && !r.error && r.body.ends_with(b"data: [DONE]\n\n") =>
+                    {
                         ok.fetch_add(1, SeqCst);
                     }
                     Ok(r) => {

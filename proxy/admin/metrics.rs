@@ -9,6 +9,7 @@ use metrics::{counter, gauge};
 
 use super::{ConnectionStats, UpstreamReport};
 use crate::meter::{Distributions, Outcome};
+use crate::state::Process;
 use crate::telemetry::{Telemetry, LATENCY_BUCKETS, TOKEN_BUCKETS};
 
 /// The exposition text, after setting counters and gauges from the reports, with the
@@ -18,13 +19,16 @@ pub fn render(
     stats: &[UpstreamReport],
     connections: &ConnectionStats,
     distributions: &[(&str, Distributions)],
-    (reloads_ok, reloads_failed, last_reload): (u64, u64, u64),
+    process: &Process,
 ) -> String {
     let mut text = telemetry.scrape(|| {
-        counter!("tokentap_config_reloads_total", "result" => "success").absolute(reloads_ok);
+        counter!("tokentap_config_reloads_total", "result" => "success")
+            .absolute(process.reloads_ok);
         counter!("tokentap_config_reloads_total", "result" => "failure")
-            .absolute(reloads_failed);
-        gauge!("tokentap_config_last_reload_success_timestamp_seconds").set(last_reload as f64);
+            .absolute(process.reloads_failed);
+        gauge!("tokentap_config_last_reload_success_timestamp_seconds")
+            .set(process.last_reload_success as f64);
+        counter!("tokentap_access_log_dropped_lines_total").absolute(process.access_dropped);
         gauge!("tokentap_client_connections").set(connections.open as f64);
         gauge!("tokentap_client_connections_max").set(connections.max as f64);
         counter!("tokentap_client_connections_refused_total")

@@ -379,7 +379,7 @@ impl Admin {
                     &stats.upstreams,
                     &stats.connections,
                     &distributions,
-                    self.live.reload_counts(),
+                    &self.live.process(),
                 );
                 respond(
                     StatusCode::OK,

@@ -250,7 +250,7 @@ impl TokenTap {
             .unwrap_or_else(|| Outcome::from_status(ctx.status));
         let line = record::Line {
             ts: record::timestamp(),
-            request_id: ctx.request_id.to_header(),
+            request_id: ctx.request_id.as_str(),
             method: &seen.method,
             path: &seen.path,
             upstream: ctx
@@ -328,8 +328,8 @@ impl TokenTap {
                 "no_route",
             );
             let (keep, after) = answered(&leftover, true);
-            let id = ctx.request_id.to_header();
-            let out = json_response(404, &body, &[(REQUEST_ID_HEADER, &id)], keep);
+            let id = [(REQUEST_ID_HEADER, ctx.request_id.as_str())];
+            let out = json_response(404, &body, &id, keep);
             ctx.status = 404;
             ctx.bytes_out += request::answer(client, &out, limits.client_write_timeout).await;
             return (after, None);
@@ -384,21 +384,21 @@ impl TokenTap {
         // inline, every open stream would hold its space.
         let opened = Box::pin(self.open(client, ctx, outgoing, leftover, watch, shutdown));
         let opened = opened.await;
+        let mut failure = None;
         if let Err(e) = &opened {
             // Nothing reached the client yet: answer.
             let cwt = limits.client_write_timeout;
-            let mistake = e.root_cause().downcast_ref::<ClientError>();
-            match (e.esource(), mistake) {
-                (ErrorSource::Downstream, Some(mistake)) => {
-                    ctx.status = mistake.status();
-                    ctx.bytes_out += request::refuse(client, *mistake, cwt).await;
-                }
-                (ErrorSource::Downstream, None) => {} // gone: nobody to answer
-                _ => {
-                    let f = failure::of(e, &upstream.config.name);
+            if let Some(mistake) = e.root_cause().downcast_ref::<ClientError>() {
+                // A client's mistake is answered as such; it is not a failure.
+                ctx.status = mistake.status();
+                ctx.bytes_out += request::refuse(client, *mistake, cwt).await;
+            } else {
+                let f = failure::of(e, &upstream.config.name);
+                if !f.client {
                     ctx.status = f.status;
                     ctx.bytes_out += answer_failure(client, ctx, choice, &f, cwt).await;
-                }
+                } // else gone: nobody to answer
+                failure = Some(f);
             }
         }
         let result = match opened {
@@ -408,6 +408,9 @@ impl TokenTap {
                 let relayed = self
                     .relay(client, ctx, &mut open, peer.options.read_timeout)
                     .await;
+                if let Err(e) = &relayed {
+                    failure = Some(failure::of(e, &upstream.config.name));
+                }
                 relayed.map(|()| {
                     if open.relay.reusable {
                         let idle = upstream.config.idle_timeout;
@@ -437,11 +440,6 @@ impl TokenTap {
             Err(e) => Err(e),
         };
         self.finish(ctx, result.as_ref().err().map(|e| &**e));
-        let failure = result.as_ref().err().and_then(|e| {
-            // A client's mistake was answered as such; it is not a failure.
-            let mistake = e.root_cause().downcast_ref::<ClientError>().is_some();
-            (!mistake).then(|| failure::of(e, &upstream.config.name))
-        });
         let after = match result {
             Ok(after) => after,
             // A refused body (malformed, too large, too slow) may have more bytes coming.
@@ -500,7 +498,7 @@ impl TokenTap {
             (BodyKind::Length(n), _) => UpBody::Length(n),
             (BodyKind::Chunked, _) => UpBody::Chunked,
         };
-        let id = ctx.request_id.is_ours().then(|| ctx.request_id.to_header());
+        let id = ctx.request_id.is_ours().then(|| ctx.request_id.as_str());
         let up_req = upstream_request(&req, &upstream.config.host_header, id, up_body)?;
         drop(req);
         let Some(mut wire) = http_req_header_to_wire(&up_req) else {
@@ -824,11 +822,10 @@ async fn reject(
         }
     };
     let body = error_body(&message, "rate_limit_exceeded", why.label());
-    let id = ctx.request_id.to_header();
     let extra = [
         ("Retry-After", "1"),
         (UPSTREAM_HEADER, name.as_str()),
-        (REQUEST_ID_HEADER, &id),
+        (REQUEST_ID_HEADER, ctx.request_id.as_str()),
     ];
     let out = json_response(429, &body, &extra, keep_alive);
     let cwt = shared.config.limits.client_write_timeout;
@@ -851,8 +848,10 @@ async fn answer_failure(
     };
     let body = error_body(&format!("tokentap: {}", f.message), kind, f.code);
     let name = &ctx.shared.upstreams[choice.upstream].config.name;
-    let id = ctx.request_id.to_header();
-    let extra = [(UPSTREAM_HEADER, name.as_str()), (REQUEST_ID_HEADER, &id)];
+    let extra = [
+        (UPSTREAM_HEADER, name.as_str()),
+        (REQUEST_ID_HEADER, ctx.request_id.as_str()),
+    ];
     let out = json_response(f.status, &body, &extra, false);
     request::answer(client, &out, limit).await
 }
@@ -862,7 +861,7 @@ async fn answer_failure(
 fn upstream_request(
     client: &RequestHeader,
     host: &str,
-    id: Option<String>,
+    id: Option<&str>,
     body: UpBody,
 ) -> Result<RequestHeader> {
     let mut req = client.clone();

@@ -17,13 +17,12 @@ pub const REQUEST_ID_HEADER: &str = "x-request-id";
 /// The longest client request id kept; a longer or odd one is replaced by tokentap's.
 const MAX_CLIENT_ID: usize = 128;
 
-/// A request's id.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum RequestId {
-    /// The client's own `x-request-id`.
-    Client(Box<str>),
-    /// One tokentap made: this process's random prefix and a counter.
-    Ours(u64),
+/// A request's id: the client's `x-request-id`, or one tokentap made (`tt-<this process's
+/// random prefix>-<counter>`), as it goes on the wire.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct RequestId {
+    id: Box<str>,
+    ours: bool,
 }
 
 impl RequestId {
@@ -36,30 +35,33 @@ impl RequestId {
                 if (1..=MAX_CLIENT_ID).contains(&id.len())
                     && id.iter().all(|b| b.is_ascii_graphic()) =>
             {
-                // Visible ASCII is UTF-8.
-                RequestId::Client(String::from_utf8_lossy(id).into())
+                RequestId {
+                    // Visible ASCII is UTF-8.
+                    id: String::from_utf8_lossy(id).into(),
+                    ours: false,
+                }
             }
             _ => {
                 static NEXT: AtomicU64 = AtomicU64::new(0);
-                RequestId::Ours(NEXT.fetch_add(1, Relaxed))
+                static PREFIX: OnceLock<u64> = OnceLock::new();
+                let prefix = PREFIX.get_or_init(rand::random);
+                let n = NEXT.fetch_add(1, Relaxed);
+                RequestId {
+                    id: format!("tt-{prefix:016x}-{n:x}").into(),
+                    ours: true,
+                }
             }
         }
     }
 
     /// Whether tokentap made it (and so must add it to the upstream request).
     pub(crate) fn is_ours(&self) -> bool {
-        matches!(self, RequestId::Ours(_))
+        self.ours
     }
 
-    pub(crate) fn to_header(&self) -> String {
-        match self {
-            RequestId::Client(id) => id.to_string(),
-            RequestId::Ours(n) => {
-                static PREFIX: OnceLock<u64> = OnceLock::new();
-                let prefix = PREFIX.get_or_init(rand::random);
-                format!("tt-{prefix:016x}-{n:x}")
-            }
-        }
+    /// Empty for a request that got none (an upgrade).
+    pub(crate) fn as_str(&self) -> &str {
+        &self.id
     }
 }
 
@@ -81,7 +83,7 @@ pub(crate) struct Seen {
 #[derive(Serialize)]
 pub(crate) struct Line<'a> {
     pub(crate) ts: String,
-    pub(crate) request_id: String,
+    pub(crate) request_id: &'a str,
     pub(crate) method: &'a str,
     pub(crate) path: &'a str,
     pub(crate) upstream: Option<&'a str>,
@@ -128,27 +130,25 @@ pub(crate) fn log_failure(
     upstream: &str,
     f: &Failure,
 ) {
+    let request_id = id.as_str();
     if f.cause == "client_gone" {
-        tracing::debug!(request_id = %id.to_header(), upstream, cause = f.cause, "{}", f.message);
+        tracing::debug!(request_id, upstream, cause = f.cause, "{}", f.message);
         return;
     }
     let Some(held) = throttle.admit(upstream, f.cause) else {
         return;
     };
     let status = (f.status > 0).then_some(f.status);
-    if held > 0 {
-        tracing::warn!(
-            request_id = %id.to_header(),
-            upstream,
-            cause = f.cause,
-            status,
-            similar_held_back = held,
-            "{}",
-            f.message
-        );
-    } else {
-        tracing::warn!(request_id = %id.to_header(), upstream, cause = f.cause, status, "{}", f.message);
-    }
+    let similar_held_back = (held > 0).then_some(held);
+    tracing::warn!(
+        request_id,
+        upstream,
+        cause = f.cause,
+        status,
+        similar_held_back,
+        "{}",
+        f.message
+    );
 }
 
 #[cfg(test)]
@@ -159,7 +159,8 @@ mod tests {
     fn a_client_id_is_kept_when_it_is_plain_and_short() {
         let mut h = HeaderMap::new();
         h.insert(REQUEST_ID_HEADER, "abc-123".parse().unwrap());
-        assert_eq!(RequestId::of(&h), RequestId::Client("abc-123".into()));
+        assert_eq!(RequestId::of(&h).as_str(), "abc-123");
+        assert!(!RequestId::of(&h).is_ours());
         h.insert(REQUEST_ID_HEADER, "a b".parse().unwrap());
         assert!(RequestId::of(&h).is_ours());
         h.insert(REQUEST_ID_HEADER, "x".repeat(129).parse().unwrap());
@@ -168,8 +169,8 @@ mod tests {
             RequestId::of(&HeaderMap::new()),
             RequestId::of(&HeaderMap::new()),
         );
-        assert_ne!(a.to_header(), b.to_header());
-        assert!(a.to_header().starts_with("tt-"));
+        assert_ne!(a, b);
+        assert!(a.as_str().starts_with("tt-"));
     }
 
     #[test]

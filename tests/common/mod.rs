@@ -84,49 +84,13 @@ pub struct Resp {
 }
 
 pub async fn fetch(addr: SocketAddr, method: &str, path: &str, body: &[u8]) -> Resp {
-    let stream = TcpStream::connect(addr).await.unwrap();
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-        .await
-        .unwrap();
-    tokio::spawn(conn);
-    let req = http::Request::builder()
-        .method(method)
-        .uri(path)
-        .header("host", addr.to_string())
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::copy_from_slice(body)))
-        .unwrap();
-    let resp = sender.send_request(req).await.unwrap();
-    let status = resp.status().as_u16();
-    let headers = resp.headers().clone();
-    let mut b = resp.into_body();
-    let (mut out, mut frames, mut error) = (Vec::new(), Vec::new(), false);
-    while let Some(f) = b.frame().await {
-        match f {
-            Ok(f) => {
-                if let Ok(d) = f.into_data() {
-                    out.extend_from_slice(&d);
-                    frames.push((Instant::now(), d));
-                }
-            }
-            Err(_) => {
-                error = true;
-                break;
-            }
-        }
-    }
-    Resp {
-        status,
-        headers,
-        body: out,
-        frames,
-        error,
-    }
+    send(addr, method, path, body, &[]).await.unwrap()
 }
 
-/// As [`fetch`], with extra request headers, and failures (connect, a broken response)
-/// returned rather than panicking.
-pub async fn try_fetch(
+/// As [`fetch`], with extra request headers; a connection that cannot be made or a
+/// response that never comes is an `Err` rather than a panic (a body cut short sets
+/// `error`).
+pub async fn send(
     addr: SocketAddr,
     method: &str,
     path: &str,
@@ -153,19 +117,27 @@ pub async fn try_fetch(
     let status = resp.status().as_u16();
     let headers = resp.headers().clone();
     let mut b = resp.into_body();
-    let mut out = Vec::new();
+    let (mut out, mut frames, mut error) = (Vec::new(), Vec::new(), false);
     while let Some(f) = b.frame().await {
-        let f = f.map_err(|e| format!("body: {e}"))?;
-        if let Ok(d) = f.into_data() {
-            out.extend_from_slice(&d);
+        match f {
+            Ok(f) => {
+                if let Ok(d) = f.into_data() {
+                    out.extend_from_slice(&d);
+                    frames.push((Instant::now(), d));
+                }
+            }
+            Err(_) => {
+                error = true;
+                break;
+            }
         }
     }
     Ok(Resp {
         status,
         headers,
         body: out,
-        frames: Vec::new(),
-        error: false,
+        frames,
+        error,
     })
 }
 

@@ -16,10 +16,20 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::Instant;
 
-/// A free loopback port: bound at :0, released, handed to pingora (which binds by address).
+/// A free loopback port, handed to pingora (which binds by address). It is picked below
+/// the kernel's ephemeral range (32768 and up): a port from `:0` can be taken, before the
+/// proxy binds it, as the source port of another test's outgoing connection.
 pub fn free_addr() -> SocketAddr {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap()
+    use std::sync::atomic::AtomicU16;
+    static NEXT: AtomicU16 = AtomicU16::new(0);
+    let start = 10_000 + (std::process::id() % 2_000) as u16 * 10;
+    loop {
+        let port = start + NEXT.fetch_add(1, SeqCst) % 22_000;
+        let port = 10_000 + (port - 10_000) % 22_000;
+        if let Ok(l) = std::net::TcpListener::bind(("127.0.0.1", port)) {
+            return l.local_addr().unwrap();
+        }
+    }
 }
 
 /// tokentap in this process, in front of `upstreams` (name, addr), `extra` appended to the

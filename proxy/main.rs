@@ -56,7 +56,8 @@ enum Command {
         #[arg(long, short)]
         config: PathBuf,
     },
-    /// A simulated continuously batching backend, OpenAI-compatible.
+    /// A simulated continuously batching backend that streams as one API does (--dialect:
+    /// OpenAI, Responses, Anthropic, TGI, Ollama, llama.cpp).
     Sim(tokentap::sim::SimArgs),
     /// A load generator that reports client-side TTFT, TPOT, single-stream and system T/s.
     Load(tokentap::load::LoadArgs),
@@ -86,6 +87,15 @@ fn main() -> ExitCode {
 fn run(path: PathBuf, log_format: Option<LogFormat>) -> anyhow::Result<()> {
     let config = Config::load(&path)?;
     tokentap::logs::init(log_format.unwrap_or(config.log.format), &config.log);
+    // Both addresses are tried before anything says it is up: a port in use is an error
+    // now, not a line after "listening".
+    for (key, addr) in [
+        ("listen.proxy", config.listen.proxy),
+        ("listen.admin", config.listen.admin),
+    ] {
+        tokentap::server::can_listen(addr)
+            .map_err(|e| anyhow::anyhow!("cannot listen on {key} {addr}: {e}"))?;
+    }
     tokentap::logs::started(&config);
     let live = Live::new(config, Some(path));
     let (server, transport) = tokentap::server::build(&live);

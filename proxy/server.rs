@@ -57,6 +57,19 @@ pub fn build(live: &Arc<Live>) -> (Server, Arc<Transport>) {
     (server, transport)
 }
 
+/// Whether `addr` can be listened on now (as the listeners bind it, with `SO_REUSEADDR`, so
+/// connections of a previous run in TIME_WAIT do not count).
+pub fn can_listen(addr: std::net::SocketAddr) -> std::io::Result<()> {
+    let socket = socket2::Socket::new(
+        socket2::Domain::for_address(addr),
+        socket2::Type::STREAM,
+        None,
+    )?;
+    socket.set_reuse_address(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(1)
+}
+
 /// Drains histogram samples every few seconds, and drops idle upstream connections that
 /// expired or were closed.
 struct Upkeep(Arc<Live>, Arc<Transport>);

@@ -310,15 +310,9 @@ impl Live {
         };
         match Config::load(path) {
             Ok(config) => self.apply(config),
-            Err(ConfigError { problems, .. }) => self.refused(
-                problems
-                    .into_iter()
-                    .map(|p| match p.path.is_empty() {
-                        true => p.message,
-                        false => format!("{}: {}", p.path, p.message),
-                    })
-                    .collect(),
-            ),
+            Err(ConfigError { problems, .. }) => {
+                self.refused(problems.iter().map(ToString::to_string).collect())
+            }
         }
     }
 

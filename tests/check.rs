@@ -53,3 +53,54 @@ fn a_broken_config_names_each_problem() {
     let (ok, text) = check(std::path::Path::new("/nonexistent/tokentap.toml"));
     assert!(!ok && text.contains("cannot read"), "{text}");
 }
+
+#[test]
+fn five_mistakes_are_five_problems_with_their_lines_and_a_suggestion() {
+    let path = std::env::temp_dir().join(format!("tokentap-five-{}.toml", std::process::id()));
+    std::fs::write(
+        &path,
+        "[listen]\nproxy = \"127.0.0.1:8080\"\nadmin = \"127.0.0.1:8080\"\n\
+         [[upstream]]\nname = \"a\"\nurl = \"http//127.0.0.1:8000\"\nread_timout_secs = 600\n\
+         max_queue = \"lots\"\n\
+         [[route]]\nsplit = { a = 1, missing = 1 }\n",
+    )
+    .unwrap();
+    let (ok, text) = check(&path);
+    std::fs::remove_file(&path).ok();
+    assert!(!ok, "{text}");
+    for want in [
+        "5 problems",
+        "listen.admin: 127.0.0.1:8080 is listen.proxy's address too; give each its own (line 3)",
+        "upstream[0].url: `http//127.0.0.1:8000` is not a URL like http://host:port (line 6)",
+        "upstream[0].read_timout_secs: unknown key; did you mean `read_timeout_secs`? (line 7)",
+        "upstream[0].max_queue: must be a whole number, not the text \"lots\" (line 8)",
+        "route[0].split.missing: unknown upstream (line 10)",
+    ] {
+        assert!(text.contains(want), "missing {want:?} in:\n{text}");
+    }
+}
+
+#[test]
+fn run_refuses_an_address_in_use_before_it_says_it_is_up() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap();
+    let path = std::env::temp_dir().join(format!("tokentap-taken-{}.toml", std::process::id()));
+    std::fs::write(
+        &path,
+        format!("[listen]\nproxy = \"{addr}\"\n[[upstream]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"\n"),
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_tokentap"))
+        .args(["run", "--config"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    std::fs::remove_file(&path).ok();
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        text.contains(&format!("cannot listen on listen.proxy {addr}")),
+        "{text}"
+    );
+    assert!(!text.contains("listening"), "{text}");
+}

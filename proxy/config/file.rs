@@ -331,9 +331,11 @@ impl ServerFile {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct UpstreamFile {
-    /// Unique name: the `upstream` label everywhere.
+    /// Unique name: the `upstream` label everywhere. Required.
+    #[serde(default)]
     pub name: String,
-    /// `http://host:port` or `https://host[:port]`; no path.
+    /// `http://host:port` or `https://host[:port]`; no path. Required.
+    #[serde(default)]
     pub url: String,
     /// Static concurrency cap (with `[upstream.slo]`: the adaptive cap's ceiling).
     /// Default: none.
@@ -409,7 +411,8 @@ pub struct RouteFile {
     /// Headers the request must carry with these exact values. Default: none.
     #[serde(default)]
     pub headers: IndexMap<String, String>,
-    /// Upstream name → integer weight.
+    /// Upstream name → integer weight. Required.
+    #[serde(default)]
     pub split: IndexMap<String, u32>,
     /// `header:NAME`: the same header value always lands on the same upstream.
     #[serde(default)]
@@ -432,6 +435,14 @@ impl FileConfig {
         let mut p = Problems::default();
         let proxy = socket_addr(&self.listen.proxy).map_err(|e| p.add("listen.proxy", e));
         let admin = socket_addr(&self.listen.admin).map_err(|e| p.add("listen.admin", e));
+        if let (Ok(proxy), Ok(admin)) = (&proxy, &admin) {
+            if proxy == admin {
+                p.add(
+                    "listen.admin",
+                    format!("{admin} is listen.proxy's address too; give each its own"),
+                );
+            }
+        }
         if !(1..=3600).contains(&self.metrics.window_secs) {
             p.add("metrics.window_secs", "must be between 1 and 3600");
         }
@@ -452,7 +463,10 @@ impl FileConfig {
         for (i, u) in self.upstream.iter().enumerate() {
             let at = |f: &str| format!("upstream[{i}].{f}");
             if u.name.is_empty() {
-                p.add(at("name"), "must not be empty");
+                p.add(
+                    at("name"),
+                    "is required: a name of its own, used in /stats and /metrics",
+                );
             } else if let Some(j) = self.upstream[..i].iter().position(|o| o.name == u.name) {
                 p.add(
                     at("name"),
@@ -534,7 +548,18 @@ impl FileConfig {
                     .ok(),
                 _ => None,
             };
-            match upstream_url(&u.url) {
+            let url = match u.url.as_str() {
+                "" => Err("is required: http://host:port or https://host[:port]".to_owned()),
+                url => upstream_url(url),
+            };
+            match url {
+                Ok((_, _, _, addr)) if proxy.as_ref().is_ok_and(|&l| l == addr) => p.add(
+                    at("url"),
+                    format!("{addr} is tokentap's own listen.proxy: requests would loop"),
+                ),
+                Ok((_, _, _, addr)) if admin.as_ref().is_ok_and(|&l| l == addr) => {
+                    p.add(at("url"), format!("{addr} is tokentap's own listen.admin"))
+                }
                 Ok((tls, host_header, sni, addr)) => upstreams.push(Upstream {
                     name: u.name.clone(),
                     url: u.url.clone(),

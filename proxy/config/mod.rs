@@ -3,6 +3,7 @@
 //! with its dotted path (`route[1].split.vllm-b: unknown upstream`).
 
 mod file;
+mod schema;
 mod tls;
 
 use std::fmt;
@@ -12,6 +13,7 @@ use std::time::Duration;
 
 use http::header::HeaderName;
 use http::Uri;
+use serde::Deserialize;
 
 use crate::limit::controller::Slo;
 
@@ -222,6 +224,22 @@ pub struct Route {
 pub struct Problem {
     pub path: String,
     pub message: String,
+    /// The line (from 1) of the key, when the file has it.
+    pub line: Option<usize>,
+}
+
+impl fmt::Display for Problem {
+    /// `route[0].split.ghost: unknown upstream (line 12)`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if !self.path.is_empty() {
+            write!(f, "{}: ", self.path)?;
+        }
+        f.write_str(&self.message)?;
+        match self.line {
+            Some(line) => write!(f, " (line {line})"),
+            None => Ok(()),
+        }
+    }
 }
 
 /// Everything wrong with a config file.
@@ -241,11 +259,7 @@ impl fmt::Display for ConfigError {
             if n == 1 { "" } else { "s" }
         )?;
         for p in &self.problems {
-            if p.path.is_empty() {
-                writeln!(f, "  {}", p.message)?;
-            } else {
-                writeln!(f, "  {}: {}", p.path, p.message)?;
-            }
+            writeln!(f, "  {p}")?;
         }
         Ok(())
     }
@@ -267,24 +281,56 @@ impl Config {
             problems: vec![Problem {
                 path: String::new(),
                 message: format!("cannot read: {e}"),
+                line: None,
             }],
         })?;
         Config::parse(&text, &name)
     }
 
-    /// Parses and validates config text; `source_name` names it in errors.
+    /// Parses and validates config text; `source_name` names it in errors. Every problem
+    /// is found in one pass: the document's shape (unknown keys, wrong types) is checked
+    /// before it is read, each bad value taken out, and the rest validated; each problem
+    /// carries its dotted path and line.
     pub fn parse(text: &str, source_name: &str) -> Result<Config, ConfigError> {
-        let file: FileConfig = toml::from_str(text).map_err(|e| ConfigError {
-            source_name: source_name.to_owned(),
-            problems: vec![Problem {
-                path: String::new(),
-                message: e.to_string().trim_end().to_owned(),
-            }],
-        })?;
-        file.validate().map_err(|problems| ConfigError {
+        let failed = |problems| ConfigError {
             source_name: source_name.to_owned(),
             problems,
-        })
+        };
+        let mut doc: toml::Table = toml::from_str(text).map_err(|e| {
+            let (line, column) = e.span().map_or((0, 0), |s| line_column(text, s.start));
+            failed(vec![Problem {
+                path: String::new(),
+                message: format!(
+                    "not valid TOML at line {line}, column {column}: {}",
+                    e.message()
+                ),
+                line: Some(line),
+            }])
+        })?;
+        let mut p = Problems::default();
+        let reported = schema::check(&mut doc, &mut p);
+        let validated = match FileConfig::deserialize(toml::Value::Table(doc)) {
+            Ok(file) => file.validate(),
+            Err(e) => Err(vec![Problem {
+                path: String::new(),
+                message: e.message().to_owned(),
+                line: None,
+            }]),
+        };
+        let mut problems = p.0;
+        match validated {
+            Ok(config) if problems.is_empty() => return Ok(config),
+            Ok(_) => {}
+            // A value already reported for its type is not reported again as missing.
+            Err(more) => problems.extend(more.into_iter().filter(|m| !reported.contains(&m.path))),
+        }
+        let lines = schema::lines(text);
+        for problem in &mut problems {
+            problem.line = problem.line.or_else(|| line_of(&lines, &problem.path));
+        }
+        // In the file's order; problems of the whole file last.
+        problems.sort_by_key(|p| p.line.unwrap_or(usize::MAX));
+        Err(failed(problems))
     }
 
     /// The default pair of `/compare`: the first two arms of the first route that splits.
@@ -305,6 +351,7 @@ impl Problems {
         self.0.push(Problem {
             path: path.into(),
             message: message.into(),
+            line: None,
         });
     }
 
@@ -321,6 +368,25 @@ impl Problems {
     }
 }
 
+/// The line of `path`, else of the nearest enclosing key the file has.
+fn line_of(lines: &std::collections::HashMap<String, usize>, path: &str) -> Option<usize> {
+    let mut at = path;
+    loop {
+        if let Some(&line) = lines.get(at) {
+            return Some(line);
+        }
+        at = &at[..at.rfind(['.', '['])?];
+    }
+}
+
+/// The line and column (from 1) of byte `offset` of `text`.
+fn line_column(text: &str, offset: usize) -> (usize, usize) {
+    let before = &text[..offset.min(text.len())];
+    let line = before.matches('\n').count() + 1;
+    let column = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+    (line, column)
+}
+
 pub(crate) fn socket_addr(s: &str) -> Result<SocketAddr, String> {
     s.parse()
         .map_err(|_| format!("`{s}` is not an address like 127.0.0.1:8080"))
@@ -330,7 +396,7 @@ pub(crate) fn socket_addr(s: &str) -> Result<SocketAddr, String> {
 pub(crate) fn upstream_url(url: &str) -> Result<(bool, String, String, SocketAddr), String> {
     let uri: Uri = url
         .parse()
-        .map_err(|e| format!("`{url}` is not a URL: {e}"))?;
+        .map_err(|_| format!("`{url}` is not a URL like http://host:port"))?;
     let tls = match uri.scheme_str() {
         Some("http") => false,
         Some("https") => true,
@@ -367,11 +433,7 @@ mod tests {
     fn problems(text: &str) -> Vec<String> {
         match Config::parse(text, "t.toml") {
             Ok(_) => vec![],
-            Err(e) => e
-                .problems
-                .into_iter()
-                .map(|p| format!("{}: {}", p.path, p.message))
-                .collect(),
+            Err(e) => e.problems.iter().map(ToString::to_string).collect(),
         }
     }
 
@@ -464,7 +526,10 @@ split = { "a" = 0 }
             "server.max_connections: must be at least 1",
             "server.max_request_body_bytes: must be at least 1",
         ] {
-            assert!(p.iter().any(|x| x == want), "missing {want:?} in {p:#?}");
+            assert!(
+                p.iter().any(|x| x.starts_with(want)),
+                "missing {want:?} in {p:#?}"
+            );
         }
         let c = Config::parse(&format!("[server]\nmax_connections = 7\n{up}"), "t").expect("valid");
         assert_eq!(c.limits.max_connections, Some(7));
@@ -474,8 +539,58 @@ split = { "a" = 0 }
     fn unknown_keys_are_errors() {
         let p = problems("[[upstream]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"\nweight = 3\n");
         assert_eq!(p.len(), 1);
-        assert!(p[0].contains("unknown field `weight`"), "{p:?}");
-        assert!(p[0].contains("line 4"), "{p:?}");
+        assert!(p[0].starts_with("upstream[0].weight: unknown key"), "{p:?}");
+        assert!(p[0].ends_with("(line 4)"), "{p:?}");
+    }
+
+    #[test]
+    fn wrong_types_misspellings_and_the_rest_are_reported_together() {
+        let p = problems(
+            "[listen]\nproxy = \"127.0.0.1:7000\"\nadmin = \"127.0.0.1:7000\"\n\
+             [[upstream]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"\nread_timout_secs = 5\n\
+             write_timeout_secs = \"ten\"\nmax_queue = -1\n\
+             [[upstream]]\nname = \"b\"\nurl = \"htp:/nowhere\"\n\
+             [[route]]\nsplit = { a = 1, ghost = 1 }\nspill = \"yes\"\n",
+        );
+        let want = [
+            "listen.admin: 127.0.0.1:7000 is listen.proxy's address too; give each its own (line 3)",
+            "upstream[0].read_timout_secs: unknown key; did you mean `read_timeout_secs`? (line 7)",
+            "upstream[0].write_timeout_secs: must be a whole number of seconds, not the text \"ten\" (line 8)",
+            "upstream[0].max_queue: must be a whole number, not -1 (line 9)",
+            "upstream[1].url:",
+            "route[0].split.ghost: unknown upstream (line 14)",
+            "route[0].spill: must be true or false, not the text \"yes\" (line 15)",
+        ];
+        for w in want {
+            assert!(
+                p.iter().any(|x| x.starts_with(w)),
+                "missing {w:?} in {p:#?}"
+            );
+        }
+        assert_eq!(p.len(), want.len(), "{p:#?}");
+    }
+
+    #[test]
+    fn a_syntax_error_names_its_line_and_column() {
+        let p = problems("[listen]\nproxy = \"127.0.0.1:1\"\nadmin = 127.0.0.1:2\n");
+        assert_eq!(p.len(), 1, "{p:?}");
+        assert!(
+            p[0].starts_with("not valid TOML at line 3, column"),
+            "{p:?}"
+        );
+    }
+
+    #[test]
+    fn an_upstream_at_tokentaps_own_address_is_a_loop() {
+        let p = problems(
+            "[listen]\nproxy = \"127.0.0.1:7001\"\n[[upstream]]\nname = \"a\"\nurl = \"http://127.0.0.1:7001\"\n",
+        );
+        assert!(
+            p.iter()
+                .any(|x| x
+                    .starts_with("upstream[0].url: 127.0.0.1:7001 is tokentap's own listen.proxy")),
+            "{p:?}"
+        );
     }
 
     #[test]

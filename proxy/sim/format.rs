@@ -46,6 +46,20 @@ pub struct Asked {
     pub usage: bool,
 }
 
+impl SimDialect {
+    /// The API's name, and the paths it serves, as the banner says them.
+    pub fn describe(self) -> (&'static str, &'static str) {
+        match self {
+            SimDialect::Openai => ("OpenAI", "/v1/chat/completions, /v1/completions"),
+            SimDialect::Responses => ("OpenAI Responses", "/v1/responses"),
+            SimDialect::Anthropic => ("Anthropic Messages", "/v1/messages"),
+            SimDialect::Tgi => ("Hugging Face TGI", "/generate_stream, /generate"),
+            SimDialect::Ollama => ("Ollama", "/api/chat, /api/generate"),
+            SimDialect::Llamacpp => ("llama.cpp server", "/completion"),
+        }
+    }
+}
+
 impl Api {
     /// The endpoint `dialect` serves at `path`.
     pub fn route(dialect: SimDialect, path: &str) -> Option<Api> {
@@ -100,6 +114,9 @@ pub struct Writer {
     pub usage: bool,
     /// OpenAI only: usage on every chunk too (vLLM's `continuous_usage_stats`).
     pub continuous: bool,
+    /// The request set the token limit: generation ends by it (`length`, `max_tokens`,
+    /// `incomplete`…); otherwise it ends as a natural stop does.
+    pub limited: bool,
     seq: u64,
 }
 
@@ -127,7 +144,52 @@ impl Writer {
             prompt_tokens,
             usage,
             continuous: mode == UsageMode::Continuous,
+            limited: asked.max_tokens.is_some(),
             seq: 0,
+        }
+    }
+
+    /// OpenAI's `finish_reason` (and TGI's), by how generation ended.
+    fn finish_reason(&self) -> &'static str {
+        if self.limited {
+            "length"
+        } else {
+            "stop"
+        }
+    }
+
+    /// A Responses API event: its `type` and `sequence_number` set.
+    fn event(&mut self, kind: &str, mut v: Value) -> String {
+        v["type"] = json!(kind);
+        v["sequence_number"] = json!(self.seq);
+        self.sse(Some(kind), &v)
+    }
+
+    /// The Responses API's output message, with `text` so far.
+    fn message_item(&self, status: &str, text: &str) -> Value {
+        json!({"id": format!("msg_{}", self.id), "type": "message", "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}]})
+    }
+
+    /// The Responses API's response object.
+    fn response_object(&self, status: &str, output: Value, usage: Value) -> Value {
+        let incomplete = if status == "incomplete" {
+            json!({"reason": "max_output_tokens"})
+        } else {
+            Value::Null
+        };
+        json!({"id": self.id, "object": "response", "created_at": self.created, "status": status,
+            "model": self.model, "output": output, "parallel_tool_calls": true, "tool_choice": "auto",
+            "tools": [], "temperature": 1.0, "top_p": 1.0, "text": {"format": {"type": "text"}},
+            "error": null, "incomplete_details": incomplete, "metadata": {}, "usage": usage})
+    }
+
+    /// How a Responses generation ended.
+    fn response_status(&self) -> &'static str {
+        if self.limited {
+            "incomplete"
+        } else {
+            "completed"
         }
     }
 
@@ -153,8 +215,15 @@ impl Writer {
             Api::Chat => self.sse(None, &json!({"id": id, "object": "chat.completion.chunk", "created": self.created, "model": model,
                 "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]})),
             Api::Responses => {
-                let r = json!({"id": id, "object": "response", "status": "in_progress", "model": model, "output": [], "usage": null});
-                self.sse(Some("response.created"), &json!({"type": "response.created", "sequence_number": 0, "response": r}))
+                let r = self.response_object("in_progress", json!([]), Value::Null);
+                let mut s = self.event("response.created", json!({"response": r}));
+                s += &self.event("response.in_progress", json!({"response": r}));
+                let mut item = self.message_item("in_progress", "");
+                item["content"] = json!([]);
+                s += &self.event("response.output_item.added", json!({"output_index": 0, "item": item}));
+                let part = json!({"type": "output_text", "text": "", "annotations": []});
+                let item_id = format!("msg_{id}");
+                s + &self.event("response.content_part.added", json!({"item_id": item_id, "output_index": 0, "content_index": 0, "part": part}))
             }
             Api::Messages => {
                 let m = json!({"id": id, "type": "message", "role": "assistant", "content": [], "model": model, "stop_reason": null,
@@ -173,7 +242,7 @@ impl Writer {
         let (id, model) = (self.id.clone(), self.model.clone());
         match self.api {
             Api::Chat | Api::Completions => {
-                let finish = if last { json!("length") } else { Value::Null };
+                let finish = if last { json!(self.finish_reason()) } else { Value::Null };
                 let choice = if self.api == Api::Chat {
                     json!({"index": 0, "delta": {"content": text}, "logprobs": null, "finish_reason": finish})
                 } else {
@@ -187,8 +256,8 @@ impl Writer {
                 self.sse(None, &v)
             }
             Api::Responses => {
-                let v = json!({"type": "response.output_text.delta", "sequence_number": self.seq, "item_id": "msg_sim", "output_index": 0, "content_index": 0, "delta": text});
-                self.sse(Some("response.output_text.delta"), &v)
+                let v = json!({"item_id": format!("msg_{id}"), "output_index": 0, "content_index": 0, "delta": text, "logprobs": []});
+                self.event("response.output_text.delta", v)
             }
             Api::Messages => self.sse(Some("content_block_delta"), &json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}})),
             Api::TgiStream | Api::TgiWhole => {
@@ -199,7 +268,7 @@ impl Writer {
                         let end = last && i + 1 == k;
                         let v = json!({"index": n, "token": {"id": 1000 + n, "text": " tok", "logprob": -0.5, "special": false},
                             "generated_text": if end { json!(" tok".repeat(produced as usize)) } else { Value::Null },
-                            "details": if end && self.usage { json!({"finish_reason": "length", "generated_tokens": produced, "seed": null}) } else { Value::Null }});
+                            "details": if end && self.usage { json!({"finish_reason": if self.limited { "length" } else { "eos_token" }, "generated_tokens": produced, "seed": null}) } else { Value::Null }});
                         self.sse(None, &v)
                     })
                     .collect()
@@ -236,15 +305,38 @@ impl Writer {
                 } else {
                     Value::Null
                 };
-                let r = json!({"id": id, "object": "response", "status": "incomplete", "incomplete_details": {"reason": "max_output_tokens"}, "model": model, "usage": usage});
-                self.sse(Some("response.incomplete"), &json!({"type": "response.incomplete", "sequence_number": self.seq, "response": r}))
+                let text = " tok".repeat(produced as usize);
+                let item_id = format!("msg_{id}");
+                let part = json!({"type": "output_text", "text": text, "annotations": []});
+                let mut s = self.event("response.output_text.done", json!({"item_id": item_id, "output_index": 0, "content_index": 0, "text": text, "logprobs": []}));
+                s += &self.event("response.content_part.done", json!({"item_id": item_id, "output_index": 0, "content_index": 0, "part": part}));
+                let status = self.response_status();
+                let item = self.message_item(
+                    if self.limited {
+                        "incomplete"
+                    } else {
+                        "completed"
+                    },
+                    &text,
+                );
+                s += &self.event(
+                    "response.output_item.done",
+                    json!({"output_index": 0, "item": item}),
+                );
+                let r = self.response_object(status, json!([item]), usage);
+                s + &self.event(&format!("response.{status}"), json!({"response": r}))
             }
             Api::Messages => {
                 let mut s = self.sse(
                     Some("content_block_stop"),
                     &json!({"type": "content_block_stop", "index": 0}),
                 );
-                let mut delta = json!({"type": "message_delta", "delta": {"stop_reason": "max_tokens", "stop_sequence": null}});
+                let stop = if self.limited {
+                    "max_tokens"
+                } else {
+                    "end_turn"
+                };
+                let mut delta = json!({"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": null}});
                 if self.usage {
                     delta["usage"] = json!({"output_tokens": produced});
                 }
@@ -253,7 +345,7 @@ impl Writer {
             }
             Api::TgiStream | Api::TgiWhole => String::new(),
             Api::OllamaChat | Api::OllamaGenerate => {
-                let mut v = json!({"model": model, "created_at": "2026-11-29T00:00:01Z", "done": true, "done_reason": "length"});
+                let mut v = json!({"model": model, "created_at": "2026-11-29T00:00:01Z", "done": true, "done_reason": self.finish_reason()});
                 if self.api == Api::OllamaChat {
                     v["message"] = json!({"role": "assistant", "content": ""});
                 } else {
@@ -266,7 +358,8 @@ impl Writer {
                 format!("{v}\n")
             }
             Api::LlamaCpp => {
-                let mut v = json!({"content": "", "tokens": [], "stop": true, "id_slot": 0, "stop_type": "limit"});
+                let stop_type = if self.limited { "limit" } else { "eos" };
+                let mut v = json!({"content": "", "tokens": [], "stop": true, "id_slot": 0, "stop_type": stop_type});
                 if self.usage {
                     v["tokens_predicted"] = json!(produced);
                     v["timings"] = json!({"prompt_n": self.prompt_tokens, "predicted_n": produced});
@@ -280,35 +373,54 @@ impl Writer {
     pub fn whole(&self, produced: u64) -> Value {
         let text = " tok".repeat(produced as usize);
         let (id, model, p) = (&self.id, &self.model, self.prompt_tokens);
+        let finish = self.finish_reason();
         match self.api {
             Api::Chat => {
                 json!({"id": id, "object": "chat.completion", "created": self.created, "model": model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}],
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": finish}],
                 "usage": self.openai_usage(produced)})
             }
             Api::Completions => {
                 json!({"id": id, "object": "text_completion", "created": self.created, "model": model,
-                "choices": [{"index": 0, "text": text, "finish_reason": "length"}], "usage": self.openai_usage(produced)})
+                "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}], "usage": self.openai_usage(produced)})
             }
             Api::Responses => {
-                json!({"id": id, "object": "response", "status": "incomplete", "model": model,
-                "output": [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]}], "usage": self.usage_io(produced)})
+                let status = self.response_status();
+                let item = self.message_item(
+                    if self.limited {
+                        "incomplete"
+                    } else {
+                        "completed"
+                    },
+                    &text,
+                );
+                self.response_object(status, json!([item]), self.usage_io(produced))
             }
             Api::Messages => {
+                let stop = if self.limited {
+                    "max_tokens"
+                } else {
+                    "end_turn"
+                };
                 json!({"id": id, "type": "message", "role": "assistant", "model": model, "content": [{"type": "text", "text": text}],
-                "stop_reason": "max_tokens", "usage": {"input_tokens": p, "output_tokens": produced}})
+                "stop_reason": stop, "stop_sequence": null, "usage": {"input_tokens": p, "output_tokens": produced}})
             }
             Api::TgiStream | Api::TgiWhole => {
-                json!({"generated_text": text, "details": {"finish_reason": "length", "generated_tokens": produced}})
+                let reason = if self.limited { "length" } else { "eos_token" };
+                json!({"generated_text": text, "details": {"finish_reason": reason, "generated_tokens": produced}})
             }
             Api::OllamaChat => {
-                json!({"model": model, "message": {"role": "assistant", "content": text}, "done": true, "eval_count": produced})
+                json!({"model": model, "created_at": "2026-11-29T00:00:01Z", "message": {"role": "assistant", "content": text},
+                "done": true, "done_reason": finish, "prompt_eval_count": p, "eval_count": produced})
             }
             Api::OllamaGenerate => {
-                json!({"model": model, "response": text, "done": true, "eval_count": produced})
+                json!({"model": model, "created_at": "2026-11-29T00:00:01Z", "response": text, "done": true,
+                "done_reason": finish, "prompt_eval_count": p, "eval_count": produced})
             }
             Api::LlamaCpp => {
-                json!({"content": text, "stop": true, "tokens_predicted": produced, "timings": {"predicted_n": produced}})
+                let stop_type = if self.limited { "limit" } else { "eos" };
+                json!({"content": text, "stop": true, "stop_type": stop_type, "tokens_predicted": produced,
+                "timings": {"prompt_n": p, "predicted_n": produced}})
             }
         }
     }
@@ -318,6 +430,8 @@ impl Writer {
     }
 
     fn usage_io(&self, produced: u64) -> Value {
-        json!({"input_tokens": self.prompt_tokens, "output_tokens": produced, "total_tokens": self.prompt_tokens + produced})
+        json!({"input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": produced, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": self.prompt_tokens + produced})
     }
 }

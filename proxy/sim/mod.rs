@@ -1,4 +1,5 @@
-//! `tokentap sim`: a simulated continuously batching LLM backend, OpenAI-compatible.
+//! `tokentap sim`: a simulated continuously batching LLM backend that streams as one API
+//! dialect does (OpenAI, Responses, Anthropic, TGI, Ollama, llama.cpp), event for event.
 //!
 //! One decode step lasts `tpot(b)`, b being the requests decoding at that moment, from a
 //! piecewise-linear curve; every decoding request receives `tokens_per_chunk` tokens per
@@ -40,7 +41,7 @@ pub struct SimArgs {
     #[arg(long, default_value = "127.0.0.1:8000")]
     pub listen: SocketAddr,
     /// Decode step time (ms) by batch size, piecewise-linear through these points
-    /// (DESIGN §1's reference shape by default).
+    /// (by default Llama 3.1 70B FP8 on one H100: 20 ms alone, 36 ms at 128 in flight).
     #[arg(long, default_value = "1:20,16:22,64:26,128:36")]
     pub tpot_curve: Curve,
     /// Prefill time before the first token, ms.
@@ -135,9 +136,10 @@ pub fn run_blocking(args: SimArgs) -> anyhow::Result<()> {
     let rt = tokio::runtime::Runtime::new()?;
     rt.block_on(async move {
         let curve = args.tpot_curve.to_string();
+        let (api, paths) = args.dialect.describe();
         let sim = Sim::start(args).await?;
         eprintln!(
-            "tokentap sim: OpenAI-compatible on http://{} (tpot curve {curve}); GET /sim/stats for its own figures",
+            "tokentap sim: the {api} API on http://{} (POST {paths}; GET /v1/models), decode step by batch size {curve} ms; GET /sim/stats for its own figures",
             sim.addr
         );
         tokio::signal::ctrl_c().await?;

@@ -281,6 +281,37 @@ fn walk(
 mod tests {
     use super::*;
 
+    /// A value of `kind` for `key`, as the structs take it.
+    fn sample(key: &str, kind: Kind) -> Value {
+        match kind {
+            Kind::Text if key == "estimate" => Value::String("events".into()),
+            Kind::Text => Value::String("x".into()),
+            Kind::Count(_) => Value::Integer(1),
+            Kind::Number(_) => Value::Float(1.5),
+            Kind::Bool => Value::Boolean(true),
+            Kind::Table(fields) => Value::Table(sample_table(fields)),
+            Kind::Tables(fields) => Value::Array(vec![Value::Table(sample_table(fields))]),
+            Kind::Map(each) => {
+                Value::Table(toml::Table::from_iter([("k".into(), sample("k", *each))]))
+            }
+        }
+    }
+
+    fn sample_table(fields: &[Field]) -> toml::Table {
+        fields
+            .iter()
+            .map(|(k, kind)| ((*k).to_owned(), sample(k, *kind)))
+            .collect()
+    }
+
+    #[test]
+    fn every_key_the_shape_knows_is_one_the_structs_read() {
+        use serde::Deserialize;
+        let doc = sample_table(FILE);
+        let read = super::super::FileConfig::deserialize(Value::Table(doc));
+        assert!(read.is_ok(), "{:?}", read.err());
+    }
+
     #[test]
     fn misspelt_keys_get_the_closest_known_one() {
         let known = [

@@ -149,13 +149,18 @@ impl Writer {
         }
     }
 
-    /// OpenAI's `finish_reason` (and TGI's), by how generation ended.
-    fn finish_reason(&self) -> &'static str {
+    /// `by_limit` when the request's token limit ended generation, else `natural`.
+    fn ended(&self, by_limit: &'static str, natural: &'static str) -> &'static str {
         if self.limited {
-            "length"
+            by_limit
         } else {
-            "stop"
+            natural
         }
+    }
+
+    /// OpenAI's `finish_reason` (and Ollama's `done_reason`), by how generation ended.
+    fn finish_reason(&self) -> &'static str {
+        self.ended("length", "stop")
     }
 
     /// A Responses API event: its `type` and `sequence_number` set.
@@ -184,13 +189,9 @@ impl Writer {
             "error": null, "incomplete_details": incomplete, "metadata": {}, "usage": usage})
     }
 
-    /// How a Responses generation ended.
+    /// How a Responses generation ended (the response's status, and its message's).
     fn response_status(&self) -> &'static str {
-        if self.limited {
-            "incomplete"
-        } else {
-            "completed"
-        }
+        self.ended("incomplete", "completed")
     }
 
     pub fn content_type(&self) -> &'static str {
@@ -268,7 +269,7 @@ impl Writer {
                         let end = last && i + 1 == k;
                         let v = json!({"index": n, "token": {"id": 1000 + n, "text": " tok", "logprob": -0.5, "special": false},
                             "generated_text": if end { json!(" tok".repeat(produced as usize)) } else { Value::Null },
-                            "details": if end && self.usage { json!({"finish_reason": if self.limited { "length" } else { "eos_token" }, "generated_tokens": produced, "seed": null}) } else { Value::Null }});
+                            "details": if end && self.usage { json!({"finish_reason": self.ended("length", "eos_token"), "generated_tokens": produced, "seed": null}) } else { Value::Null }});
                         self.sse(None, &v)
                     })
                     .collect()
@@ -311,14 +312,7 @@ impl Writer {
                 let mut s = self.event("response.output_text.done", json!({"item_id": item_id, "output_index": 0, "content_index": 0, "text": text, "logprobs": []}));
                 s += &self.event("response.content_part.done", json!({"item_id": item_id, "output_index": 0, "content_index": 0, "part": part}));
                 let status = self.response_status();
-                let item = self.message_item(
-                    if self.limited {
-                        "incomplete"
-                    } else {
-                        "completed"
-                    },
-                    &text,
-                );
+                let item = self.message_item(self.ended("incomplete", "completed"), &text);
                 s += &self.event(
                     "response.output_item.done",
                     json!({"output_index": 0, "item": item}),
@@ -331,11 +325,7 @@ impl Writer {
                     Some("content_block_stop"),
                     &json!({"type": "content_block_stop", "index": 0}),
                 );
-                let stop = if self.limited {
-                    "max_tokens"
-                } else {
-                    "end_turn"
-                };
+                let stop = self.ended("max_tokens", "end_turn");
                 let mut delta = json!({"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": null}});
                 if self.usage {
                     delta["usage"] = json!({"output_tokens": produced});
@@ -358,7 +348,7 @@ impl Writer {
                 format!("{v}\n")
             }
             Api::LlamaCpp => {
-                let stop_type = if self.limited { "limit" } else { "eos" };
+                let stop_type = self.ended("limit", "eos");
                 let mut v = json!({"content": "", "tokens": [], "stop": true, "id_slot": 0, "stop_type": stop_type});
                 if self.usage {
                     v["tokens_predicted"] = json!(produced);
@@ -386,27 +376,16 @@ impl Writer {
             }
             Api::Responses => {
                 let status = self.response_status();
-                let item = self.message_item(
-                    if self.limited {
-                        "incomplete"
-                    } else {
-                        "completed"
-                    },
-                    &text,
-                );
+                let item = self.message_item(self.ended("incomplete", "completed"), &text);
                 self.response_object(status, json!([item]), self.usage_io(produced))
             }
             Api::Messages => {
-                let stop = if self.limited {
-                    "max_tokens"
-                } else {
-                    "end_turn"
-                };
+                let stop = self.ended("max_tokens", "end_turn");
                 json!({"id": id, "type": "message", "role": "assistant", "model": model, "content": [{"type": "text", "text": text}],
                 "stop_reason": stop, "stop_sequence": null, "usage": {"input_tokens": p, "output_tokens": produced}})
             }
             Api::TgiStream | Api::TgiWhole => {
-                let reason = if self.limited { "length" } else { "eos_token" };
+                let reason = self.ended("length", "eos_token");
                 json!({"generated_text": text, "details": {"finish_reason": reason, "generated_tokens": produced}})
             }
             Api::OllamaChat => {
@@ -418,7 +397,7 @@ impl Writer {
                 "done_reason": finish, "prompt_eval_count": p, "eval_count": produced})
             }
             Api::LlamaCpp => {
-                let stop_type = if self.limited { "limit" } else { "eos" };
+                let stop_type = self.ended("limit", "eos");
                 json!({"content": text, "stop": true, "stop_type": stop_type, "tokens_predicted": produced,
                 "timings": {"prompt_n": p, "predicted_n": produced}})
             }

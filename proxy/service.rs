@@ -236,6 +236,9 @@ impl TokenTap {
             if let Some(total) = facts.exact_total {
                 stream.exact_total(total);
             }
+            if let Some(n) = facts.input_tokens {
+                stream.input_tokens(n);
+            }
         }
         ctx.facts.finished |= facts.finished;
         ctx.facts.error |= facts.error;

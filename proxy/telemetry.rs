@@ -7,21 +7,90 @@
 //! (TTFT, TPOT, queue wait) are fed as requests end through the handles made here; counters
 //! and gauges are set from snapshots at scrape time (`admin::metrics`).
 
-use metrics::{describe_counter, describe_gauge, describe_histogram, histogram, Unit};
+use std::sync::LazyLock;
+
+use metrics::{describe_histogram, histogram, Unit};
 use metrics_exporter_prometheus::{
     Matcher, PrometheusBuilder, PrometheusHandle, PrometheusRecorder,
 };
 
 use crate::meter::Histograms;
 
-/// Histogram buckets for latencies, seconds: 1 ms to 5 min.
-pub const LATENCY_BUCKETS: &[f64] = &[
-    0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5,
-    1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
-];
+/// The E12 series: neighbouring values 18–25% apart, so a `histogram_quantile` read
+/// between two edges is off by at most half that.
+const E12: [u32; 12] = [10, 12, 15, 18, 22, 27, 33, 39, 47, 56, 68, 82];
+
+/// The E12 values from `from` up to the first at or above `to`, seconds; exact decimals
+/// (`0.0012`, not `0.0012000000000000001`) so the `le` labels read as written.
+fn e12(from: f64, to: f64) -> Vec<f64> {
+    let mut out = Vec::new();
+    for exp in -4..4 {
+        for m in E12 {
+            // m × 10^(exp-1), by division for negative powers so the decimal is exact.
+            let p = exp - 1;
+            let v = if p < 0 {
+                f64::from(m) / 10f64.powi(-p)
+            } else {
+                f64::from(m) * 10f64.powi(p)
+            };
+            if v >= from * 0.999 {
+                out.push(v);
+                if v >= to {
+                    return out;
+                }
+            }
+        }
+    }
+    out
+}
+
+/// TTFT buckets: 10 ms to 68 s.
+pub static TTFT_BUCKETS: LazyLock<Vec<f64>> = LazyLock::new(|| e12(0.01, 60.0));
+/// Per-token buckets (TPOT, ITL, the curve's gaps): 1 ms to 2.2 s.
+pub static TOKEN_GAP_BUCKETS: LazyLock<Vec<f64>> = LazyLock::new(|| e12(0.001, 2.0));
+/// Whole-request buckets (end to end, queue wait): 1 ms to 6.8 min.
+pub static REQUEST_BUCKETS: LazyLock<Vec<f64>> = LazyLock::new(|| e12(0.001, 400.0));
 
 /// Histogram buckets for tokens per event.
 pub const TOKEN_BUCKETS: &[f64] = &[1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0, 64.0];
+
+/// The families `/metrics` writes itself at scrape time (name, type, help); the
+/// per-request histograms of the recorder are described in [`describe`].
+pub const FAMILIES: &[(&str, &str, &str)] = &[
+    ("tokentap_build_info", "gauge", "Always 1; the version of tokentap serving."),
+    ("tokentap_config_reloads_total", "counter", "Config reloads (SIGHUP, POST /reload), by result: success or failure (the file was refused and the running config kept)."),
+    ("tokentap_config_last_reload_success_timestamp_seconds", "gauge", "Unix time of the last successful reload (of the start before any)."),
+    ("tokentap_access_log_dropped_lines_total", "counter", "Access-log lines dropped because the writer could not keep up (its queue was full)."),
+    ("tokentap_client_connections", "gauge", "Open client connections."),
+    ("tokentap_client_connections_max", "gauge", "server.max_connections: more open client connections are closed at once."),
+    ("tokentap_client_connections_refused_total", "counter", "Client connections closed at once because server.max_connections were open."),
+    ("tokentap_requests_total", "counter", "Requests by upstream and outcome (ok, 4xx, 5xx, aborted, upstream_error, truncated, stream_error, proxy_error)."),
+    ("tokentap_errors_total", "counter", "Requests the upstream failed: 5xx, upstream_error, truncated, stream_error."),
+    ("tokentap_output_tokens_total", "counter", "Output tokens, counted as they arrive; a stream's exact count (usage) replaces its estimate when it ends."),
+    ("tokentap_estimated_output_tokens_total", "counter", "Output tokens of finished requests that rest on the one-per-event estimate (no exact count arrived)."),
+    ("tokentap_input_tokens_total", "counter", "Prompt tokens, of the requests whose stream reported them."),
+    ("tokentap_estimate_to_exact_ratio", "gauge", "Σ one-per-event estimate / Σ exact count, over requests that had both."),
+    ("tokentap_unparsed_events_total", "counter", "Stream events that could not be metered (broken JSON, over the size bound)."),
+    ("tokentap_in_flight_requests", "gauge", "Generation requests in flight at the upstream."),
+    ("tokentap_queued_requests", "gauge", "Requests waiting for a concurrency slot."),
+    ("tokentap_concurrency_limit", "gauge", "The concurrency cap in force (absent when there is none)."),
+    ("tokentap_rejected_requests_total", "counter", "Requests refused a slot with 429, by reason (queue_full, queue_timeout)."),
+    ("tokentap_upstream_arm_weight", "gauge", "The upstream's weight in each route's split (route = the route's name)."),
+    ("tokentap_slo_tpot_seconds", "gauge", "The TPOT SLO the adaptive cap holds."),
+    ("tokentap_slo_current_tpot_seconds", "gauge", "The SLO percentile of per-token gaps over the last controller tick."),
+    ("tokentap_slo_bounded_system_tokens_per_second", "gauge", "The highest system T/s among curve buckets that meet the SLO."),
+    ("tokentap_system_tokens_per_second", "gauge", "All output tokens of the upstream over the sliding window, per second."),
+    ("tokentap_single_stream_tokens_per_second", "gauge", "1000 / mean TPOT (ms) of requests with two or more token events in the window."),
+    ("tokentap_concurrency", "gauge", "Time-weighted mean of in-flight requests over the window."),
+    ("tokentap_counts_exact", "gauge", "1 when every finished generation was counted exactly, 0 when some rest on estimates."),
+    ("tokentap_curve_tokens_total", "counter", "Output tokens that arrived while the upstream's in-flight count was in the concurrency bucket (1, 2, 3–4 as 4, 5–8 as 8, …)."),
+    ("tokentap_curve_seconds_total", "counter", "Seconds the upstream's in-flight count spent in the concurrency bucket; tokens / seconds is the bucket's system T/s."),
+    ("tokentap_curve_gap_seconds", "histogram", "Per-token gaps by the concurrency bucket they arrived at: the concurrency→TPOT curve."),
+    ("tokentap_itl_seconds", "histogram", "Inter-token latency: the gap between token events divided by the tokens of the later one."),
+    ("tokentap_tokens_per_event", "histogram", "Tokens carried by each token-bearing fragment."),
+    ("tokentap_model_requests_total", "counter", "Finished generation requests by model (metrics.model_label): the busiest models by name, the rest as other."),
+    ("tokentap_model_output_tokens_total", "counter", "Output tokens of finished requests by model (metrics.model_label)."),
+];
 
 pub struct Telemetry {
     recorder: PrometheusRecorder,
@@ -32,16 +101,19 @@ pub struct Telemetry {
 
 impl Telemetry {
     pub fn new() -> Self {
-        // Only an empty bucket list is refused; ours are non-empty constants.
-        let builder = PrometheusBuilder::new()
-            .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), LATENCY_BUCKETS)
-            .and_then(|b| {
-                b.set_buckets_for_metric(
-                    Matcher::Full("tokentap_tokens_per_event".into()),
-                    TOKEN_BUCKETS,
-                )
-            })
-            .unwrap_or_else(|_| PrometheusBuilder::new());
+        // Only an empty bucket list is refused; ours are never empty.
+        let buckets = |name: &str, b: &[f64]| (Matcher::Full(name.into()), b.to_vec());
+        let builder = [
+            buckets("tokentap_ttft_seconds", &TTFT_BUCKETS),
+            buckets("tokentap_tpot_seconds", &TOKEN_GAP_BUCKETS),
+            buckets("tokentap_e2e_seconds", &REQUEST_BUCKETS),
+            buckets("tokentap_queue_wait_seconds", &REQUEST_BUCKETS),
+        ]
+        .into_iter()
+        .try_fold(PrometheusBuilder::new(), |b, (m, v)| {
+            b.set_buckets_for_metric(m, &v)
+        })
+        .unwrap_or_else(|_| PrometheusBuilder::new());
         let recorder = builder.build_recorder();
         let handle = recorder.handle();
         metrics::with_local_recorder(&recorder, describe);
@@ -54,6 +126,7 @@ impl Telemetry {
         metrics::with_local_recorder(&self.recorder, || Histograms {
             ttft: histogram!("tokentap_ttft_seconds", "upstream" => name.clone()),
             tpot: histogram!("tokentap_tpot_seconds", "upstream" => name.clone()),
+            e2e: histogram!("tokentap_e2e_seconds", "upstream" => name.clone()),
         })
     }
 
@@ -87,110 +160,6 @@ impl Default for Telemetry {
 }
 
 fn describe() {
-    describe_counter!(
-        "tokentap_config_reloads_total",
-        "Config reloads (SIGHUP, POST /reload), by result: success or failure (the file was refused and the running config kept)."
-    );
-    describe_counter!(
-        "tokentap_access_log_dropped_lines_total",
-        "Access-log lines dropped because the writer could not keep up (its queue was full)."
-    );
-    describe_gauge!(
-        "tokentap_config_last_reload_success_timestamp_seconds",
-        Unit::Seconds,
-        "Unix time of the last successful reload (of the start before any)."
-    );
-    describe_gauge!("tokentap_client_connections", "Open client connections.");
-    describe_gauge!(
-        "tokentap_client_connections_max",
-        "server.max_connections: more open client connections are closed at once."
-    );
-    describe_counter!(
-        "tokentap_client_connections_refused_total",
-        "Client connections closed at once because server.max_connections were open."
-    );
-    describe_gauge!(
-        "tokentap_estimate_to_exact_ratio",
-        "Σ one-per-event estimate / Σ exact count, over requests that had both."
-    );
-    describe_gauge!(
-        "tokentap_upstream_arm_weight",
-        "The upstream's weight in each route's split (route = its index in the config)."
-    );
-    describe_counter!("tokentap_requests_total", "Requests by upstream and outcome (ok, 4xx, 5xx, aborted, upstream_error, truncated, stream_error).");
-    describe_counter!(
-        "tokentap_errors_total",
-        "Requests the upstream failed: 5xx, upstream_error, truncated, stream_error."
-    );
-    describe_counter!(
-        "tokentap_output_tokens_total",
-        Unit::Count,
-        "Output tokens of finished requests, by counts=exact (the stream reported them) or counts=estimated (one per token-bearing event)."
-    );
-    describe_counter!(
-        "tokentap_unparsed_events_total",
-        "Stream events that could not be metered (broken JSON, over the size bound)."
-    );
-    describe_gauge!(
-        "tokentap_in_flight_requests",
-        "Generation requests in flight at the upstream."
-    );
-    describe_gauge!(
-        "tokentap_system_tokens_per_second",
-        "All output tokens of the upstream over the sliding window, per second."
-    );
-    describe_gauge!(
-        "tokentap_single_stream_tokens_per_second",
-        "1000 / mean TPOT (ms) of requests with two or more token events in the window."
-    );
-    describe_gauge!(
-        "tokentap_concurrency",
-        "Time-weighted mean of in-flight requests over the window."
-    );
-    describe_gauge!(
-        "tokentap_counts_exact",
-        "1 when every finished generation was counted exactly, 0 when some rest on estimates."
-    );
-    describe_gauge!(
-        "tokentap_curve_tpot_p50_seconds",
-        Unit::Seconds,
-        "Per-token gap p50 by the concurrency bucket the tokens arrived at, since start."
-    );
-    describe_gauge!(
-        "tokentap_curve_tpot_p90_seconds",
-        Unit::Seconds,
-        "Per-token gap p90 by concurrency bucket, since start."
-    );
-    describe_gauge!(
-        "tokentap_curve_system_tokens_per_second",
-        "Tokens per second while the upstream was in the concurrency bucket, since start."
-    );
-    describe_gauge!(
-        "tokentap_queued_requests",
-        "Requests waiting for a concurrency slot."
-    );
-    describe_gauge!(
-        "tokentap_concurrency_limit",
-        "The concurrency cap in force (NaN: none)."
-    );
-    describe_counter!(
-        "tokentap_rejected_requests_total",
-        "Requests refused a slot with 429, by reason (queue_full, queue_timeout)."
-    );
-    describe_gauge!(
-        "tokentap_slo_tpot_seconds",
-        Unit::Seconds,
-        "The TPOT SLO the adaptive cap holds."
-    );
-    describe_gauge!(
-        "tokentap_slo_current_tpot_seconds",
-        Unit::Seconds,
-        "The SLO percentile of per-token gaps over the last controller tick."
-    );
-    describe_gauge!(
-        "tokentap_slo_bounded_system_tokens_per_second",
-        "The highest system T/s among curve buckets that meet the SLO."
-    );
     describe_histogram!(
         "tokentap_queue_wait_seconds",
         Unit::Seconds,
@@ -206,4 +175,30 @@ fn describe() {
         Unit::Seconds,
         "Time per output token of finished requests: (t_last - t_first) / (N - 1)."
     );
+    describe_histogram!(
+        "tokentap_e2e_seconds",
+        Unit::Seconds,
+        "End-to-end latency of generation requests: from the request's first byte to the response's end."
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_are_fine_and_exact() {
+        for b in [&*TTFT_BUCKETS, &*TOKEN_GAP_BUCKETS, &*REQUEST_BUCKETS] {
+            for w in b.windows(2) {
+                let step = w[1] / w[0];
+                assert!((1.10..=1.2501).contains(&step), "{} → {}", w[0], w[1]);
+            }
+        }
+        assert_eq!(TTFT_BUCKETS.first(), Some(&0.01));
+        assert_eq!(TTFT_BUCKETS.last(), Some(&68.0));
+        assert_eq!(TOKEN_GAP_BUCKETS.first(), Some(&0.001));
+        assert_eq!(TOKEN_GAP_BUCKETS.last(), Some(&2.2));
+        assert!(TOKEN_GAP_BUCKETS.iter().any(|v| v.to_string() == "0.0012"));
+        assert_eq!(REQUEST_BUCKETS.last(), Some(&470.0));
+    }
 }

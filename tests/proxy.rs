@@ -137,8 +137,13 @@ async fn bodies_are_forwarded_byte_for_byte() {
     let text = String::from_utf8(metrics.body).unwrap();
     for name in [
         "tokentap_requests_total{upstream=\"mock\",status=\"ok\"} 6",
-        "tokentap_output_tokens_total{upstream=\"mock\",counts=\"exact\"} 27",
-        "tokentap_output_tokens_total{upstream=\"mock\",counts=\"estimated\"} 28",
+        "tokentap_output_tokens_total{upstream=\"mock\"} 55",
+        "tokentap_estimated_output_tokens_total{upstream=\"mock\"} 28",
+        "tokentap_build_info{version=\"",
+        "tokentap_e2e_seconds_bucket{upstream=\"mock\"",
+        "tokentap_curve_tokens_total{upstream=\"mock\",concurrency=\"1\"}",
+        "tokentap_curve_seconds_total{upstream=\"mock\",concurrency=\"1\"}",
+        "tokentap_curve_gap_seconds_bucket{upstream=\"mock\",concurrency=\"1\",le=\"0.001\"}",
         "tokentap_tokens_per_event_bucket{upstream=\"mock\",le=\"1\"}",
         "tokentap_in_flight_requests{upstream=\"mock\"} 0",
         "tokentap_system_tokens_per_second{upstream=\"mock\"}",
@@ -149,6 +154,9 @@ async fn bodies_are_forwarded_byte_for_byte() {
     ] {
         assert!(text.contains(name), "/metrics lacks {name}:\n{text}");
     }
+    // No cap, no NaN: a figure without a value is left out.
+    assert!(!text.contains("NaN"), "{text}");
+    assert!(!text.contains("tokentap_concurrency_limit{"), "{text}");
     let health = fetch(tap.shared().config.listen.admin, "GET", "/healthz", b"").await;
     assert_eq!(health.status, 200);
 }

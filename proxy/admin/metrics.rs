@@ -1,157 +1,326 @@
-//! `/metrics`: counters and gauges set from the `/stats` reports at scrape time, and the
-//! per-event histograms (ITL, tokens per event) written from the meter's own histograms, so
-//! a token event feeds nothing shared between threads.
+//! `/metrics`: the per-request histograms of the recorder (TTFT, TPOT, end to end, queue
+//! wait), then every other family written here at scrape time from the `/stats` reports
+//! and the meters: counters, gauges, and the histograms the meter keeps itself (ITL, tokens
+//! per event, the curve's gaps), so a token event feeds nothing shared between threads.
+//!
+//! A figure without a value (no cap, no traffic yet) is left out, never exported as NaN;
+//! every label is bounded (upstream and route names from the config, outcome, reason, the
+//! concurrency bucket, at most [`MODEL_LABELS`] models).
 
 use std::fmt::Write as _;
 
 use hdrhistogram::Histogram;
-use metrics::{counter, gauge};
+use indexmap::IndexMap;
 
 use super::{ConnectionStats, UpstreamReport};
-use crate::meter::{Distributions, Outcome};
+use crate::meter::{CurveTotals, Distributions, ModelCount, Outcome};
 use crate::state::Process;
-use crate::telemetry::{Telemetry, LATENCY_BUCKETS, TOKEN_BUCKETS};
+use crate::telemetry::{Telemetry, FAMILIES, TOKEN_BUCKETS, TOKEN_GAP_BUCKETS};
 
-/// The exposition text, after setting counters and gauges from the reports, with the
-/// per-event histograms of `distributions` (upstream name, distributions).
+/// The busiest models that get their own `model` label; the rest are `other`.
+pub const MODEL_LABELS: usize = 10;
+
+/// What one upstream's meter adds to the scrape beyond its report.
+pub struct MeterParts<'a> {
+    pub name: &'a str,
+    pub distributions: Distributions,
+    pub curve: Vec<CurveTotals>,
+    pub output_tokens: u64,
+    /// Per model, busiest first; empty unless `metrics.model_label`.
+    pub models: Vec<(String, ModelCount)>,
+}
+
+/// The exposition text.
 pub fn render(
     telemetry: &Telemetry,
     stats: &[UpstreamReport],
     connections: &ConnectionStats,
-    distributions: &[(&str, Distributions)],
+    meters: &[MeterParts<'_>],
     process: &Process,
 ) -> String {
-    let mut text = telemetry.scrape(|| {
-        counter!("tokentap_config_reloads_total", "result" => "success")
-            .absolute(process.reloads_ok);
-        counter!("tokentap_config_reloads_total", "result" => "failure")
-            .absolute(process.reloads_failed);
-        gauge!("tokentap_config_last_reload_success_timestamp_seconds")
-            .set(process.last_reload_success as f64);
-        counter!("tokentap_access_log_dropped_lines_total").absolute(process.access_dropped);
-        gauge!("tokentap_client_connections").set(connections.open as f64);
-        gauge!("tokentap_client_connections_max").set(connections.max as f64);
-        counter!("tokentap_client_connections_refused_total")
-            .absolute(connections.refused_total);
-        for report in stats {
-            let s = &report.meter;
-            let up = s.name.clone();
-            for o in Outcome::ALL {
-                let n = s.requests_by_status.get(o.label()).copied().unwrap_or(0);
-                counter!("tokentap_requests_total", "upstream" => up.clone(), "status" => o.label()).absolute(n);
-            }
-            counter!("tokentap_errors_total", "upstream" => up.clone())
-                .absolute(s.errors_total);
-            // Which tokens rest on estimates is in the `counts` label.
-            let estimated = s.estimated_output_tokens_total;
-            counter!("tokentap_output_tokens_total", "upstream" => up.clone(), "counts" => "exact")
-                .absolute(s.output_tokens_total.saturating_sub(estimated));
-            counter!("tokentap_output_tokens_total", "upstream" => up.clone(), "counts" => "estimated")
-                .absolute(estimated);
-            if let Some(r) = s.estimate_to_exact_ratio {
-                gauge!("tokentap_estimate_to_exact_ratio", "upstream" => up.clone()).set(r);
-            }
-            counter!("tokentap_unparsed_events_total", "upstream" => up.clone())
-                .absolute(s.unparsed_events_total);
-            gauge!("tokentap_in_flight_requests", "upstream" => up.clone())
-                .set(s.in_flight as f64);
-            gauge!("tokentap_queued_requests", "upstream" => up.clone()).set(report.queued as f64);
-            gauge!("tokentap_concurrency_limit", "upstream" => up.clone())
-                .set(report.limit.map_or(f64::NAN, |l| l as f64));
-            for reason in ["queue_full", "queue_timeout"] {
-                let n = report.rejected_by_reason.get(reason).copied().unwrap_or(0);
-                counter!("tokentap_rejected_requests_total", "upstream" => up.clone(), "reason" => reason)
-                    .absolute(n);
-            }
-            for arm in &report.arms {
-                gauge!("tokentap_upstream_arm_weight", "upstream" => up.clone(), "route" => arm.route.to_string())
-                    .set(f64::from(arm.weight));
-            }
-            if let Some(slo) = &report.slo {
-                gauge!("tokentap_slo_tpot_seconds", "upstream" => up.clone())
-                    .set(slo.tpot_ms / 1e3);
-                gauge!("tokentap_slo_current_tpot_seconds", "upstream" => up.clone())
-                    .set(slo.current_tpot_ms.map_or(f64::NAN, |v| v / 1e3));
-                gauge!("tokentap_slo_bounded_system_tokens_per_second", "upstream" => up.clone())
-                    .set(slo.slo_bounded_system_tps.unwrap_or(f64::NAN));
-            }
-            let or_nan = |v: Option<f64>| v.unwrap_or(f64::NAN);
-            gauge!("tokentap_system_tokens_per_second", "upstream" => up.clone())
-                .set(or_nan(s.system_tps));
-            gauge!("tokentap_single_stream_tokens_per_second", "upstream" => up.clone())
-                .set(or_nan(s.single_stream_tps));
-            gauge!("tokentap_concurrency", "upstream" => up.clone()).set(or_nan(s.concurrency));
-            let exact = s.counts_exact.map(|e| if e { 1.0 } else { 0.0 });
-            gauge!("tokentap_counts_exact", "upstream" => up.clone()).set(or_nan(exact));
-            for p in &s.curve {
-                let c = p.concurrency.to_string();
-                gauge!("tokentap_curve_tpot_p50_seconds", "upstream" => up.clone(), "concurrency" => c.clone())
-                    .set(or_nan(p.tpot_ms_p50.map(|v| v / 1e3)));
-                gauge!("tokentap_curve_tpot_p90_seconds", "upstream" => up.clone(), "concurrency" => c.clone())
-                    .set(or_nan(p.tpot_ms_p90.map(|v| v / 1e3)));
-                gauge!("tokentap_curve_system_tokens_per_second", "upstream" => up.clone(), "concurrency" => c)
-                    .set(or_nan(p.system_tps));
+    let mut text = telemetry.scrape(|| {});
+    let mut x = Exposition::default();
+    x.add(
+        "tokentap_build_info",
+        &[("version", env!("CARGO_PKG_VERSION"))],
+        1.0,
+    );
+    for (result, n) in [
+        ("success", process.reloads_ok),
+        ("failure", process.reloads_failed),
+    ] {
+        x.add(
+            "tokentap_config_reloads_total",
+            &[("result", result)],
+            n as f64,
+        );
+    }
+    x.add(
+        "tokentap_config_last_reload_success_timestamp_seconds",
+        &[],
+        process.last_reload_success as f64,
+    );
+    x.add(
+        "tokentap_access_log_dropped_lines_total",
+        &[],
+        process.access_dropped as f64,
+    );
+    x.add("tokentap_client_connections", &[], connections.open as f64);
+    x.add(
+        "tokentap_client_connections_max",
+        &[],
+        connections.max as f64,
+    );
+    x.add(
+        "tokentap_client_connections_refused_total",
+        &[],
+        connections.refused_total as f64,
+    );
+    for report in stats {
+        upstream(&mut x, report);
+    }
+    for m in meters {
+        let up = [("upstream", m.name)];
+        x.add("tokentap_output_tokens_total", &up, m.output_tokens as f64);
+        for b in &m.curve {
+            let c = b.concurrency.to_string();
+            let labels = [("upstream", m.name), ("concurrency", c.as_str())];
+            x.add("tokentap_curve_tokens_total", &labels, b.tokens as f64);
+            x.add("tokentap_curve_seconds_total", &labels, b.seconds);
+            if let Some(h) = &b.gaps_us {
+                x.histogram(
+                    "tokentap_curve_gap_seconds",
+                    &labels,
+                    &TOKEN_GAP_BUCKETS,
+                    h,
+                    1e6,
+                    b.gap_sum_us / 1e6,
+                );
             }
         }
-    });
-    render_distributions(&mut text, distributions);
+        let d = &m.distributions;
+        x.histogram(
+            "tokentap_itl_seconds",
+            &up,
+            &TOKEN_GAP_BUCKETS,
+            &d.itl_us,
+            1e6,
+            d.itl_sum_us / 1e6,
+        );
+        let tpe = &d.tokens_per_event;
+        let sum = tpe.mean() * tpe.len() as f64;
+        x.histogram(
+            "tokentap_tokens_per_event",
+            &up,
+            TOKEN_BUCKETS,
+            tpe,
+            1.0,
+            sum,
+        );
+        models(&mut x, m.name, &m.models);
+    }
+    x.write(&mut text);
     text
 }
 
-/// `tokentap_itl_seconds` and `tokentap_tokens_per_event` in the text format, from the
-/// meter's histograms. Their resolution is 1%: a sample is counted at the low end of its
-/// 1% range, so one at most 1% above a bucket bound may count under it (and one exactly on
-/// it always does).
-fn render_distributions(text: &mut String, distributions: &[(&str, Distributions)]) {
-    if distributions.is_empty() {
+/// One upstream's figures from its `/stats` report.
+fn upstream(x: &mut Exposition, report: &UpstreamReport) {
+    let s = &report.meter;
+    let name = s.name.as_str();
+    let up = [("upstream", name)];
+    for o in Outcome::ALL {
+        let n = s.requests_by_status.get(o.label()).copied().unwrap_or(0);
+        x.add(
+            "tokentap_requests_total",
+            &[("upstream", name), ("status", o.label())],
+            n as f64,
+        );
+    }
+    x.add("tokentap_errors_total", &up, s.errors_total as f64);
+    x.add(
+        "tokentap_estimated_output_tokens_total",
+        &up,
+        s.estimated_output_tokens_total as f64,
+    );
+    x.add(
+        "tokentap_input_tokens_total",
+        &up,
+        s.input_tokens_total as f64,
+    );
+    x.opt(
+        "tokentap_estimate_to_exact_ratio",
+        &up,
+        s.estimate_to_exact_ratio,
+    );
+    x.add(
+        "tokentap_unparsed_events_total",
+        &up,
+        s.unparsed_events_total as f64,
+    );
+    x.add("tokentap_in_flight_requests", &up, s.in_flight as f64);
+    x.add("tokentap_queued_requests", &up, report.queued as f64);
+    x.opt(
+        "tokentap_concurrency_limit",
+        &up,
+        report.limit.map(|l| l as f64),
+    );
+    for reason in ["queue_full", "queue_timeout"] {
+        let n = report.rejected_by_reason.get(reason).copied().unwrap_or(0);
+        x.add(
+            "tokentap_rejected_requests_total",
+            &[("upstream", name), ("reason", reason)],
+            n as f64,
+        );
+    }
+    for arm in &report.arms {
+        x.add(
+            "tokentap_upstream_arm_weight",
+            &[("upstream", name), ("route", arm.route.as_str())],
+            f64::from(arm.weight),
+        );
+    }
+    if let Some(slo) = &report.slo {
+        x.add("tokentap_slo_tpot_seconds", &up, slo.tpot_ms / 1e3);
+        x.opt(
+            "tokentap_slo_current_tpot_seconds",
+            &up,
+            slo.current_tpot_ms.map(|v| v / 1e3),
+        );
+        x.opt(
+            "tokentap_slo_bounded_system_tokens_per_second",
+            &up,
+            slo.slo_bounded_system_tps,
+        );
+    }
+    x.opt("tokentap_system_tokens_per_second", &up, s.system_tps);
+    x.opt(
+        "tokentap_single_stream_tokens_per_second",
+        &up,
+        s.single_stream_tps,
+    );
+    x.opt("tokentap_concurrency", &up, s.concurrency);
+    x.opt(
+        "tokentap_counts_exact",
+        &up,
+        s.counts_exact.map(|e| f64::from(u8::from(e))),
+    );
+}
+
+/// The per-model counters: the [`MODEL_LABELS`] busiest by name, the rest summed as
+/// `other`.
+fn models(x: &mut Exposition, upstream: &str, models: &[(String, ModelCount)]) {
+    if models.is_empty() {
         return;
     }
-    type Pick = fn(&Distributions) -> (&Histogram<u32>, f64);
-    // (name, help, bucket bounds, recorded units per exposed unit, histogram and Σ in
-    // exposed units)
-    let families: [(&str, &str, &[f64], f64, Pick); 2] = [
-        (
-            "tokentap_itl_seconds",
-            "Inter-token latency: the gap between token events divided by the tokens of the later one.",
-            LATENCY_BUCKETS,
-            1e6,
-            |d| (&d.itl_us, d.itl_sum_us / 1e6),
-        ),
-        (
-            "tokentap_tokens_per_event",
-            "Tokens carried by each token-bearing fragment.",
-            TOKEN_BUCKETS,
-            1.0,
-            |d| (&d.tokens_per_event, d.tokens_per_event.mean() * d.tokens_per_event.len() as f64),
-        ),
-    ];
-    for (name, help, bounds, per_unit, pick) in families {
-        let _ = writeln!(text, "# HELP {name} {help}\n# TYPE {name} histogram");
-        for (upstream, d) in distributions {
-            let (h, sum) = pick(d);
-            let label = escape(upstream);
-            let mut counts = vec![0u64; bounds.len()];
-            for v in h.iter_recorded() {
-                let value = h.lowest_equivalent(v.value_iterated_to()) as f64 / per_unit;
-                if let Some(b) = bounds.iter().position(|&le| value <= le) {
-                    counts[b] += u64::from(v.count_at_value());
-                }
+    let mut other = ModelCount::default();
+    let mut named = Vec::new();
+    for (i, (model, c)) in models.iter().enumerate() {
+        if i < MODEL_LABELS && model != "other" {
+            named.push((model.as_str(), *c));
+        } else {
+            other.requests += c.requests;
+            other.output_tokens += c.output_tokens;
+        }
+    }
+    if other.requests > 0 {
+        named.push(("other", other));
+    }
+    for (model, c) in named {
+        let labels = [("upstream", upstream), ("model", model)];
+        x.add("tokentap_model_requests_total", &labels, c.requests as f64);
+        x.add(
+            "tokentap_model_output_tokens_total",
+            &labels,
+            c.output_tokens as f64,
+        );
+    }
+}
+
+/// Samples gathered by family, written with their `# HELP` and `# TYPE` in
+/// [`FAMILIES`]' order.
+#[derive(Default)]
+struct Exposition {
+    samples: IndexMap<&'static str, String>,
+}
+
+impl Exposition {
+    fn add(&mut self, family: &'static str, labels: &[(&str, &str)], value: f64) {
+        self.line(family, "", labels, None, value);
+    }
+
+    fn opt(&mut self, family: &'static str, labels: &[(&str, &str)], value: Option<f64>) {
+        if let Some(v) = value.filter(|v| v.is_finite()) {
+            self.add(family, labels, v);
+        }
+    }
+
+    fn line(
+        &mut self,
+        family: &'static str,
+        suffix: &str,
+        labels: &[(&str, &str)],
+        le: Option<&str>,
+        value: f64,
+    ) {
+        let out = self.samples.entry(family).or_default();
+        let _ = write!(out, "{family}{suffix}");
+        let mut sep = '{';
+        for (k, v) in labels {
+            let _ = write!(out, "{sep}{k}=\"{}\"", escape(v));
+            sep = ',';
+        }
+        if let Some(le) = le {
+            let _ = write!(out, "{sep}le=\"{le}\"");
+            sep = ',';
+        }
+        if sep == ',' {
+            out.push('}');
+        }
+        let _ = writeln!(out, " {value}");
+    }
+
+    /// A histogram from one of the meter's: `per_unit` recorded units per exposed unit.
+    /// Its resolution is 1%: a sample is counted at the low end of its 1% range, so one at
+    /// most 1% above a bucket bound may count under it (and one exactly on it always does).
+    fn histogram(
+        &mut self,
+        family: &'static str,
+        labels: &[(&str, &str)],
+        bounds: &[f64],
+        h: &Histogram<u32>,
+        per_unit: f64,
+        sum: f64,
+    ) {
+        let mut counts = vec![0u64; bounds.len()];
+        for v in h.iter_recorded() {
+            let value = h.lowest_equivalent(v.value_iterated_to()) as f64 / per_unit;
+            if let Some(b) = bounds.iter().position(|&le| value <= le) {
+                counts[b] += u64::from(v.count_at_value());
             }
-            let mut cumulative = 0;
-            for (le, n) in bounds.iter().zip(counts) {
-                cumulative += n;
-                let _ = writeln!(
-                    text,
-                    "{name}_bucket{{upstream=\"{label}\",le=\"{le}\"}} {cumulative}"
-                );
-            }
-            let total = h.len();
-            let _ = writeln!(
-                text,
-                "{name}_bucket{{upstream=\"{label}\",le=\"+Inf\"}} {total}"
+        }
+        let mut cumulative = 0;
+        for (le, n) in bounds.iter().zip(counts) {
+            cumulative += n;
+            self.line(
+                family,
+                "_bucket",
+                labels,
+                Some(&le.to_string()),
+                cumulative as f64,
             );
-            let _ = writeln!(text, "{name}_sum{{upstream=\"{label}\"}} {sum}");
-            let _ = writeln!(text, "{name}_count{{upstream=\"{label}\"}} {total}");
+        }
+        let total = h.len() as f64;
+        self.line(family, "_bucket", labels, Some("+Inf"), total);
+        self.line(family, "_sum", labels, None, sum);
+        self.line(family, "_count", labels, None, total);
+    }
+
+    fn write(self, text: &mut String) {
+        for (name, kind, help) in FAMILIES {
+            if let Some(samples) = self.samples.get(name) {
+                let _ = writeln!(text, "# HELP {name} {help}\n# TYPE {name} {kind}");
+                text.push_str(samples);
+            }
         }
     }
 }
@@ -173,24 +342,40 @@ mod tests {
     }
 
     #[test]
-    fn per_event_histograms_in_text_format() {
+    fn meter_histograms_in_text_format() {
         let (mut itl, mut tpe) = (hist(), hist());
         let _ = itl.record_n(20_000, 100); // 20 ms
         let _ = itl.record_n(40_000, 10); // 40 ms
         let _ = tpe.record_n(1, 100);
         let _ = tpe.record_n(4, 10);
-        let d = Distributions {
-            itl_us: itl,
-            itl_sum_us: 100.0 * 20_000.0 + 10.0 * 40_000.0,
-            tokens_per_event: tpe,
-        };
+        let mut x = Exposition::default();
+        let up = [("upstream", "a\"b")];
+        x.histogram(
+            "tokentap_itl_seconds",
+            &up,
+            &TOKEN_GAP_BUCKETS,
+            &itl,
+            1e6,
+            2.4,
+        );
+        x.histogram(
+            "tokentap_tokens_per_event",
+            &up,
+            TOKEN_BUCKETS,
+            &tpe,
+            1.0,
+            140.0,
+        );
+        x.opt("tokentap_concurrency_limit", &up, None);
+        x.opt("tokentap_concurrency", &up, Some(f64::NAN));
         let mut text = String::new();
-        render_distributions(&mut text, &[("a\"b", d)]);
+        x.write(&mut text);
         for line in [
             "# TYPE tokentap_itl_seconds histogram",
-            "tokentap_itl_seconds_bucket{upstream=\"a\\\"b\",le=\"0.015\"} 0",
-            "tokentap_itl_seconds_bucket{upstream=\"a\\\"b\",le=\"0.02\"} 100",
-            "tokentap_itl_seconds_bucket{upstream=\"a\\\"b\",le=\"0.04\"} 110",
+            "tokentap_itl_seconds_bucket{upstream=\"a\\\"b\",le=\"0.018\"} 0",
+            "tokentap_itl_seconds_bucket{upstream=\"a\\\"b\",le=\"0.022\"} 100",
+            "tokentap_itl_seconds_bucket{upstream=\"a\\\"b\",le=\"0.039\"} 100",
+            "tokentap_itl_seconds_bucket{upstream=\"a\\\"b\",le=\"0.047\"} 110",
             "tokentap_itl_seconds_bucket{upstream=\"a\\\"b\",le=\"+Inf\"} 110",
             "tokentap_itl_seconds_sum{upstream=\"a\\\"b\"} 2.4",
             "tokentap_itl_seconds_count{upstream=\"a\\\"b\"} 110",
@@ -203,5 +388,31 @@ mod tests {
         ] {
             assert!(text.lines().any(|l| l == line), "missing {line}:\n{text}");
         }
+        assert!(
+            !text.contains("NaN") && !text.contains("concurrency"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn models_beyond_the_busiest_are_other() {
+        let models: Vec<(String, ModelCount)> = (0..12)
+            .map(|i| {
+                (
+                    format!("m{i}"),
+                    ModelCount {
+                        requests: 100 - i,
+                        output_tokens: 1,
+                    },
+                )
+            })
+            .collect();
+        let mut x = Exposition::default();
+        super::models(&mut x, "u", &models);
+        let mut text = String::new();
+        x.write(&mut text);
+        assert!(text.contains("tokentap_model_requests_total{upstream=\"u\",model=\"m9\"} 91"));
+        assert!(!text.contains("model=\"m10\""), "{text}");
+        assert!(text.contains("tokentap_model_requests_total{upstream=\"u\",model=\"other\"} 179"));
     }
 }

@@ -47,8 +47,8 @@ pub struct UpstreamReport {
 /// An upstream's place in one route's split.
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct Arm {
-    /// The route's index in the config.
-    pub route: usize,
+    /// The route's name (`route[].name`, else its path prefix).
+    pub route: String,
     pub path_prefix: String,
     pub weight: u32,
     /// Its weight as a share of the route's total, percent.
@@ -146,14 +146,13 @@ fn arms(shared: &Shared, upstream: usize) -> Vec<Arm> {
         .config
         .routes
         .iter()
-        .enumerate()
-        .flat_map(|(route, r)| {
+        .flat_map(|r| {
             let total: u64 = r.split.iter().map(|&(_, w)| u64::from(w)).sum();
             r.split
                 .iter()
                 .filter(move |&&(u, _)| u == upstream)
                 .map(move |&(_, weight)| Arm {
-                    route,
+                    route: r.name.clone(),
                     path_prefix: r.path_prefix.clone(),
                     weight,
                     share_pct: if total > 0 {
@@ -368,17 +367,27 @@ impl Admin {
                 Err(e) => json_error(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
             },
             "/metrics" => {
-                let distributions: Vec<_> = shared
+                let stats = stats(shared, &self.transport);
+                let meters: Vec<_> = shared
                     .upstreams
                     .iter()
-                    .map(|u| (u.meter.name(), u.meter.distributions()))
+                    .map(|u| metrics::MeterParts {
+                        name: u.meter.name(),
+                        distributions: u.meter.distributions(),
+                        curve: u.meter.curve_totals(),
+                        output_tokens: u.meter.output_tokens_live(),
+                        models: if shared.config.model_label {
+                            u.meter.models()
+                        } else {
+                            Vec::new()
+                        },
+                    })
                     .collect();
-                let stats = stats(shared, &self.transport);
                 let text = metrics::render(
                     &shared.telemetry,
                     &stats.upstreams,
                     &stats.connections,
-                    &distributions,
+                    &meters,
                     &self.live.process(),
                 );
                 respond(

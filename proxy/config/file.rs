@@ -143,6 +143,10 @@ pub struct MetricsFile {
     /// Largest SSE event metered, bytes; larger ones are forwarded and counted as unparsed.
     /// Default 1 MiB.
     pub max_event_bytes: usize,
+    /// Count requests and output tokens per model (`tokentap_model_*`): the busiest
+    /// models by requests get their name as the `model` label, the rest `other`.
+    /// Default false.
+    pub model_label: bool,
 }
 
 impl Default for MetricsFile {
@@ -150,6 +154,7 @@ impl Default for MetricsFile {
         MetricsFile {
             window_secs: 10,
             max_event_bytes: 1 << 20,
+            model_label: false,
         }
     }
 }
@@ -405,6 +410,10 @@ fn ninety() -> f64 {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RouteFile {
+    /// The route's name: the `route` label of its metrics, stable across edits of the
+    /// file. Default: its `path_prefix` (`#2`, `#3`… added for later routes with the same).
+    #[serde(default)]
+    pub name: Option<String>,
     /// Requests whose path starts with this. Default `/`.
     #[serde(default = "slash")]
     pub path_prefix: String,
@@ -421,6 +430,17 @@ pub struct RouteFile {
     /// the split that has headroom instead of queueing. Default false.
     #[serde(default)]
     pub spill: bool,
+}
+
+/// A route's default name: its path prefix, with `#2`, `#3`… when earlier routes took it.
+fn unique_name(prefix: &str, earlier: &[Route]) -> String {
+    let mut name = prefix.to_owned();
+    let mut n = 1;
+    while earlier.iter().any(|r| r.name == name) {
+        n += 1;
+        name = format!("{prefix}#{n}");
+    }
+    name
 }
 
 fn slash() -> String {
@@ -625,7 +645,20 @@ impl FileConfig {
                     }
                 },
             };
+            let name = match &r.name {
+                Some(n) if n.is_empty() || n.len() > 128 => {
+                    p.add(at("name"), "must be 1 to 128 characters");
+                    n.clone()
+                }
+                Some(n) if routes.iter().any(|x: &Route| &x.name == n) => {
+                    p.add(at("name"), format!("another route is named `{n}`"));
+                    n.clone()
+                }
+                Some(n) => n.clone(),
+                None => unique_name(&r.path_prefix, &routes),
+            };
             routes.push(Route {
+                name,
                 path_prefix: r.path_prefix.clone(),
                 headers,
                 split,
@@ -641,6 +674,7 @@ impl FileConfig {
         }
         if routes.is_empty() {
             routes.push(Route {
+                name: "/".into(),
                 path_prefix: "/".into(),
                 headers: Vec::new(),
                 split: vec![(0, 1)],
@@ -662,6 +696,7 @@ impl FileConfig {
         let window = Duration::from_secs(self.metrics.window_secs);
         let max_event_bytes = self.metrics.max_event_bytes;
         let compare_window = Duration::from_secs(self.compare.window_secs);
+        let model_label = self.metrics.model_label;
         p.into_result(move || Config {
             listen: Listen {
                 // Both are Ok here: an Err added a problem.
@@ -672,6 +707,7 @@ impl FileConfig {
             window,
             compare_window,
             max_event_bytes,
+            model_label,
             threads,
             grace_period: Duration::from_secs(grace),
             keepalive_pool,

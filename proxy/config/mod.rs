@@ -30,6 +30,8 @@ pub struct Config {
     pub compare_window: Duration,
     /// Events larger than this are forwarded but not metered.
     pub max_event_bytes: usize,
+    /// Per-model counters (`metrics.model_label`).
+    pub model_label: bool,
     /// Worker threads of the proxy service.
     pub threads: usize,
     /// How long a graceful shutdown (SIGTERM) lets streams run on.
@@ -208,6 +210,8 @@ pub struct Upstream {
 
 #[derive(Debug, Clone)]
 pub struct Route {
+    /// Its `name`, or its path prefix: the `route` label of its metrics.
+    pub name: String,
     pub path_prefix: String,
     /// Headers that must be present with these exact values.
     pub headers: Vec<(HeaderName, String)>,

@@ -45,7 +45,11 @@ const FILE: &[Field] = &[
     ),
     (
         "metrics",
-        Kind::Table(&[("window_secs", SECS), ("max_event_bytes", BYTES)]),
+        Kind::Table(&[
+            ("window_secs", SECS),
+            ("max_event_bytes", BYTES),
+            ("model_label", Kind::Bool),
+        ]),
     ),
     (
         "server",
@@ -108,6 +112,7 @@ const FILE: &[Field] = &[
     (
         "route",
         Kind::Tables(&[
+            ("name", Kind::Text),
             ("path_prefix", Kind::Text),
             ("headers", Kind::Map(&Kind::Text)),
             ("split", Kind::Map(&Kind::Count("a whole-number weight"))),

@@ -139,6 +139,7 @@ impl Outcome {
 pub struct Histograms {
     pub ttft: metrics::Histogram,
     pub tpot: metrics::Histogram,
+    pub e2e: metrics::Histogram,
 }
 
 impl Histograms {
@@ -146,6 +147,7 @@ impl Histograms {
         Histograms {
             ttft: metrics::Histogram::noop(),
             tpot: metrics::Histogram::noop(),
+            e2e: metrics::Histogram::noop(),
         }
     }
 }
@@ -159,6 +161,28 @@ pub struct Distributions {
     /// Tokens per token-bearing fragment.
     pub tokens_per_event: hdrhistogram::Histogram<u32>,
 }
+
+/// One concurrency bucket of the curve, since start, in a form that adds up across
+/// replicas: its tokens, the time spent in it and its per-token gaps.
+pub struct CurveTotals {
+    /// The bucket's upper bound (1, 2, 4, …).
+    pub concurrency: u64,
+    pub tokens: u64,
+    pub seconds: f64,
+    /// Per-token gaps, µs, two significant figures; `None` before the bucket's first gap.
+    pub gaps_us: Option<hdrhistogram::Histogram<u32>>,
+    pub gap_sum_us: f64,
+}
+
+/// Requests and output tokens of one model on one upstream.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ModelCount {
+    pub requests: u64,
+    pub output_tokens: u64,
+}
+
+/// Distinct models counted per upstream; later ones are counted as `other`.
+const MAX_MODELS: usize = 1000;
 
 /// One finished streamed request, as the A/B comparison sees it.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -210,6 +234,11 @@ pub struct UpstreamMeter {
     /// Finished requests of the last `sample_window`, oldest first.
     samples: Mutex<VecDeque<RequestSample>>,
     sample_window: AtomicU64,
+    /// The output-token counter as last exported: it never goes back, though an exact
+    /// count that lands below its estimate takes tokens away from the live sum.
+    exported_output: AtomicU64,
+    /// Per-model counts (`metrics.model_label`), at most [`MAX_MODELS`] names.
+    models: Mutex<std::collections::HashMap<Box<str>, ModelCount>>,
 }
 
 // === impl UpstreamMeter ===
@@ -242,6 +271,8 @@ impl UpstreamMeter {
             hist,
             samples: Mutex::new(VecDeque::new()),
             sample_window: AtomicU64::new(600_000_000_000),
+            exported_output: AtomicU64::new(0),
+            models: Mutex::new(std::collections::HashMap::new()),
         })
     }
 
@@ -311,7 +342,56 @@ impl UpstreamMeter {
             done: false,
             concurrency_sum: 0,
             events: 0,
+            input: None,
+            model: None,
         }
+    }
+
+    /// Output tokens since start, counted as they arrive: finished requests' totals
+    /// (exact where reported) and the tokens of requests in flight so far. Never less than
+    /// the last value returned.
+    pub fn output_tokens_live(&self) -> u64 {
+        // Finished first, then running: a request ends on its shard before it is added to
+        // the finished total, so one that ends between the two reads is missed for one
+        // scrape, never counted twice.
+        let finished = self.lock().output_tokens();
+        let running: u64 = (0..self.shards.len())
+            .map(|i| self.shard(i).running_tokens())
+            .sum();
+        let live = finished + running;
+        self.exported_output.fetch_max(live, Relaxed).max(live)
+    }
+
+    /// The curve since start, per concurrency bucket that saw tokens or time.
+    pub fn curve_totals(&self) -> Vec<CurveTotals> {
+        let mut sums = Sums::new();
+        for i in 0..self.shards.len() {
+            self.shard(i).add_curve(&mut sums);
+        }
+        let now = self.clock.now();
+        let mut windows = self.lock();
+        windows.span(now);
+        windows.curve_totals(sums)
+    }
+
+    /// Requests and output tokens per model, busiest (by requests) first.
+    pub fn models(&self) -> Vec<(String, ModelCount)> {
+        let m = self.models.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut v: Vec<(String, ModelCount)> = m.iter().map(|(k, c)| (k.to_string(), *c)).collect();
+        v.sort_by(|a, b| b.1.requests.cmp(&a.1.requests).then(a.0.cmp(&b.0)));
+        v
+    }
+
+    fn count_model(&self, model: &str, output_tokens: u64) {
+        let mut m = self.models.lock().unwrap_or_else(PoisonError::into_inner);
+        let key: &str = if m.contains_key(model) || m.len() < MAX_MODELS {
+            model
+        } else {
+            "other"
+        };
+        let c = m.entry(key.into()).or_default();
+        c.requests += 1;
+        c.output_tokens += output_tokens;
     }
 
     /// Counts a request that is not generation traffic (forwarded, not metered).
@@ -405,6 +485,10 @@ pub struct Stream {
     /// Σ in-flight over its token events, and their number.
     concurrency_sum: u64,
     events: u64,
+    /// Prompt tokens, when the stream reported them.
+    input: Option<u64>,
+    /// The request's model, counted per model at the end (`metrics.model_label`).
+    model: Option<Box<str>>,
 }
 
 /// One request's figures, for the access log.
@@ -448,6 +532,16 @@ impl Stream {
         self.exact = Some(total);
     }
 
+    /// The stream reported its prompt tokens (the last report wins).
+    pub fn input_tokens(&mut self, n: u64) {
+        self.input = Some(n);
+    }
+
+    /// Counts this request under `model` when it ends.
+    pub fn set_model(&mut self, model: Option<String>) {
+        self.model = model.map(String::into_boxed_str);
+    }
+
     /// Tokens recorded from events so far (estimated, or from a running exact count).
     pub fn counted_tokens(&self) -> u64 {
         self.tokens
@@ -489,8 +583,15 @@ impl Stream {
             .finish(self.key, now, self.tokens, self.exact);
         {
             let mut windows = self.meter.lock();
-            let in_flight = windows.finish(now, outcome, self.tokens, self.exact);
+            let in_flight = windows.finish(now, outcome, self.tokens, self.exact, self.input);
             self.meter.in_flight.store(in_flight, Relaxed);
+        }
+        self.meter
+            .hist
+            .e2e
+            .record(secs(now.saturating_sub(self.t0)));
+        if let Some(model) = self.model.take() {
+            self.meter.count_model(&model, total);
         }
         if let Some(first) = self.first {
             if total >= 2 && self.last > first {
@@ -631,6 +732,41 @@ mod tests {
         let st = m.stats(2 * S);
         assert_eq!(st.output_tokens_total, 16);
         assert_eq!(st.counts_exact, Some(false));
+    }
+
+    #[test]
+    fn output_tokens_count_as_they_arrive() {
+        let m = meter(10);
+        let mut s = m.begin(0, 0);
+        for i in 1..=10 {
+            s.tokens(i * MS, 1);
+        }
+        // A long stream's tokens show while it runs…
+        assert_eq!(m.output_tokens_live(), 10);
+        // …its exact count lands at the end…
+        s.exact_total(14);
+        s.finish(20 * MS, Outcome::Ok);
+        assert_eq!(m.output_tokens_live(), 14);
+        // …and one below its estimate holds the counter still, never back.
+        let mut s = m.begin(S, S);
+        for i in 1..=10 {
+            s.tokens(S + i * MS, 1);
+        }
+        assert_eq!(m.output_tokens_live(), 24);
+        s.exact_total(6);
+        s.finish(S + 20 * MS, Outcome::Ok);
+        assert_eq!(m.output_tokens_live(), 24);
+        let mut s = m.begin(2 * S, 2 * S);
+        s.exact_total(10);
+        s.input_tokens(33);
+        s.finish(3 * S, Outcome::Ok);
+        assert_eq!(m.output_tokens_live(), 30);
+        assert_eq!(m.stats(3 * S).input_tokens_total, 33);
+        let curve = m.curve_totals();
+        assert_eq!(curve.len(), 1);
+        assert_eq!((curve[0].concurrency, curve[0].tokens), (1, 20));
+        assert!(curve[0].seconds > 1.0, "{}", curve[0].seconds);
+        assert_eq!(curve[0].gaps_us.as_ref().map(|h| h.len()), Some(18));
     }
 
     #[test]

@@ -82,6 +82,8 @@ pub struct MeterStats {
     pub errors_total: u64,
     /// Output tokens of finished requests (exact counts where the stream gave one).
     pub output_tokens_total: u64,
+    /// Prompt tokens of the requests whose stream reported them.
+    pub input_tokens_total: u64,
     /// Whether every completed generation was counted exactly; `null` before the first.
     pub counts_exact: Option<bool>,
     /// Output tokens that rest on the one-per-event estimate (no exact count arrived).

@@ -79,6 +79,8 @@ struct Totals {
     estimate_before_exact: u64,
     exact_after_estimate: u64,
     unparsed_events: u64,
+    /// Prompt tokens, of the requests whose stream reported them.
+    input_tokens: u64,
 }
 
 /// One controller tick's evidence.
@@ -206,6 +208,8 @@ pub(super) struct Shard {
     control_gaps: Histogram<u32>,
     /// Tokens per token-bearing fragment, since start.
     tokens_per_event: Histogram<u32>,
+    /// Tokens counted so far by this shard's requests in flight.
+    running: u64,
 }
 
 // === impl Shard ===
@@ -227,7 +231,13 @@ impl Shard {
             curve: (0..CURVE_BUCKETS).map(|_| CurveBucket::default()).collect(),
             control_gaps: histogram(),
             tokens_per_event: histogram(),
+            running: 0,
         }
+    }
+
+    /// Tokens counted so far by requests in flight.
+    pub(super) fn running_tokens(&self) -> u64 {
+        self.running
     }
 
     /// The record of a request whose client started it at `t0`, sent upstream at `now`.
@@ -274,6 +284,7 @@ impl Shard {
         seg.events += 1;
 
         let _ = self.tokens_per_event.record(u64::from(n));
+        self.running += u64::from(n);
         let slot = slot_of(&mut self.ring, epoch);
         slot.tokens += u64::from(n);
         let curve = &mut self.curve[bucket(in_flight)];
@@ -293,6 +304,7 @@ impl Shard {
     /// an `exact` total replaces that estimate (see [`Self::correct`]).
     pub(super) fn finish(&mut self, key: usize, now: Nanos, estimated: u64, exact: Option<u64>) {
         let now = self.clamp(now);
+        self.running = self.running.saturating_sub(estimated);
         if let Some(total) = exact {
             self.correct(key, now / self.slot_ns, estimated, total);
         }
@@ -463,11 +475,13 @@ impl Windows {
         outcome: Outcome,
         estimated: u64,
         exact: Option<u64>,
+        input: Option<u64>,
     ) -> u64 {
         self.advance(now);
         self.in_flight = self.in_flight.saturating_sub(1);
         self.count(outcome);
         let t = &mut self.totals;
+        t.input_tokens += input.unwrap_or(0);
         match exact {
             Some(total) => {
                 t.exact_requests += 1;
@@ -490,6 +504,28 @@ impl Windows {
             }
         }
         self.in_flight
+    }
+
+    /// Output tokens of finished requests.
+    pub(super) fn output_tokens(&self) -> u64 {
+        self.totals.output_tokens
+    }
+
+    /// The curve's buckets that saw tokens or time, the shards' part being in `sums`.
+    pub(super) fn curve_totals(&self, sums: Sums) -> Vec<super::CurveTotals> {
+        sums.curve
+            .into_iter()
+            .zip(&self.curve_time)
+            .enumerate()
+            .filter(|(_, (b, &time))| b.tokens > 0 || time > 0)
+            .map(|(i, (b, &time))| super::CurveTotals {
+                concurrency: 1 << i,
+                tokens: b.tokens,
+                seconds: time as f64 / 1e9,
+                gaps_us: b.gaps,
+                gap_sum_us: b.gap_sum_us,
+            })
+            .collect()
     }
 
     pub(super) fn count(&mut self, outcome: Outcome) {
@@ -533,6 +569,7 @@ impl Windows {
                 .map(|o| t.by_outcome[o.index()])
                 .sum(),
             output_tokens_total: t.output_tokens,
+            input_tokens_total: t.input_tokens,
             counts_exact: (finished_generations > 0).then_some(t.estimated_requests == 0),
             estimated_output_tokens_total: t.estimated_tokens,
             estimated_tokens_share_pct: (t.output_tokens > 0)

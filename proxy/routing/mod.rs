@@ -177,6 +177,7 @@ mod tests {
     #[test]
     fn a_full_arm_spills_to_the_heaviest_arm_with_headroom() {
         let route = |spill| Route {
+            name: "/".into(),
             path_prefix: "/".into(),
             headers: vec![],
             split: vec![(0, 50), (1, 10), (2, 40)],
@@ -217,6 +218,7 @@ mod tests {
             Some(0)
         );
         let none = Router::new(&[Route {
+            name: "/".into(),
             path_prefix: "/v1/".into(),
             ..route(false)
         }]);

@@ -256,7 +256,9 @@ impl TokenTap {
             upstream: ctx
                 .choice
                 .map(|c| ctx.shared.upstreams[c.upstream].config.name.as_str()),
-            route: ctx.choice.map(|c| c.route),
+            route: ctx
+                .choice
+                .map(|c| ctx.shared.config.routes[c.route].name.as_str()),
             status: (ctx.status > 0).then_some(ctx.status),
             outcome: outcome.label(),
             cause: failure.map(|f| f.cause),
@@ -511,10 +513,15 @@ impl TokenTap {
             wire.extend_from_slice(&body);
         }
         let sent_so_far = body.len() as u64;
+        let model = (shared.config.model_label && ctx.dialect.is_some())
+            .then(|| model_of(&body))
+            .flatten();
         drop(body);
 
         if ctx.dialect.is_some() {
-            ctx.stream = Some(upstream.meter.begin(ctx.t0, self.now()));
+            let mut stream = upstream.meter.begin(ctx.t0, self.now());
+            stream.set_model(model);
+            ctx.stream = Some(stream);
         }
         let peer = &upstream.peer;
         // Boxed: connecting (TCP, TLS, the pool) is a large future, needed only until the

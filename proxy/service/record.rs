@@ -87,7 +87,7 @@ pub(crate) struct Line<'a> {
     pub(crate) method: &'a str,
     pub(crate) path: &'a str,
     pub(crate) upstream: Option<&'a str>,
-    pub(crate) route: Option<usize>,
+    pub(crate) route: Option<&'a str>,
     pub(crate) status: Option<u16>,
     pub(crate) outcome: &'a str,
     pub(crate) cause: Option<&'a str>,

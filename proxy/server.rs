@@ -16,6 +16,7 @@ use pingora::services::background::{background_service, BackgroundService};
 use pingora::services::listening::Service;
 use tokio::sync::Notify;
 
+use crate::admin::history::History;
 use crate::admin::Admin;
 use crate::config::Config;
 use crate::limit::slo;
@@ -42,18 +43,26 @@ pub fn build(live: &Arc<Live>) -> (Server, Arc<Transport>) {
     let tap = || TokenTap::new(Arc::clone(live), Arc::clone(&transport));
     let proxy = pingora::proxy::http_proxy(&server.configuration, tap());
     let proxy = FrontService::new(Front::new(tap(), proxy));
-    let admin_app = Admin::new(Arc::clone(live), Arc::clone(&transport));
+    let history = Arc::new(History::new());
+    let admin_app = Admin::new(
+        Arc::clone(live),
+        Arc::clone(&transport),
+        Arc::clone(&history),
+    );
     let mut admin = Service::new("tokentap admin".to_owned(), admin_app);
     admin.threads = Some(1);
     admin.add_tcp(&config.listen.admin.to_string());
     let upkeep = Upkeep(Arc::clone(live), Arc::clone(&transport));
     let upkeep = background_service("upkeep", upkeep);
     let control = background_service("slo control", SloControl(Arc::clone(live)));
+    let sampler = Sampler(history, Arc::clone(live), Arc::clone(&transport));
+    let sampler = background_service("history", sampler);
 
     server.add_service(proxy);
     server.add_service(admin);
     server.add_service(upkeep);
     server.add_service(control);
+    server.add_service(sampler);
     (server, transport)
 }
 
@@ -87,6 +96,16 @@ impl BackgroundService for Upkeep {
                 _ = shutdown.changed() => return,
             }
         }
+    }
+}
+
+/// Takes the dashboard's snapshot every second (`admin::history`).
+struct Sampler(Arc<History>, Arc<Live>, Arc<Transport>);
+
+#[async_trait]
+impl BackgroundService for Sampler {
+    async fn start(&self, shutdown: ShutdownWatch) {
+        self.0.run(&self.1, &self.2, shutdown).await;
     }
 }
 

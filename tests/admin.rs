@@ -76,7 +76,7 @@ async fn without_a_token_the_admin_still_refuses_other_sites() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_token_locks_every_endpoint_but_healthz() {
+async fn a_token_locks_every_endpoint_but_healthz_and_the_page() {
     let dir = std::env::temp_dir().join(format!("tokentap-admin-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join("token");
@@ -116,10 +116,79 @@ async fn a_token_locks_every_endpoint_but_healthz() {
             if public { 200 } else { 401 },
             "metrics_public = {public}"
         );
+        for data in ["/stats/history", "/events", "/compare"] {
+            let (status, _) = raw(admin, &get(data, "")).await;
+            assert_eq!(status, 401, "{data}");
+        }
+        // The dashboard's files hold no figures and load without the token; /auth tells
+        // the page whether its token is good.
+        for open in ["/", "/assets/dashboard.js", "/assets/uPlot.iife.min.js"] {
+            let (status, _) = raw(admin, &get(open, "")).await;
+            assert_eq!(status, 200, "{open}");
+        }
+        let (_, text) = raw(admin, &get("/auth", "")).await;
+        assert!(text.contains(r#""authorized":false"#), "{text}");
+        let (_, text) = raw(
+            admin,
+            &get("/auth", "Authorization: Bearer s3cret-token\r\n"),
+        )
+        .await;
+        assert!(text.contains(r#""authorized":true"#), "{text}");
         let post = format!("POST /compare/reset HTTP/1.1\r\n{host}Content-Length: 0\r\n");
         let (status, _) = raw(admin, &post).await;
         assert_eq!(status, 401);
         running.stop();
     }
     std::fs::remove_dir_all(&dir).ok();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_push_a_snapshot_a_second_and_history_keeps_them() {
+    let backend = mock(vec![]).await;
+    let running = proxy(&[("up", backend.addr)], "").await;
+    let admin = running.shared().config.listen.admin;
+    let mut s = TcpStream::connect(admin).await.unwrap();
+    let req = format!("GET /events HTTP/1.1\r\nHost: {admin}\r\n\r\n");
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 65536];
+    let snapshots = |b: &[u8]| {
+        String::from_utf8_lossy(b)
+            .matches("event: snapshot\n")
+            .count()
+    };
+    while snapshots(&got) < 3 {
+        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+            .await
+            .expect("a snapshot every second")
+            .unwrap();
+        assert!(n > 0, "the stream ended: {}", String::from_utf8_lossy(&got));
+        got.extend_from_slice(&buf[..n]);
+    }
+    let text = String::from_utf8_lossy(&got);
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    assert!(text
+        .to_ascii_lowercase()
+        .contains("content-type: text/event-stream"));
+    let data = text.lines().find_map(|l| l.strip_prefix("data: ")).unwrap();
+    let snap: serde_json::Value = serde_json::from_str(data).unwrap();
+    assert_eq!(snap["stats"]["upstreams"][0]["name"], "up");
+    assert_eq!(snap["point"]["upstreams"][0]["name"], "up");
+    assert!(snap["t"].as_u64() > Some(0));
+    drop(s);
+
+    let (status, text) = raw(
+        admin,
+        &format!("GET /stats/history HTTP/1.1\r\nHost: {admin}\r\n"),
+    )
+    .await;
+    assert_eq!(status, 200);
+    let body = &text[text.find("\r\n\r\n").unwrap() + 4..];
+    let history: serde_json::Value = serde_json::from_str(body).unwrap();
+    let points = history["points"].as_array().unwrap();
+    assert!(points.len() >= 2, "{history}");
+    assert!(points
+        .windows(2)
+        .all(|w| w[0]["t"].as_u64() < w[1]["t"].as_u64()));
+    running.stop();
 }

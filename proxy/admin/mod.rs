@@ -1,6 +1,9 @@
-//! The admin listener: `/stats` (JSON), `/metrics` (Prometheus), `/healthz`. It reads the
+//! The admin listener: the dashboard (`/`), `/stats` (JSON), `/stats/history`, `/events`
+//! (server-sent snapshots), `/metrics` (Prometheus), `/compare`, `/healthz`. It reads the
 //! meter, never the proxy.
 
+mod dashboard;
+pub mod history;
 pub mod metrics;
 
 use std::collections::BTreeMap;
@@ -8,10 +11,15 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use async_trait::async_trait;
+use bytes::Bytes;
 use http::{Response, StatusCode};
-use pingora::apps::http_app::ServeHttp;
+use pingora::apps::{HttpPersistentSettings, HttpServerApp, ReusedHttpStream};
+use pingora::http::ResponseHeader;
 use pingora::protocols::http::ServerSession;
+use pingora::server::ShutdownWatch;
 use serde::Serialize;
+
+use history::History;
 
 use crate::compare::Comparison;
 use crate::meter::MeterStats;
@@ -80,13 +88,18 @@ pub struct ConnectionStats {
 pub struct Admin {
     live: Arc<Live>,
     transport: Arc<Transport>,
+    history: Arc<History>,
 }
 
 // === impl Admin ===
 
 impl Admin {
-    pub fn new(live: Arc<Live>, transport: Arc<Transport>) -> Self {
-        Admin { live, transport }
+    pub fn new(live: Arc<Live>, transport: Arc<Transport>, history: Arc<History>) -> Self {
+        Admin {
+            live,
+            transport,
+            history,
+        }
     }
 }
 
@@ -230,8 +243,52 @@ fn json_error(status: StatusCode, message: &str) -> Response<Vec<u8>> {
     respond(status, "application/json", body.into_bytes())
 }
 
+/// How long one `/events` message may take to write before the subscriber is dropped (it
+/// stopped reading).
+const EVENT_WRITE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 #[async_trait]
-impl ServeHttp for Admin {
+impl HttpServerApp for Admin {
+    async fn process_new_http(
+        self: &Arc<Self>,
+        mut http: ServerSession,
+        shutdown: &ShutdownWatch,
+    ) -> Option<ReusedHttpStream> {
+        match http.read_request().await {
+            Ok(true) => {}
+            Ok(false) => return None,
+            Err(e) => {
+                tracing::debug!(error = %e, "admin: reading a request failed");
+                return None;
+            }
+        }
+        http.set_keepalive((!*shutdown.borrow()).then_some(60));
+        let req = http.req_header();
+        if req.method == http::Method::GET && req.uri.path() == "/events" {
+            let shared = self.live.load();
+            if guard(&shared, req).is_none() {
+                self.events(&mut http, shutdown.clone()).await;
+                return None;
+            }
+        }
+        let resp = self.response(&mut http).await;
+        let (parts, body) = resp.into_parts();
+        let head: ResponseHeader = parts.into();
+        if http.write_response_header(Box::new(head)).await.is_err() {
+            return None;
+        }
+        if !body.is_empty() && http.write_response_body(body.into(), true).await.is_err() {
+            return None;
+        }
+        let settings = HttpPersistentSettings::for_session(&http);
+        match http.finish().await {
+            Ok(reusable) => reusable.map(|s| ReusedHttpStream::from_reusable_stream(s, settings)),
+            Err(_) => None,
+        }
+    }
+}
+
+impl Admin {
     async fn response(&self, session: &mut ServerSession) -> Response<Vec<u8>> {
         let req = session.req_header();
         let shared = self.live.load();
@@ -249,6 +306,68 @@ impl ServeHttp for Admin {
         resp.body_mut().clear();
         resp
     }
+
+    /// `GET /events`: the snapshot of this second, then one a second as the sampler makes
+    /// them, until the client leaves, stops reading, or the server shuts down.
+    async fn events(&self, http: &mut ServerSession, mut shutdown: ShutdownWatch) {
+        let Some(mut sub) = self.history.subscribe() else {
+            let resp = json_error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                &format!(
+                    "{} /events streams are open already",
+                    history::MAX_SUBSCRIBERS
+                ),
+            );
+            let (parts, body) = resp.into_parts();
+            let head: ResponseHeader = parts.into();
+            if http.write_response_header(Box::new(head)).await.is_ok() {
+                let _ = http.write_response_body(body.into(), true).await;
+            }
+            return;
+        };
+        http.set_keepalive(None);
+        let mut head = ResponseHeader::build(200, Some(4)).unwrap_or_else(|_| {
+            ResponseHeader::build_no_case(200, None).unwrap_or_else(|_| unreachable!())
+        });
+        for (k, v) in [
+            ("content-type", "text/event-stream"),
+            ("cache-control", "no-store"),
+            ("transfer-encoding", "chunked"),
+            ("x-content-type-options", "nosniff"),
+        ] {
+            let _ = head.insert_header(k, v);
+        }
+        let head = http.write_response_header(Box::new(head)).await.is_ok();
+        if !head || !send(http, Bytes::from_static(b"retry: 2000\n\n")).await {
+            return;
+        }
+        let mut current = sub.updates.borrow_and_update().clone();
+        loop {
+            if !current.is_empty() {
+                let message = format!("event: snapshot\ndata: {current}\n\n");
+                if !send(http, Bytes::from(message)).await {
+                    return;
+                }
+            }
+            tokio::select! {
+                changed = sub.updates.changed() => {
+                    if changed.is_err() {
+                        break;
+                    }
+                }
+                _ = shutdown.changed() => break,
+            }
+            current = sub.updates.borrow_and_update().clone();
+        }
+        let _ = http.write_response_body(Bytes::new(), true).await;
+    }
+}
+
+/// Writes one `/events` message; false when the client left or stopped reading.
+async fn send(http: &mut ServerSession, data: Bytes) -> bool {
+    tokio::time::timeout(EVENT_WRITE_TIMEOUT, http.write_response_body(data, false))
+        .await
+        .is_ok_and(|r| r.is_ok())
 }
 
 // === impl Admin: who may ask ===
@@ -295,23 +414,37 @@ fn guard(shared: &Shared, req: &pingora::http::RequestHeader) -> Option<Response
     }
     let auth = &shared.config.admin;
     let path = req.uri.path();
-    let open = path == "/healthz" || (path == "/metrics" && auth.metrics_public);
-    if let (Some(token), false) = (&auth.token, open) {
-        let given = header(http::header::AUTHORIZATION)
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .unwrap_or("");
-        if !constant_time_eq(given.trim().as_bytes(), token.0.as_bytes()) {
-            let mut resp = json_error(
-                    StatusCode::UNAUTHORIZED,
-                    "this admin API needs Authorization: Bearer TOKEN (admin.token_file or TOKENTAP_ADMIN_TOKEN)",
-                );
-            if let Ok(v) = "Bearer".parse() {
-                resp.headers_mut().insert(http::header::WWW_AUTHENTICATE, v);
-            }
-            return Some(resp);
+    // The page and its scripts hold no figures: they load without the token, then ask
+    // for it to read the data endpoints (`/auth` tells them whether one is needed).
+    let open = path == "/healthz"
+        || path == "/auth"
+        || dashboard::is_static(path)
+        || (path == "/metrics" && auth.metrics_public);
+    if !open && !authorized(shared, req) {
+        let mut resp = json_error(
+            StatusCode::UNAUTHORIZED,
+            "this admin API needs Authorization: Bearer TOKEN (admin.token_file or TOKENTAP_ADMIN_TOKEN)",
+        );
+        if let Ok(v) = "Bearer".parse() {
+            resp.headers_mut().insert(http::header::WWW_AUTHENTICATE, v);
         }
+        return Some(resp);
     }
     None
+}
+
+/// Whether the request may read the admin API: no token is set, or it carries the token.
+fn authorized(shared: &Shared, req: &pingora::http::RequestHeader) -> bool {
+    let Some(token) = &shared.config.admin.token else {
+        return true;
+    };
+    let given = req
+        .headers
+        .get(http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    constant_time_eq(given.trim().as_bytes(), token.0.as_bytes())
 }
 
 impl Admin {
@@ -396,10 +529,22 @@ impl Admin {
                     text.into_bytes(),
                 )
             }
+            "/auth" => {
+                let body = serde_json::json!({
+                    "token_required": shared.config.admin.token.is_some(),
+                    "authorized": authorized(shared, req),
+                });
+                respond(StatusCode::OK, "application/json", body.to_string().into_bytes())
+            }
+            "/stats/history" => match self.history.document() {
+                Ok(body) => respond(StatusCode::OK, "application/json", body),
+                Err(e) => json_error(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
+            },
             "/healthz" => respond(StatusCode::OK, "text/plain", b"ok\n".to_vec()),
+            path if dashboard::is_static(path) => dashboard::serve(path),
             other => json_error(
                 StatusCode::NOT_FOUND,
-                &format!("no such endpoint: {other} (try /stats, /metrics, /compare, /healthz)"),
+                &format!("no such endpoint: {other} (try /, /stats, /stats/history, /events, /metrics, /compare, /healthz)"),
             ),
         }
     }

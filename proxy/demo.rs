@@ -1,7 +1,9 @@
 //! `tokentap demo`: two simulated backends with different batching curves, the proxy in
-//! front of them with a 50/50 split, and a load generator stepping through concurrency
-//! levels — with the live figures printed every second and the concurrency→TPOT curve of
-//! each upstream at the end. Needs no config and no GPU.
+//! front of them with a 50/50 split and an adaptive cap on one, and a load generator
+//! stepping through concurrency levels once (48 s by default). While it runs: `top`'s view
+//! of its own admin API (redrawn in place on a terminal, a line a second otherwise) and the
+//! dashboard; at the end, every phase, each upstream's curve, the SLO held and the A/B
+//! verdict. Needs no config and no GPU.
 
 use std::fmt::Write as _;
 use std::net::SocketAddr;
@@ -18,22 +20,24 @@ use crate::load::{self, LoadArgs, Mode, PhaseReport};
 use crate::meter::MeterStats;
 use crate::server::Running;
 use crate::sim::{Curve, Sim, SimArgs};
+use crate::top;
 
 #[derive(Debug, Clone, Args)]
 pub struct DemoArgs {
-    /// Stop after this many seconds (default: run until Ctrl-C).
-    #[arg(long)]
-    pub duration: Option<f64>,
+    /// Seconds the demo runs: every load level once in the default 48 s; a longer run goes
+    /// round them again.
+    #[arg(long, default_value_t = 48.0)]
+    pub duration: f64,
     /// Where the proxy listens.
     #[arg(long, default_value = "127.0.0.1:8080")]
     pub listen: SocketAddr,
-    /// Where the admin API listens.
+    /// Where the admin API (and the dashboard) listens.
     #[arg(long, default_value = "127.0.0.1:9191")]
     pub admin: SocketAddr,
     /// Total clients per phase, across both backends (each gets about half).
     #[arg(long, value_delimiter = ',', default_value = "2,8,32,128")]
     pub levels: Vec<usize>,
-    /// Seconds per phase (default: the duration split evenly, or 10 s).
+    /// Seconds per phase (default: the duration split evenly over the levels).
     #[arg(long)]
     pub phase_secs: Option<f64>,
     /// Output tokens per request.
@@ -47,6 +51,9 @@ const BACKENDS: [(&str, &str); 2] = [
     ("small-fast", "1:12,16:15,64:28,128:50"),
     ("big-batch", "1:22,16:23,64:26,128:31"),
 ];
+/// small-fast's adaptive cap holds this TPOT p90, ms: met up to ~40 in flight on its curve,
+/// so the 128-client phase makes it cap and queue.
+const SLO_TPOT_MS: f64 = 20.0;
 
 pub fn run(args: DemoArgs) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -60,6 +67,10 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
     anyhow::ensure!(
         !args.levels.is_empty() && !args.levels.contains(&0),
         "--levels must be ≥ 1 each"
+    );
+    anyhow::ensure!(
+        args.duration.is_finite() && args.duration >= 1.0,
+        "--duration must be at least 1 second"
     );
     let mut sims = Vec::new();
     for (name, curve) in BACKENDS {
@@ -76,6 +87,13 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
     }
     let config = Config::parse(&demo_config(&args, &sims), "the demo's embedded config")?;
     let window = config.window.as_secs();
+    for addr in [args.listen, args.admin] {
+        crate::server::can_listen(addr).with_context(|| {
+            format!(
+                "cannot listen on {addr} (another demo running? --listen/--admin choose others)"
+            )
+        })?;
+    }
     let running = Running::start(config);
     running
         .wait_ready(Duration::from_secs(10))
@@ -87,6 +105,12 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
             )
         })?;
 
+    let phase = Duration::from_secs_f64(
+        args.phase_secs
+            .unwrap_or(args.duration / args.levels.len() as f64)
+            .max(1.0),
+    );
+    let phases = ((args.duration / phase.as_secs_f64()).round() as usize).max(1);
     println!("tokentap demo: two simulated backends behind tokentap, split 50/50");
     for (name, curve, sim) in &sims {
         println!(
@@ -94,18 +118,30 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
             sim.addr
         );
     }
+    println!(
+        "  small-fast has an adaptive cap holding TPOT p90 ≤ {SLO_TPOT_MS} ms ([upstream.slo])"
+    );
     println!("  proxy       http://{}   (try: curl -N http://{}/v1/chat/completions -d '{{\"stream\":true,\"max_tokens\":8}}')", args.listen, args.listen);
     println!(
-        "  /stats      http://{}/stats    /metrics http://{}/metrics    window {window} s\n",
+        "  dashboard   http://{}/   (tokentap top --admin http://{} in another terminal)",
         args.admin, args.admin
     );
-
-    let phase = Duration::from_secs_f64(
-        args.phase_secs
-            .or(args.duration.map(|d| d / args.levels.len() as f64))
-            .unwrap_or(10.0)
-            .max(1.0),
+    println!(
+        "  /stats      http://{}/stats    /metrics http://{}/metrics    window {window} s",
+        args.admin, args.admin
     );
+    println!(
+        "  load        {phases} phases of {:.0} s: {} clients\n",
+        phase.as_secs_f64(),
+        args.levels
+            .iter()
+            .cycle()
+            .take(phases)
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+
     let target = LoadArgs {
         duration: phase.as_secs_f64(),
         warmup: 0.0,
@@ -116,39 +152,46 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
         ..LoadArgs::for_url(format!("http://{}", args.listen))
     }
     .target()?;
-    let (level_tx, level_rx) = watch::channel(0usize);
+    let (note_tx, note) = watch::channel(String::new());
+    let (stop_tx, stop) = watch::channel(false);
     let reports = Arc::new(Mutex::new(Vec::new()));
     let driver = tokio::spawn(drive(
         target,
-        args.levels.clone(),
+        args.levels.iter().copied().cycle().take(phases).collect(),
         phase,
-        level_tx,
+        note_tx,
+        stop_tx,
         Arc::clone(&reports),
     ));
-
-    let deadline = args
-        .duration
-        .map(|d| tokio::time::Instant::now() + Duration::from_secs_f64(d));
-    let mut tick = tokio::time::interval(Duration::from_secs(1));
-    tick.tick().await;
-    let started = tokio::time::Instant::now();
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = tokio::signal::ctrl_c() => break,
-        }
-        let clients = *level_rx.borrow();
-        print!("{}", live_table(&running, started.elapsed(), clients));
-        if deadline.is_some_and(|d| tokio::time::Instant::now() >= d) {
-            break;
-        }
-    }
+    let token = std::env::var(crate::config::ADMIN_TOKEN_ENV).ok();
+    let source = top::Source::parse(&args.admin.to_string(), token)?;
+    top::show("tokentap demo", top::client_watch(source), note, stop).await?;
     driver.abort();
     let reports = std::mem::take(&mut *reports.lock().unwrap_or_else(PoisonError::into_inner));
 
     println!("\nconcurrency→TPOT curve per upstream, measured by tokentap (since start):");
-    for s in stats(&running) {
+    let ups = stats(&running);
+    for s in &ups {
         print!("{}", curve_table(&s.meter));
+    }
+    for u in &ups {
+        if let Some(slo) = &u.slo {
+            let met = match slo.met {
+                Some(true) => "met",
+                Some(false) => "missed",
+                None => "no traffic",
+            };
+            println!(
+                "\n{}: the adaptive cap holds TPOT p{} ≤ {} ms: cap now {}, TPOT p{} of the last second {} ms ({met}); SLO-bounded system T/s {}",
+                u.meter.name,
+                slo.percentile,
+                slo.tpot_ms,
+                u.limit.map_or_else(|| "-".into(), |l| l.to_string()),
+                slo.percentile,
+                f(slo.current_tpot_ms, 1),
+                f(slo.slo_bounded_system_tps, 0)
+            );
+        }
     }
     if !reports.is_empty() {
         println!("\nthe load generator's own view (client side, both backends together):");
@@ -163,18 +206,24 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The demo's config: both simulators behind one 50/50 route.
+/// The demo's config: both simulators behind one 50/50 route, an SLO on the first.
 fn demo_config(args: &DemoArgs, sims: &[(&str, &str, Sim)]) -> String {
     let mut c = format!(
         "[listen]\nproxy = \"{}\"\nadmin = \"{}\"\n[metrics]\nwindow_secs = 5\n",
         args.listen, args.admin
     );
-    for (name, _, sim) in sims {
+    for (i, (name, _, sim)) in sims.iter().enumerate() {
         let _ = write!(
             c,
             "[[upstream]]\nname = \"{name}\"\nurl = \"http://{}\"\n",
             sim.addr
         );
+        if i == 0 {
+            let _ = write!(
+                c,
+                "[upstream.slo]\ntpot_ms = {SLO_TPOT_MS}\npercentile = 90\n"
+            );
+        }
     }
     let split: Vec<String> = sims
         .iter()
@@ -182,35 +231,53 @@ fn demo_config(args: &DemoArgs, sims: &[(&str, &str, Sim)]) -> String {
         .collect();
     let _ = write!(
         c,
-        "[[route]]\npath_prefix = \"/\"\nsplit = {{ {} }}\n",
+        "[[route]]\nname = \"demo\"\npath_prefix = \"/\"\nsplit = {{ {} }}\n",
         split.join(", ")
     );
     c
 }
 
-/// Steps through the levels, round and round, reporting which one runs.
+/// Runs the phases in turn, saying which one runs; stops the view after the last.
 async fn drive(
     target: Arc<load::Target>,
-    levels: Vec<usize>,
+    phases: Vec<usize>,
     phase: Duration,
-    level: watch::Sender<usize>,
+    note: watch::Sender<String>,
+    stop: watch::Sender<bool>,
     reports: Arc<Mutex<Vec<PhaseReport>>>,
 ) {
-    for &c in levels.iter().cycle() {
-        let _ = level.send(c);
-        let r = load::phase(
+    let started = tokio::time::Instant::now();
+    let total = phases.len();
+    for (i, &c) in phases.iter().enumerate() {
+        let say = |elapsed: Duration| {
+            format!(
+                "t={:>2}s  phase {}/{total}: {c} clients",
+                elapsed.as_secs(),
+                i + 1
+            )
+        };
+        let _ = note.send(say(started.elapsed()));
+        let run = load::phase(
             &target,
             Mode::Closed { concurrency: c },
             Duration::ZERO,
             phase,
             false,
-        )
-        .await;
+        );
+        tokio::pin!(run);
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        let r = loop {
+            tokio::select! {
+                r = &mut run => break r,
+                _ = tick.tick() => { let _ = note.send(say(started.elapsed())); }
+            }
+        };
         reports
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .push(r);
     }
+    let _ = stop.send(true);
 }
 
 fn stats(running: &Running) -> Vec<UpstreamReport> {
@@ -219,36 +286,6 @@ fn stats(running: &Running) -> Vec<UpstreamReport> {
 
 fn f(v: Option<f64>, digits: usize) -> String {
     v.map_or_else(|| "-".into(), |v| format!("{v:.digits$}"))
-}
-
-fn live_table(running: &Running, elapsed: Duration, clients: usize) -> String {
-    let mut out = format!(
-        "t={:>3}s  {clients} clients  {:<11} {:>9} {:>6} {:>12} {:>11} {:>16} {:>9}\n",
-        elapsed.as_secs(),
-        "upstream",
-        "in-flight",
-        "conc",
-        "1-stream T/s",
-        "system T/s",
-        "TPOT p50/p90 ms",
-        "TTFT p50"
-    );
-    for s in stats(running) {
-        let s = &s.meter;
-        let _ = writeln!(
-            out,
-            "{:>22}{:<11} {:>9} {:>6} {:>12} {:>11} {:>16} {:>9}",
-            "",
-            s.name,
-            s.in_flight,
-            f(s.concurrency, 1),
-            f(s.single_stream_tps, 1),
-            f(s.system_tps, 0),
-            format!("{}/{}", f(s.tpot_ms.p50, 1), f(s.tpot_ms.p90, 1)),
-            f(s.ttft_ms.p50, 0),
-        );
-    }
-    out
 }
 
 /// One upstream's curve as a table like DESIGN §1's.

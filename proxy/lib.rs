@@ -14,7 +14,7 @@
 //!              │
 //!              └─▶ sse (framing) ─▶ dialect (event → facts) ─▶ meter (record → windows, curve)
 //!                                                                   │
-//!                                                 admin (/stats, /metrics, /healthz) ◀┘
+//!                         admin (/, /stats, /stats/history, /events, /metrics) ◀┘
 //! ```
 //!
 //! - [`config`]: the TOML file → a validated runtime config; `tokentap check`.
@@ -27,7 +27,8 @@
 //! - [`dialect`]: one file per API dialect; facts, never figures.
 //! - [`meter`]: per-request records and per-upstream windows; time is an argument.
 //! - [`routing`]: which upstream serves a request.
-//! - [`admin`]: the admin listener; reads the meter, never the proxy.
+//! - [`admin`]: the admin listener; reads the meter, never the proxy. Its dashboard (`/`)
+//!   and [`top`] (the terminal view) read the snapshots it pushes on `/events`.
 //! - [`state`]: what everything shares: the config and one struct per upstream (config,
 //!   peer, meter, limiter, adaptive cap), found by name. [`telemetry`]: every metric.
 //! - [`server`]: assembles the pingora server from a config.
@@ -56,4 +57,5 @@ pub mod sim;
 pub mod sse;
 pub mod state;
 pub mod telemetry;
+pub mod top;
 pub mod usage;

@@ -39,7 +39,8 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Simulated backends, the proxy and a load generator in one process, with the live
-    /// figures printed every second. Needs no config and no GPU.
+    /// figures (`top`'s view) and the dashboard; every result at the end. Needs no config
+    /// and no GPU.
     Demo(tokentap::demo::DemoArgs),
     /// Run the proxy.
     Run {
@@ -61,6 +62,9 @@ enum Command {
     Sim(tokentap::sim::SimArgs),
     /// A load generator that reports client-side TTFT, TPOT, single-stream and system T/s.
     Load(tokentap::load::LoadArgs),
+    /// The live figures of a running tokentap, from its admin API: redrawn in place on a
+    /// terminal, one line a second otherwise.
+    Top(tokentap::top::TopArgs),
 }
 
 fn main() -> ExitCode {
@@ -71,6 +75,7 @@ fn main() -> ExitCode {
         Command::Check { config } => return check(config),
         Command::Sim(args) => tokentap::sim::run_blocking(args),
         Command::Load(args) => tokentap::load::run_blocking(args),
+        Command::Top(args) => tokentap::top::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,309 @@
+//! How a [`Board`] is drawn: a terminal screen (ratatui) and a plain line.
+
+use std::fmt::Write as _;
+
+use ratatui::layout::{Constraint, Direction, Layout, Rect};
+use ratatui::style::{Color, Modifier, Style};
+use ratatui::text::{Line, Span};
+use ratatui::widgets::{Block, Borders, Cell, Paragraph, Row, Sparkline, Table, Wrap};
+use ratatui::Frame;
+
+use super::client::{Board, Upstream};
+
+const COLOURS: [Color; 6] = [
+    Color::Cyan,
+    Color::Magenta,
+    Color::Green,
+    Color::Yellow,
+    Color::Blue,
+    Color::Red,
+];
+
+/// What the plain lines' fields mean, printed once above them.
+pub const LEGEND: &str =
+    "per upstream: in = requests in flight now / the cap (- for none), q = queued, \
+conc = mean in flight over the window, 1-stream = single-stream T/s (1000 / mean TPOT), \
+system = all tokens per second, TPOT p50/p90 and TTFT p50 in ms";
+
+fn f(v: Option<f64>, digits: usize) -> String {
+    v.map_or_else(|| "-".into(), |v| format!("{v:.digits$}"))
+}
+
+fn limit(u: &Upstream) -> String {
+    u.limit.map_or_else(|| "-".into(), |l| l.to_string())
+}
+
+/// One line for a snapshot: every upstream's figures, then the note.
+pub fn plain_line(board: &Board, note: &str) -> String {
+    if let Some(p) = &board.problem {
+        return format!("tokentap: {p}");
+    }
+    let mut out = String::new();
+    if !note.is_empty() {
+        let _ = write!(out, "{note}  ");
+    }
+    for (i, u) in board.upstreams.iter().enumerate() {
+        if i > 0 {
+            out.push_str(" | ");
+        }
+        let _ = write!(
+            out,
+            "{}: in {}/{} q {} conc {} 1-stream {} system {} TPOT {}/{} TTFT {}",
+            u.name,
+            u.in_flight,
+            limit(u),
+            u.queued,
+            f(u.concurrency, 1),
+            f(u.single_stream_tps, 1),
+            f(u.system_tps, 0),
+            f(u.tpot_ms.p50, 1),
+            f(u.tpot_ms.p90, 1),
+            f(u.ttft_ms.p50, 0),
+        );
+    }
+    out
+}
+
+/// The screen: a title line, a block per upstream, the A/B verdict.
+pub fn draw(frame: &mut Frame<'_>, title: &str, note: &str, board: &Board) {
+    let ups = board.upstreams.len().max(1) as u16;
+    let mut rows = vec![Constraint::Length(1)];
+    rows.extend((0..ups).map(|_| Constraint::Length(10)));
+    rows.push(Constraint::Length(5));
+    rows.push(Constraint::Min(0));
+    let areas = Layout::default()
+        .direction(Direction::Vertical)
+        .constraints(rows)
+        .split(frame.area());
+
+    let when = chrono::DateTime::from_timestamp_millis(i64::try_from(board.t).unwrap_or(0))
+        .map(|t| {
+            t.with_timezone(&chrono::Local)
+                .format("%H:%M:%S")
+                .to_string()
+        })
+        .unwrap_or_default();
+    let mut head = vec![Span::styled(
+        title.to_owned(),
+        Style::new().add_modifier(Modifier::BOLD),
+    )];
+    if board.t > 0 {
+        head.push(Span::raw(format!(
+            "   v{}  window {} s  {when}",
+            board.version, board.window_secs
+        )));
+    }
+    if !note.is_empty() {
+        head.push(Span::styled(
+            format!("   {note}"),
+            Style::new().fg(Color::Yellow),
+        ));
+    }
+    if let Some(p) = &board.problem {
+        head.push(Span::styled(format!("   {p}"), Style::new().fg(Color::Red)));
+    }
+    head.push(Span::styled("   q quits", Style::new().fg(Color::DarkGray)));
+    frame.render_widget(Paragraph::new(Line::from(head)), areas[0]);
+
+    for (i, u) in board.upstreams.iter().enumerate() {
+        upstream(frame, areas[1 + i], u, board, COLOURS[i % COLOURS.len()]);
+    }
+    let verdict = board.verdict.clone().unwrap_or_else(|| {
+        "no route splits traffic between two upstreams: nothing to compare".into()
+    });
+    let block = Block::default()
+        .borders(Borders::ALL)
+        .title(" A/B verdict (GET /compare) ");
+    frame.render_widget(
+        Paragraph::new(verdict)
+            .wrap(Wrap { trim: true })
+            .block(block),
+        areas[areas.len() - 2],
+    );
+}
+
+fn upstream(frame: &mut Frame<'_>, area: Rect, u: &Upstream, board: &Board, colour: Color) {
+    let block = Block::default()
+        .borders(Borders::ALL)
+        .border_style(Style::new().fg(colour))
+        .title(Span::styled(
+            format!(" {} ", u.name),
+            Style::new().fg(colour).add_modifier(Modifier::BOLD),
+        ));
+    let inner = block.inner(area);
+    frame.render_widget(block, area);
+    let cols = Layout::default()
+        .direction(Direction::Horizontal)
+        .constraints([
+            Constraint::Length(46),
+            Constraint::Length(44),
+            Constraint::Min(20),
+        ])
+        .split(inner);
+
+    let slo = match &u.slo {
+        Some(s) => format!(
+            "SLO TPOT p{} ≤ {} ms: now {} ms{}",
+            s.percentile,
+            s.tpot_ms,
+            f(s.current_tpot_ms, 1),
+            match s.met {
+                Some(true) => " (met)",
+                Some(false) => " (missed)",
+                None => "",
+            }
+        ),
+        None => "no TPOT SLO".into(),
+    };
+    let exact = u.estimated_tokens_share_pct.map(|e| 100.0 - e);
+    let figures = vec![
+        Line::from(format!(
+            "in flight {} / limit {}   queued {}",
+            u.in_flight,
+            limit(u),
+            u.queued
+        )),
+        Line::from(format!(
+            "mean in flight {} (over {} s)",
+            f(u.concurrency, 1),
+            board.window_secs
+        )),
+        Line::from(vec![
+            Span::raw("single-stream "),
+            Span::styled(
+                f(u.single_stream_tps, 1),
+                Style::new().add_modifier(Modifier::BOLD),
+            ),
+            Span::raw(" T/s   system "),
+            Span::styled(
+                f(u.system_tps, 0),
+                Style::new().add_modifier(Modifier::BOLD),
+            ),
+            Span::raw(" T/s"),
+        ]),
+        Line::from(format!(
+            "TPOT p50 {} ms  p90 {} ms",
+            f(u.tpot_ms.p50, 1),
+            f(u.tpot_ms.p90, 1)
+        )),
+        Line::from(format!(
+            "TTFT p50 {} ms  p90 {} ms",
+            f(u.ttft_ms.p50, 0),
+            f(u.ttft_ms.p90, 0)
+        )),
+        Line::from(slo),
+        Line::from(format!(
+            "requests {}   counted exactly {}%",
+            u.requests_total,
+            f(exact, 0)
+        )),
+    ];
+    frame.render_widget(Paragraph::new(figures), cols[0]);
+
+    // The curve: the buckets with the most samples, in concurrency order.
+    let mut curve = u.curve.clone();
+    let keep = usize::from(cols[1].height.saturating_sub(1));
+    if curve.len() > keep {
+        curve.sort_by_key(|p| std::cmp::Reverse(p.samples));
+        curve.truncate(keep);
+        curve.sort_by_key(|p| p.concurrency);
+    }
+    let rows = curve.iter().map(|p| {
+        Row::new([
+            Cell::from(format!("≤{}", p.concurrency)),
+            Cell::from(f(p.tpot_ms_p50, 1)),
+            Cell::from(f(p.tpot_ms_p90, 1)),
+            Cell::from(f(p.system_tps, 0)),
+        ])
+    });
+    let table = Table::new(
+        rows,
+        [
+            Constraint::Length(10),
+            Constraint::Length(9),
+            Constraint::Length(8),
+            Constraint::Length(11),
+        ],
+    )
+    .header(
+        Row::new(["in flight", "TPOT p50", "p90 ms", "system T/s"])
+            .style(Style::new().add_modifier(Modifier::UNDERLINED)),
+    );
+    frame.render_widget(table, cols[1]);
+
+    let series: Vec<u64> = board
+        .system_tps
+        .get(&u.name)
+        .map(|s| s.iter().map(|v| v.round().max(0.0) as u64).collect())
+        .unwrap_or_default();
+    let width = usize::from(cols[2].width);
+    let shown = &series[series.len().saturating_sub(width)..];
+    let max = shown.iter().copied().max().unwrap_or(0);
+    let spark = Sparkline::default()
+        .block(Block::default().title(format!("system T/s, last {} s (max {max})", shown.len())))
+        .data(shown)
+        .style(Style::new().fg(colour));
+    frame.render_widget(spark, cols[2]);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::top::client::Pct;
+
+    fn board() -> Board {
+        Board {
+            t: 1,
+            version: "0.1.0".into(),
+            window_secs: 5,
+            upstreams: vec![Upstream {
+                name: "a".into(),
+                in_flight: 12,
+                limit: Some(48),
+                concurrency: Some(12.2),
+                single_stream_tps: Some(70.66),
+                system_tps: Some(824.4),
+                tpot_ms: Pct {
+                    p50: Some(14.2),
+                    p90: Some(14.4),
+                },
+                ..Upstream::default()
+            }],
+            verdict: Some("a is faster".into()),
+            ..Board::default()
+        }
+    }
+
+    #[test]
+    fn a_plain_line_per_snapshot() {
+        assert_eq!(
+            plain_line(&board(), "t=3s 32 clients"),
+            "t=3s 32 clients  a: in 12/48 q 0 conc 12.2 1-stream 70.7 system 824 TPOT 14.2/14.4 TTFT -"
+        );
+    }
+
+    #[test]
+    fn the_screen_draws_every_figure() {
+        let backend = ratatui::backend::TestBackend::new(130, 24);
+        let mut terminal = ratatui::Terminal::new(backend).unwrap_or_else(|e| panic!("{e}"));
+        let board = board();
+        terminal
+            .draw(|f| draw(f, "tokentap top", "", &board))
+            .unwrap_or_else(|e| panic!("{e}"));
+        let text: String = terminal
+            .backend()
+            .buffer()
+            .content()
+            .iter()
+            .map(|c| c.symbol())
+            .collect();
+        for want in [
+            "in flight 12 / limit 48",
+            "single-stream 70.7",
+            "system 824",
+            "a is faster",
+        ] {
+            assert!(text.contains(want), "{want} missing");
+        }
+    }
+}

@@ -209,7 +209,7 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
 /// The demo's config: both simulators behind one 50/50 route, an SLO on the first.
 fn demo_config(args: &DemoArgs, sims: &[(&str, &str, Sim)]) -> String {
     let mut c = format!(
-        "[listen]\nproxy = \"{}\"\nadmin = \"{}\"\n[metrics]\nwindow_secs = 5\n",
+        "[listen]\nproxy = \"{}\"\nadmin = \"{}\"\n[metrics]\nwindow_secs = 5\nmodel_label = true\n",
         args.listen, args.admin
     );
     for (i, (name, _, sim)) in sims.iter().enumerate() {

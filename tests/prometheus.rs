@@ -1,0 +1,261 @@
+//! `deploy/` against the real thing: `promtool check rules` and `promtool test rules` on the
+//! rules, then a real Prometheus (Debian's `prometheus` package) scraping a running
+//! `tokentap demo` under load every second, with the rules loaded: every recording rule and
+//! every query of the Grafana dashboard must return data, and every rule must evaluate
+//! without error. `promtool check metrics` reads a scrape too.
+//!
+//! Needs `prometheus` and `promtool` (`apt-get install prometheus`); without them the test
+//! says so and passes, except in CI (`CI=true`), where it fails.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::process::Scratch;
+use common::{free_addr, send};
+use serde_json::Value;
+
+/// A child process killed when dropped.
+struct Killed(Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn deploy(file: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("deploy")
+        .join(file)
+}
+
+fn found(tool: &str) -> bool {
+    Command::new(tool)
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+fn promtool(args: &[&str], input: Option<&[u8]>) -> String {
+    let mut child = Command::new("promtool")
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    if let Some(input) = input {
+        use std::io::Write as _;
+        child.stdin.take().unwrap().write_all(input).unwrap();
+    }
+    drop(child.stdin.take());
+    let out = child.wait_with_output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "promtool {args:?}:\n{text}");
+    text
+}
+
+/// Every query of the Grafana dashboard, with its panel's title.
+fn dashboard_queries() -> Vec<(String, String)> {
+    let dash: Value =
+        serde_json::from_slice(&std::fs::read(deploy("grafana/tokentap.json")).unwrap()).unwrap();
+    let mut out = Vec::new();
+    for p in dash["panels"].as_array().unwrap() {
+        for t in p["targets"].as_array().into_iter().flatten() {
+            out.push((
+                p["title"].as_str().unwrap().to_owned(),
+                t["expr"].as_str().unwrap().to_owned(),
+            ));
+        }
+    }
+    out
+}
+
+/// A dashboard query as Grafana would send it here: its variables filled in for a 1 s
+/// scrape.
+fn fill(expr: &str) -> String {
+    expr.replace("$__rate_interval", "10s")
+        .replace("$__range", "10m")
+        .replace("$upstream", ".*")
+}
+
+fn encode(s: &str) -> String {
+    let mut out = String::new();
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) {
+            out.push(b as char);
+        } else {
+            let _ = write!(out, "%{b:02X}");
+        }
+    }
+    out
+}
+
+async fn query(prometheus: SocketAddr, expr: &str) -> Value {
+    let path = format!("/api/v1/query?query={}", encode(expr));
+    match send(prometheus, "GET", &path, b"", &[]).await {
+        Ok(r) => serde_json::from_slice(&r.body).unwrap_or(Value::Null),
+        Err(_) => Value::Null,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_rules_and_the_dashboard_against_a_real_prometheus() {
+    if !found("promtool") || !found("prometheus") {
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "CI needs prometheus and promtool: apt-get install prometheus"
+        );
+        eprintln!("skipped: no prometheus or promtool (apt-get install prometheus)");
+        return;
+    }
+    let rules = deploy("prometheus/rules.yml");
+    promtool(&["check", "rules", rules.to_str().unwrap()], None);
+    promtool(
+        &[
+            "test",
+            "rules",
+            deploy("prometheus/rules_test.yml").to_str().unwrap(),
+        ],
+        None,
+    );
+
+    let (proxy, admin, web) = (free_addr(), free_addr(), free_addr());
+    let _demo = Killed(
+        Command::new(env!("CARGO_BIN_EXE_tokentap"))
+            .args(["demo", "--duration", "150", "--levels", "16,128"])
+            .args(["--phase-secs", "8"])
+            .args([
+                "--listen",
+                &proxy.to_string(),
+                "--admin",
+                &admin.to_string(),
+            ])
+            .env_remove("RUST_LOG")
+            .env_remove("TOKENTAP_ADMIN_TOKEN")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    // The rules as shipped, evaluated every 2 s instead of 15 s so the test is short.
+    let dir = Scratch::new("prometheus");
+    let text = std::fs::read_to_string(&rules).unwrap();
+    assert!(text.contains("interval: 15s"));
+    std::fs::write(
+        dir.path("rules.yml"),
+        text.replace("interval: 15s", "interval: 2s"),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.path("prometheus.yml"),
+        format!(
+            "global: {{scrape_interval: 1s, evaluation_interval: 2s}}\n\
+             rule_files: [{}]\n\
+             scrape_configs:\n  - job_name: tokentap\n    static_configs: [{{targets: ['{admin}']}}]\n",
+            dir.path("rules.yml").display()
+        ),
+    )
+    .unwrap();
+    let _prometheus = Killed(
+        Command::new("prometheus")
+            .arg(format!(
+                "--config.file={}",
+                dir.path("prometheus.yml").display()
+            ))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.path("data").display()
+            ))
+            .arg(format!("--web.listen-address={web}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+
+    let scrape = loop {
+        if let Ok(r) = send(admin, "GET", "/metrics", b"", &[]).await {
+            if r.status == 200 {
+                break r.body;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    promtool(&["check", "metrics"], Some(&scrape));
+
+    let recorded: Vec<String> = text
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("- record: "))
+        .map(str::to_owned)
+        .collect();
+    assert!(recorded.len() >= 10, "{recorded:?}");
+    let mut pending: Vec<(String, String)> = recorded
+        .iter()
+        .map(|r| (format!("recording rule {r}"), r.clone()))
+        .chain(
+            dashboard_queries()
+                .into_iter()
+                .map(|(title, expr)| (format!("panel \"{title}\""), fill(&expr))),
+        )
+        .collect();
+    let total = pending.len();
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while !pending.is_empty() {
+        let mut still = Vec::new();
+        for (what, expr) in pending {
+            let v = query(web, &expr).await;
+            if v["status"] == "error" {
+                panic!("{what}: {expr}: {}", v["error"]);
+            }
+            // Data: a series with a number (a quantile of nothing is NaN, which is not).
+            let finite = v["data"]["result"].as_array().is_some_and(|r| {
+                r.iter().any(|s| {
+                    s["value"][1]
+                        .as_str()
+                        .and_then(|x| x.parse::<f64>().ok())
+                        .is_some_and(f64::is_finite)
+                })
+            });
+            if !finite {
+                still.push((what, expr));
+            }
+        }
+        pending = still;
+        if pending.is_empty() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{} of {total} queries returned no data in 90 s: {pending:#?}",
+            pending.len()
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+
+    // Every rule, alerts included, evaluates cleanly.
+    let rules = send(web, "GET", "/api/v1/rules", b"", &[]).await.unwrap();
+    let rules: Value = serde_json::from_slice(&rules.body).unwrap();
+    let mut checked = 0;
+    for g in rules["data"]["groups"].as_array().unwrap() {
+        for r in g["rules"].as_array().unwrap() {
+            assert_eq!(r["health"], "ok", "{r}");
+            checked += 1;
+        }
+    }
+    assert!(checked >= 19, "{checked} rules loaded: {rules}");
+    eprintln!("{total} queries returned data; {checked} rules healthy");
+}

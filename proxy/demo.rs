@@ -24,8 +24,8 @@ use crate::top;
 
 #[derive(Debug, Clone, Args)]
 pub struct DemoArgs {
-    /// Seconds the demo runs: every load level once in the default 48 s; a longer run goes
-    /// round them again.
+    /// Seconds the demo runs: the levels once in the default 48 s (12 s each); a longer run
+    /// goes round them again.
     #[arg(long, default_value_t = 48.0)]
     pub duration: f64,
     /// Where the proxy listens.
@@ -37,9 +37,9 @@ pub struct DemoArgs {
     /// Total clients per phase, across both backends (each gets about half).
     #[arg(long, value_delimiter = ',', default_value = "2,8,32,128")]
     pub levels: Vec<usize>,
-    /// Seconds per phase (default: the duration split evenly over the levels).
-    #[arg(long)]
-    pub phase_secs: Option<f64>,
+    /// Seconds per load level.
+    #[arg(long, default_value_t = 12.0)]
+    pub phase_secs: f64,
     /// Output tokens per request.
     #[arg(long, default_value_t = 64)]
     pub max_tokens: u64,
@@ -105,11 +105,11 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
             )
         })?;
 
-    let phase = Duration::from_secs_f64(
-        args.phase_secs
-            .unwrap_or(args.duration / args.levels.len() as f64)
-            .max(1.0),
+    anyhow::ensure!(
+        args.phase_secs.is_finite() && args.phase_secs >= 1.0,
+        "--phase-secs must be at least 1 second"
     );
+    let phase = Duration::from_secs_f64(args.phase_secs.min(args.duration));
     let phases = ((args.duration / phase.as_secs_f64()).round() as usize).max(1);
     println!("tokentap demo: two simulated backends behind tokentap, split 50/50");
     for (name, curve, sim) in &sims {

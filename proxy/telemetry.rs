@@ -88,7 +88,7 @@ pub const FAMILIES: &[(&str, &str, &str)] = &[
     ("tokentap_curve_gap_seconds", "histogram", "Per-token gaps by the concurrency bucket they arrived at: the concurrency→TPOT curve."),
     ("tokentap_itl_seconds", "histogram", "Inter-token latency: the gap between token events divided by the tokens of the later one."),
     ("tokentap_tokens_per_event", "histogram", "Tokens carried by each token-bearing fragment."),
-    ("tokentap_model_requests_total", "counter", "Finished generation requests by model (metrics.model_label): the busiest models by name, the rest as other."),
+    ("tokentap_model_requests_total", "counter", "Finished generation requests by model (metrics.model_label): the first 10 models of each upstream by name, later ones as other, unreadable ones as unknown."),
     ("tokentap_model_output_tokens_total", "counter", "Output tokens of finished requests by model (metrics.model_label)."),
 ];
 

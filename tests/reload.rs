@@ -2,7 +2,8 @@
 //! two upstreams while the split is reloaded 20 times (SIGHUP and `POST /reload` in turn,
 //! weights 90/10 and 10/90): no client sees an error, the new weights show in `/stats`
 //! within a second of each reload, no slot is leaked, and a broken file keeps the running
-//! config and is counted as a failure.
+//! config and is counted as a failure. A new admin token ends the `/events` streams the
+//! old one opened.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -225,4 +226,49 @@ async fn the_split_reloads_under_256_streams_without_an_error_or_a_leaked_slot()
     tap.signal(Signal::SIGTERM);
     let (status, _) = tap.wait_exit(Duration::from_secs(10)).expect("exits");
     assert!(status.success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_admin_token_ends_the_event_streams_the_old_one_opened() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = Scratch::new("events-token");
+    let token = dir.path("token");
+    std::fs::write(&token, "old-token\n").unwrap();
+    let (listen, proxy, admin) = listen_section();
+    let cfg = format!(
+        "{listen}[admin]\ntoken_file = \"{}\"\n[[upstream]]\nname = \"u\"\nurl = \"http://127.0.0.1:9\"\n",
+        token.display()
+    );
+    let tap = Tokentap::start(&dir.0, &cfg, proxy, admin, &[]);
+    let mut s = tokio::net::TcpStream::connect(admin).await.unwrap();
+    let req =
+        format!("GET /events HTTP/1.1\r\nHost: {admin}\r\nAuthorization: Bearer old-token\r\n\r\n");
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 65536];
+    while !String::from_utf8_lossy(&got).contains("event: snapshot") {
+        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+            .await
+            .expect("a snapshot")
+            .unwrap();
+        assert!(n > 0);
+        got.extend_from_slice(&buf[..n]);
+    }
+    std::fs::write(&token, "new-token\n").unwrap();
+    tap.signal(Signal::SIGHUP);
+    // The stream ends within a few snapshots of the reload.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        assert!(
+            Instant::now() < deadline,
+            "the old token's stream still runs 10 s after the reload"
+        );
+        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+            .await
+            .expect("the stream ended after the token changed")
+            .unwrap();
+        if n == 0 {
+            break;
+        }
+    }
 }

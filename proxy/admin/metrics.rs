@@ -5,7 +5,7 @@
 //!
 //! A figure without a value (no cap, no traffic yet) is left out, never exported as NaN;
 //! every label is bounded (upstream and route names from the config, outcome, reason, the
-//! concurrency bucket, at most [`MODEL_LABELS`] models).
+//! concurrency bucket, at most `meter::MODEL_LABELS` models).
 
 use std::fmt::Write as _;
 
@@ -16,9 +16,6 @@ use super::{ConnectionStats, UpstreamReport};
 use crate::meter::{CurveTotals, Distributions, ModelCount, Outcome};
 use crate::state::Process;
 use crate::telemetry::{Telemetry, FAMILIES, TOKEN_BUCKETS, TOKEN_GAP_BUCKETS};
-
-/// The busiest models that get their own `model` label; the rest are `other`.
-pub const MODEL_LABELS: usize = 10;
 
 /// What one upstream's meter adds to the scrape beyond its report.
 pub struct MeterParts<'a> {
@@ -206,27 +203,11 @@ fn upstream(x: &mut Exposition, report: &UpstreamReport) {
     );
 }
 
-/// The per-model counters: the [`MODEL_LABELS`] busiest by name, the rest summed as
-/// `other`.
+/// The per-model counters, as the meter keeps them (its first `meter::MODEL_LABELS` models by
+/// name, then `other`, and `unknown`).
 fn models(x: &mut Exposition, upstream: &str, models: &[(String, ModelCount)]) {
-    if models.is_empty() {
-        return;
-    }
-    let mut other = ModelCount::default();
-    let mut named = Vec::new();
-    for (i, (model, c)) in models.iter().enumerate() {
-        if i < MODEL_LABELS && model != "other" {
-            named.push((model.as_str(), *c));
-        } else {
-            other.requests += c.requests;
-            other.output_tokens += c.output_tokens;
-        }
-    }
-    if other.requests > 0 {
-        named.push(("other", other));
-    }
-    for (model, c) in named {
-        let labels = [("upstream", upstream), ("model", model)];
+    for (model, c) in models {
+        let labels = [("upstream", upstream), ("model", model.as_str())];
         x.add("tokentap_model_requests_total", &labels, c.requests as f64);
         x.add(
             "tokentap_model_output_tokens_total",
@@ -287,7 +268,7 @@ impl Exposition {
         family: &'static str,
         labels: &[(&str, &str)],
         bounds: &[f64],
-        h: &Histogram<u32>,
+        h: &Histogram<u64>,
         per_unit: f64,
         sum: f64,
     ) {
@@ -295,7 +276,7 @@ impl Exposition {
         for v in h.iter_recorded() {
             let value = h.lowest_equivalent(v.value_iterated_to()) as f64 / per_unit;
             if let Some(b) = bounds.iter().position(|&le| value <= le) {
-                counts[b] += u64::from(v.count_at_value());
+                counts[b] += v.count_at_value();
             }
         }
         let mut cumulative = 0;
@@ -336,7 +317,7 @@ fn escape(v: &str) -> String {
 mod tests {
     use super::*;
 
-    fn hist() -> hdrhistogram::Histogram<u32> {
+    fn hist() -> hdrhistogram::Histogram<u64> {
         hdrhistogram::Histogram::new_with_bounds(1, 3_600_000_000, 2)
             .unwrap_or_else(|_| unreachable!())
     }
@@ -392,27 +373,5 @@ mod tests {
             !text.contains("NaN") && !text.contains("concurrency"),
             "{text}"
         );
-    }
-
-    #[test]
-    fn models_beyond_the_busiest_are_other() {
-        let models: Vec<(String, ModelCount)> = (0..12)
-            .map(|i| {
-                (
-                    format!("m{i}"),
-                    ModelCount {
-                        requests: 100 - i,
-                        output_tokens: 1,
-                    },
-                )
-            })
-            .collect();
-        let mut x = Exposition::default();
-        super::models(&mut x, "u", &models);
-        let mut text = String::new();
-        x.write(&mut text);
-        assert!(text.contains("tokentap_model_requests_total{upstream=\"u\",model=\"m9\"} 91"));
-        assert!(!text.contains("model=\"m10\""), "{text}");
-        assert!(text.contains("tokentap_model_requests_total{upstream=\"u\",model=\"other\"} 179"));
     }
 }

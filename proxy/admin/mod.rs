@@ -326,6 +326,9 @@ impl Admin {
             return;
         };
         http.set_keepalive(None);
+        // Asked again before every message: a reload that changes the token ends the
+        // streams the old one opened.
+        let req = http.req_header().clone();
         let mut head = ResponseHeader::build(200, Some(4)).unwrap_or_else(|_| {
             ResponseHeader::build_no_case(200, None).unwrap_or_else(|_| unreachable!())
         });
@@ -343,6 +346,9 @@ impl Admin {
         }
         let mut current = sub.updates.borrow_and_update().clone();
         loop {
+            if !authorized(&self.live.load(), &req) {
+                break;
+            }
             if !current.is_empty() {
                 let message = format!("event: snapshot\ndata: {current}\n\n");
                 if !send(http, Bytes::from(message)).await {

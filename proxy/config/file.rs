@@ -143,8 +143,8 @@ pub struct MetricsFile {
     /// Largest SSE event metered, bytes; larger ones are forwarded and counted as unparsed.
     /// Default 1 MiB.
     pub max_event_bytes: usize,
-    /// Count requests and output tokens per model (`tokentap_model_*`): the busiest
-    /// models by requests get their name as the `model` label, the rest `other`.
+    /// Count requests and output tokens per model (`tokentap_model_*`): the first 10
+    /// models of each upstream get their name as the `model` label, later ones `other`.
     /// Default false.
     pub model_label: bool,
 }

@@ -155,11 +155,11 @@ impl Histograms {
 /// An upstream's per-event distributions since start.
 pub struct Distributions {
     /// Per-token gaps (ITL), µs, two significant figures.
-    pub itl_us: hdrhistogram::Histogram<u32>,
+    pub itl_us: hdrhistogram::Histogram<u64>,
     /// Σ of the per-token gaps, µs.
     pub itl_sum_us: f64,
     /// Tokens per token-bearing fragment.
-    pub tokens_per_event: hdrhistogram::Histogram<u32>,
+    pub tokens_per_event: hdrhistogram::Histogram<u64>,
 }
 
 /// One concurrency bucket of the curve, since start, in a form that adds up across
@@ -170,7 +170,7 @@ pub struct CurveTotals {
     pub tokens: u64,
     pub seconds: f64,
     /// Per-token gaps, µs, two significant figures; `None` before the bucket's first gap.
-    pub gaps_us: Option<hdrhistogram::Histogram<u32>>,
+    pub gaps_us: Option<hdrhistogram::Histogram<u64>>,
     pub gap_sum_us: f64,
 }
 
@@ -181,8 +181,10 @@ pub struct ModelCount {
     pub output_tokens: u64,
 }
 
-/// Distinct models counted per upstream; later ones are counted as `other`.
-const MAX_MODELS: usize = 1000;
+/// Models that get their own name per upstream: the first this many seen. Later ones are
+/// counted as `other`, and a request whose model could not be read as `unknown`. A name
+/// once given is kept, so every per-model counter only ever grows.
+pub const MODEL_LABELS: usize = 10;
 
 /// One finished streamed request, as the A/B comparison sees it.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -374,7 +376,8 @@ impl UpstreamMeter {
         windows.curve_totals(sums)
     }
 
-    /// Requests and output tokens per model, busiest (by requests) first.
+    /// Requests and output tokens per model (at most [`MODEL_LABELS`] names, `other` and
+    /// `unknown`), busiest first.
     pub fn models(&self) -> Vec<(String, ModelCount)> {
         let m = self.models.lock().unwrap_or_else(PoisonError::into_inner);
         let mut v: Vec<(String, ModelCount)> = m.iter().map(|(k, c)| (k.to_string(), *c)).collect();
@@ -383,8 +386,11 @@ impl UpstreamMeter {
     }
 
     fn count_model(&self, model: &str, output_tokens: u64) {
+        const SPECIAL: [&str; 2] = ["other", "unknown"];
         let mut m = self.models.lock().unwrap_or_else(PoisonError::into_inner);
-        let key: &str = if m.contains_key(model) || m.len() < MAX_MODELS {
+        let named = m.keys().filter(|k| !SPECIAL.contains(&&***k)).count();
+        let key: &str = if SPECIAL.contains(&model) || m.contains_key(model) || named < MODEL_LABELS
+        {
             model
         } else {
             "other"
@@ -767,6 +773,39 @@ mod tests {
         assert_eq!((curve[0].concurrency, curve[0].tokens), (1, 20));
         assert!(curve[0].seconds > 1.0, "{}", curve[0].seconds);
         assert_eq!(curve[0].gaps_us.as_ref().map(|h| h.len()), Some(18));
+    }
+
+    #[test]
+    fn the_first_models_keep_their_names() {
+        let m = meter(10);
+        let run = |model: &str, n: usize| {
+            for _ in 0..n {
+                let mut s = m.begin(0, 0);
+                s.set_model(Some(model.to_owned()));
+                s.exact_total(2);
+                s.finish(MS, Outcome::Ok);
+            }
+        };
+        for i in 0..MODEL_LABELS {
+            run(&format!("m{i}"), 1);
+        }
+        // A later, busier model is `other`: the ten names stay, so no counter goes back.
+        run("late", 5);
+        run("unknown", 2);
+        run("m3", 1);
+        let models: std::collections::HashMap<String, ModelCount> =
+            m.models().into_iter().collect();
+        assert_eq!(models.len(), MODEL_LABELS + 2, "{models:?}");
+        assert_eq!(
+            models["other"],
+            ModelCount {
+                requests: 5,
+                output_tokens: 10
+            }
+        );
+        assert_eq!(models["unknown"].requests, 2);
+        assert_eq!(models["m3"].requests, 2);
+        assert!(!models.contains_key("late"));
     }
 
     #[test]

@@ -46,7 +46,7 @@ pub struct TokensPerEvent {
 }
 
 impl TokensPerEvent {
-    pub fn of(h: &hdrhistogram::Histogram<u32>) -> Self {
+    pub fn of(h: &hdrhistogram::Histogram<u64>) -> Self {
         if h.is_empty() {
             return Self::default();
         }

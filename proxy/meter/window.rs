@@ -54,7 +54,7 @@ struct Record {
 struct CurveBucket {
     tokens: u64,
     gap_sum_us: f64,
-    gaps: Option<Histogram<u32>>,
+    gaps: Option<Histogram<u64>>,
 }
 
 impl CurveBucket {
@@ -62,7 +62,7 @@ impl CurveBucket {
         self.tokens += other.tokens;
         self.gap_sum_us += other.gap_sum_us;
         if let Some(g) = &other.gaps {
-            let _ = self.gaps.get_or_insert_with(histogram).add(g);
+            let _ = self.gaps.get_or_insert_with(histogram64).add(g);
         }
     }
 }
@@ -94,6 +94,13 @@ pub struct ControlSample {
 
 fn histogram() -> Histogram<u32> {
     // The bounds are constants that hdrhistogram accepts; the fallback is unreachable.
+    Histogram::new_with_bounds(1, HIST_MAX_US, 2)
+        .unwrap_or_else(|_| Histogram::new(2).unwrap_or_else(|_| unreachable!()))
+}
+
+/// A histogram kept since start: 64-bit counts, which a busy upstream cannot fill (32-bit
+/// ones would, in about ten days at 5,000 events a second).
+fn histogram64() -> Histogram<u64> {
     Histogram::new_with_bounds(1, HIST_MAX_US, 2)
         .unwrap_or_else(|_| Histogram::new(2).unwrap_or_else(|_| unreachable!()))
 }
@@ -147,7 +154,7 @@ pub(super) struct Sums {
     tpot: Vec<f64>,
     e2e: Vec<f64>,
     curve: Vec<CurveBucket>,
-    tokens_per_event: Histogram<u32>,
+    tokens_per_event: Histogram<u64>,
     control_gaps: Histogram<u32>,
 }
 
@@ -155,7 +162,7 @@ impl Sums {
     /// The curve's gaps over all buckets (every per-token gap since start) and the tokens
     /// per event.
     pub(super) fn distributions(self) -> super::Distributions {
-        let mut itl_us = histogram();
+        let mut itl_us = histogram64();
         let mut itl_sum_us = 0.0;
         for b in &self.curve {
             if let Some(g) = &b.gaps {
@@ -178,7 +185,7 @@ impl Sums {
             tpot: Vec::new(),
             e2e: Vec::new(),
             curve: (0..CURVE_BUCKETS).map(|_| CurveBucket::default()).collect(),
-            tokens_per_event: histogram(),
+            tokens_per_event: histogram64(),
             control_gaps: histogram(),
         }
     }
@@ -207,7 +214,7 @@ pub(super) struct Shard {
     /// Per-token gaps since the SLO controller's last read.
     control_gaps: Histogram<u32>,
     /// Tokens per token-bearing fragment, since start.
-    tokens_per_event: Histogram<u32>,
+    tokens_per_event: Histogram<u64>,
     /// Tokens counted so far by this shard's requests in flight.
     running: u64,
 }
@@ -230,7 +237,7 @@ impl Shard {
             retired: VecDeque::new(),
             curve: (0..CURVE_BUCKETS).map(|_| CurveBucket::default()).collect(),
             control_gaps: histogram(),
-            tokens_per_event: histogram(),
+            tokens_per_event: histogram64(),
             running: 0,
         }
     }
@@ -294,7 +301,10 @@ impl Shard {
             let v = (per_token_us.round() as u64).clamp(1, HIST_MAX_US);
             let _ = slot.itl.record_n(v, n);
             let _ = self.control_gaps.record_n(v, n);
-            let _ = curve.gaps.get_or_insert_with(histogram).record_n(v, n);
+            let _ = curve
+                .gaps
+                .get_or_insert_with(histogram64)
+                .record_n(v, u64::from(n));
             curve.gap_sum_us += per_token_us * f64::from(n);
         }
         gap
@@ -723,7 +733,7 @@ fn slot_of(ring: &mut [Slot], epoch: u64) -> &mut Slot {
 }
 
 /// A quantile as the middle of its histogram bucket (not its top, which reads high).
-fn quantile_us(h: &Histogram<u32>, q: f64) -> f64 {
+fn quantile_us<T: hdrhistogram::Counter>(h: &Histogram<T>, q: f64) -> f64 {
     h.median_equivalent(h.value_at_quantile(q)) as f64
 }
 

@@ -514,8 +514,7 @@ impl TokenTap {
         }
         let sent_so_far = body.len() as u64;
         let model = (shared.config.model_label && ctx.dialect.is_some())
-            .then(|| model_of(&body))
-            .flatten();
+            .then(|| model_of(&body).unwrap_or_else(|| "unknown".into()));
         drop(body);
 
         if ctx.dialect.is_some() {

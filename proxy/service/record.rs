@@ -105,15 +105,34 @@ pub(crate) struct Line<'a> {
     pub(crate) client: Option<String>,
 }
 
-/// The body's `model`, cut to 128 characters: a scan of the JSON, without reading the rest.
+/// The body's top-level `model`, cut to 128 characters. The body may be only the start of
+/// one (a large body is read ahead 64 KiB): the object's members are read in order up to
+/// `model`, and what follows is never looked at.
 pub(crate) fn model_of(body: &[u8]) -> Option<String> {
-    #[derive(serde::Deserialize)]
-    struct Probe {
-        model: Option<String>,
+    use serde::de::{Deserializer as _, IgnoredAny, MapAccess, Visitor};
+
+    struct Model<'a>(&'a mut Option<String>);
+    impl<'de> Visitor<'de> for Model<'_> {
+        type Value = ();
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a JSON object")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+            while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+                if key == "model" {
+                    *self.0 = map.next_value::<Option<String>>()?;
+                    return Ok(());
+                }
+                map.next_value::<IgnoredAny>()?;
+            }
+            Ok(())
+        }
     }
-    let probe: Probe = serde_json::from_slice(body).ok()?;
-    let model = probe.model?;
-    Some(model.chars().take(128).collect())
+    let mut found = None;
+    // Stopping at `model` leaves the object unfinished, which serde_json reports as an
+    // error; what was found stands.
+    let _ = serde_json::Deserializer::from_slice(body).deserialize_map(Model(&mut found));
+    found.map(|m| m.chars().take(128).collect())
 }
 
 /// The RFC 3339 time now, in ms.
@@ -182,5 +201,18 @@ mod tests {
         let long = format!(r#"{{"model":"{}"}}"#, "m".repeat(300));
         assert_eq!(model_of(long.as_bytes()).map(|m| m.len()), Some(128));
         assert_eq!(model_of(b"{broken"), None);
+        // The start of a large body: read up to the model, never past it.
+        assert_eq!(
+            model_of(br#"{"stream":true,"model":"m","messages":[{"role":"user","content":"tru"#),
+            Some("m".into())
+        );
+        assert_eq!(
+            model_of(br#"{"messages":[{"content":"\"model\":\"x\""}]"#),
+            None
+        );
+        assert_eq!(
+            model_of(br#"{"messages":[{"model":"inner"}],"model":"outer"}"#),
+            Some("outer".into())
+        );
     }
 }

@@ -195,7 +195,12 @@ async fn follow(source: &Source, tx: &watch::Sender<Arc<Board>>) -> anyhow::Resu
     }
     let mut body = get(source, "/events").await?;
     let mut buffer: Vec<u8> = Vec::new();
-    while let Some(frame) = body.frame().await {
+    // A snapshot comes every second: silence this long is a connection that died quietly.
+    let silence = Duration::from_secs(5);
+    while let Some(frame) = tokio::time::timeout(silence, body.frame())
+        .await
+        .map_err(|_| anyhow::anyhow!("no snapshot for 5 s"))?
+    {
         let frame = frame.context("reading /events")?;
         let Ok(data) = frame.into_data() else {
             continue;

@@ -6,7 +6,7 @@
 const PALETTE = ["#2563eb", "#dc2626", "#059669", "#d97706", "#7c3aed", "#db2777", "#0891b2", "#65a30d"];
 const HISTORY = 900;
 const state = {
-  token: sessionStorage.getItem("tokentap-token") || "",
+  token: /^[\x21-\x7e]+$/.test(sessionStorage.getItem("tokentap-token") || "") ? sessionStorage.getItem("tokentap-token") : "",
   history: [],
   snap: null,
   charts: {},
@@ -65,7 +65,14 @@ function askToken(message) {
 
 $("login").addEventListener("submit", (e) => {
   e.preventDefault();
-  state.token = $("token").value.trim();
+  const token = $("token").value.trim();
+  // A header value: visible ASCII only (a pasted "…" or zero-width space would make fetch
+  // throw before asking).
+  if (!/^[\x21-\x7e]+$/.test(token)) {
+    $("login-error").textContent = "a token is visible ASCII characters, without spaces";
+    return;
+  }
+  state.token = token;
   sessionStorage.setItem("tokentap-token", state.token);
   start();
 });
@@ -88,10 +95,19 @@ async function start() {
   listen();
 }
 
-// /events through fetch rather than EventSource, which cannot send the token.
+// /events through fetch rather than EventSource, which cannot send the token. A snapshot
+// comes every second; 5 s of silence is a connection that died quietly (a laptop that
+// slept, a dropped NAT entry): it is dropped and the page starts again from the history.
 async function listen() {
+  const abort = new AbortController();
+  let heard = Date.now();
+  const watchdog = setInterval(() => {
+    if (Date.now() - heard > 5000) abort.abort();
+  }, 1000);
   try {
-    const r = await api("/events");
+    const r = await fetch("/events", { headers: headers(), cache: "no-store", signal: abort.signal });
+    if (r.status === 401) throw new Unauthorized();
+    if (!r.ok) throw new Error("/events: HTTP " + r.status);
     const reader = r.body.getReader();
     const decoder = new TextDecoder();
     let buffer = "";
@@ -100,6 +116,7 @@ async function listen() {
     for (;;) {
       const { value, done } = await reader.read();
       if (done) break;
+      heard = Date.now();
       buffer += decoder.decode(value, { stream: true });
       let end;
       while ((end = buffer.indexOf("\n\n")) >= 0) {
@@ -114,11 +131,15 @@ async function listen() {
       }
     }
   } catch (e) {
-    if (e instanceof Unauthorized) return askToken("the token was refused");
+    if (e instanceof Unauthorized) {
+      clearInterval(watchdog);
+      return askToken("the token was refused");
+    }
   }
+  clearInterval(watchdog);
   state.connected = false;
   setStatus("disconnected: retrying…", false);
-  setTimeout(listen, 2000);
+  setTimeout(start, 2000);
 }
 
 function onSnapshot(snap) {

@@ -37,6 +37,7 @@
 
 pub mod access;
 pub mod admin;
+pub mod backend;
 pub mod compare;
 pub mod config;
 pub mod demo;

@@ -57,12 +57,14 @@ pub fn build(live: &Arc<Live>) -> (Server, Arc<Transport>) {
     let control = background_service("slo control", SloControl(Arc::clone(live)));
     let sampler = Sampler(history, Arc::clone(live), Arc::clone(&transport));
     let sampler = background_service("history", sampler);
+    let scraper = background_service("backend metrics", BackendScrape(Arc::clone(live)));
 
     server.add_service(proxy);
     server.add_service(admin);
     server.add_service(upkeep);
     server.add_service(control);
     server.add_service(sampler);
+    server.add_service(scraper);
     (server, transport)
 }
 
@@ -106,6 +108,28 @@ struct Sampler(Arc<History>, Arc<Live>, Arc<Transport>);
 impl BackgroundService for Sampler {
     async fn start(&self, shutdown: ShutdownWatch) {
         self.0.run(&self.1, &self.2, shutdown).await;
+    }
+}
+
+/// Scrapes each upstream's `backend_metrics` when due (`backend`): looked at every 100 ms.
+struct BackendScrape(Arc<Live>);
+
+#[async_trait]
+impl BackgroundService for BackendScrape {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        let mut tick = tokio::time::interval(Duration::from_millis(100));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = shutdown.changed() => return,
+            }
+            for u in &self.0.load().upstreams {
+                if let Some(b) = &u.backend {
+                    b.tick(&u.config.name, &u.meter);
+                }
+            }
+        }
     }
 }
 

@@ -16,6 +16,7 @@ use arc_swap::ArcSwap;
 use pingora::upstreams::peer::HttpPeer;
 
 use crate::access::Access;
+use crate::backend::Backend;
 use crate::config::{self, Config, ConfigError};
 use crate::limit::slo::Adaptive;
 use crate::limit::{LimitConfig, Limiter};
@@ -45,6 +46,8 @@ pub struct Upstream {
     pub limiter: Arc<Limiter>,
     /// The adaptive cap, with an SLO.
     pub slo: Option<Arc<Adaptive>>,
+    /// The backend's own load, with `backend_metrics`.
+    pub backend: Option<Arc<Backend>>,
 }
 
 // === impl Shared ===
@@ -159,6 +162,7 @@ impl Upstream {
             meter,
             limiter,
             slo,
+            backend: backend(u),
         }
     }
 
@@ -177,14 +181,30 @@ impl Upstream {
         };
         // An adaptive cap kept goes on from the limit it is at.
         self.limiter.reconfigure(limit_config(u, slo.as_deref()));
+        // The same endpoint keeps its readings; a new one starts afresh, and none puts the
+        // curve back on tokentap's own count.
+        let backend = match (&u.backend_metrics, &self.backend) {
+            (Some(url), Some(b)) if b.same_as(url, u.backend_scrape) => Some(Arc::clone(b)),
+            _ => backend(u),
+        };
+        if backend.is_none() {
+            self.meter.set_backend_running(None);
+        }
         Upstream {
             config: u.clone(),
             peer: peer(u),
             meter: Arc::clone(&self.meter),
             limiter: Arc::clone(&self.limiter),
             slo,
+            backend,
         }
     }
+}
+
+fn backend(u: &config::Upstream) -> Option<Arc<Backend>> {
+    u.backend_metrics
+        .clone()
+        .map(|url| Backend::new(url, u.backend_scrape))
 }
 
 fn limit_config(u: &config::Upstream, slo: Option<&Adaptive>) -> LimitConfig {

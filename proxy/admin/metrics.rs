@@ -189,6 +189,21 @@ fn upstream(x: &mut Exposition, report: &UpstreamReport) {
             slo.slo_bounded_system_tps,
         );
     }
+    if let Some(b) = &report.backend {
+        x.opt("tokentap_backend_running_requests", &up, b.running);
+        x.opt("tokentap_backend_waiting_requests", &up, b.waiting);
+        x.opt("tokentap_backend_kv_cache_percent", &up, b.kv_cache_pct);
+        x.opt(
+            "tokentap_backend_scrape_age_seconds",
+            &up,
+            b.age_ms.map(|a| a as f64 / 1e3),
+        );
+        x.add(
+            "tokentap_backend_scrape_failures_total",
+            &up,
+            b.scrape_failures_total as f64,
+        );
+    }
     x.opt("tokentap_system_tokens_per_second", &up, s.system_tps);
     x.opt(
         "tokentap_single_stream_tokens_per_second",

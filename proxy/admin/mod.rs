@@ -50,6 +50,11 @@ pub struct UpstreamReport {
     pub slo: Option<SloStats>,
     /// The routes that send this upstream traffic, and its weight in each.
     pub arms: Vec<Arm>,
+    /// What the curve's concurrency axis counts: `"backend"` (its own running count, from
+    /// `backend_metrics`) or `"proxy"` (this tokentap's in-flight requests).
+    pub concurrency_source: &'static str,
+    /// The backend's own load; `null` without `backend_metrics`.
+    pub backend: Option<crate::backend::BackendStats>,
 }
 
 /// An upstream's place in one route's split.
@@ -150,6 +155,8 @@ fn report(shared: &Shared, i: usize, u: &Upstream, now: crate::meter::Nanos) -> 
             }
         }),
         arms: arms(shared, i),
+        concurrency_source: u.meter.concurrency_source(),
+        backend: u.backend.as_ref().map(|b| b.stats()),
     }
 }
 

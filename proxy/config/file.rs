@@ -385,6 +385,14 @@ pub struct UpstreamFile {
     /// (tokentap warns at start). Default true.
     #[serde(default)]
     pub tls_verify: Option<bool>,
+    /// The backend's own Prometheus endpoint (`http://host:port/metrics`): its running and
+    /// waiting requests and KV-cache use, and the curve bucketed by its batch. Default:
+    /// none.
+    #[serde(default)]
+    pub backend_metrics: Option<String>,
+    /// How often `backend_metrics` is scraped, ms. Default 1000.
+    #[serde(default)]
+    pub backend_scrape_ms: Option<u64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -568,6 +576,27 @@ impl FileConfig {
                     .ok(),
                 _ => None,
             };
+            let backend_metrics = u.backend_metrics.as_deref().and_then(|m| {
+                match m.parse::<http::Uri>() {
+                    Ok(uri) if uri.scheme_str() == Some("http") && uri.host().is_some() => {
+                        Some(uri)
+                    }
+                    _ => {
+                        p.add(
+                            at("backend_metrics"),
+                            format!("must be an http:// URL like http://127.0.0.1:8000/metrics, not `{m}`"),
+                        );
+                        None
+                    }
+                }
+            });
+            let backend_scrape_ms = u.backend_scrape_ms.unwrap_or(1000);
+            if !(100..=60_000).contains(&backend_scrape_ms) {
+                p.add(at("backend_scrape_ms"), "must be between 100 and 60000");
+            }
+            if u.backend_scrape_ms.is_some() && u.backend_metrics.is_none() {
+                p.add(at("backend_scrape_ms"), "applies with backend_metrics only");
+            }
             let url = match u.url.as_str() {
                 "" => Err("is required: http://host:port or https://host[:port]".to_owned()),
                 url => upstream_url(url),
@@ -600,6 +629,8 @@ impl FileConfig {
                     tls_verify: u.tls_verify.unwrap_or(true),
                     ca_file: u.ca_file.clone(),
                     trust,
+                    backend_metrics,
+                    backend_scrape: Duration::from_millis(backend_scrape_ms),
                 }),
                 Err(e) => p.add(at("url"), e),
             }

@@ -206,6 +206,9 @@ pub struct Upstream {
     /// the file's certificates added).
     pub ca_file: Option<String>,
     pub trust: Option<Trust>,
+    /// The backend's Prometheus endpoint, scraped for its own load.
+    pub backend_metrics: Option<http::Uri>,
+    pub backend_scrape: Duration,
 }
 
 #[derive(Debug, Clone)]
@@ -631,6 +634,23 @@ split = { "a" = 0 }
         assert_eq!(
             (slo.percentile, slo.min_concurrency, slo.max_concurrency),
             (90.0, 1, 200)
+        );
+    }
+
+    #[test]
+    fn backend_metrics_is_an_http_url() {
+        let got = problems(
+            "[[upstream]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"\nbackend_metrics = \"vllm:8000\"\nbackend_scrape_ms = 5\n\
+             [[upstream]]\nname = \"b\"\nurl = \"http://127.0.0.1:2\"\nbackend_scrape_ms = 500\n\
+             [[route]]\nsplit = { a = 1, b = 1 }\n",
+        );
+        assert_eq!(
+            got,
+            [
+                "upstream[0].backend_metrics: must be an http:// URL like http://127.0.0.1:8000/metrics, not `vllm:8000` (line 4)",
+                "upstream[0].backend_scrape_ms: must be between 100 and 60000 (line 5)",
+                "upstream[1].backend_scrape_ms: applies with backend_metrics only (line 9)",
+            ]
         );
     }
 }

@@ -107,6 +107,8 @@ const FILE: &[Field] = &[
             ("idle_timeout_secs", SECS),
             ("ca_file", Kind::Text),
             ("tls_verify", Kind::Bool),
+            ("backend_metrics", Kind::Text),
+            ("backend_scrape_ms", MS),
         ]),
     ),
     (

@@ -239,9 +239,14 @@ pub struct UpstreamMeter {
     /// The output-token counter as last exported: it never goes back, though an exact
     /// count that lands below its estimate takes tokens away from the live sum.
     exported_output: AtomicU64,
-    /// Per-model counts (`metrics.model_label`), at most [`MAX_MODELS`] names.
+    /// Per-model counts (`metrics.model_label`).
     models: Mutex<std::collections::HashMap<Box<str>, ModelCount>>,
+    /// The backend's own running count while it is known and fresh (`backend_metrics`),
+    /// else [`UNKNOWN`]: the curve is bucketed by it.
+    backend_running: AtomicU64,
 }
+
+const UNKNOWN: u64 = u64::MAX;
 
 // === impl UpstreamMeter ===
 
@@ -275,6 +280,7 @@ impl UpstreamMeter {
             sample_window: AtomicU64::new(600_000_000_000),
             exported_output: AtomicU64::new(0),
             models: Mutex::new(std::collections::HashMap::new()),
+            backend_running: AtomicU64::new(UNKNOWN),
         })
     }
 
@@ -346,6 +352,26 @@ impl UpstreamMeter {
             events: 0,
             input: None,
             model: None,
+        }
+    }
+
+    /// The backend's running count, read from its own metrics (`None`: unknown or stale).
+    /// While it is known, the curve is bucketed by it rather than by tokentap's own
+    /// in-flight count, which is only this replica's part of the backend's batch.
+    pub fn set_backend_running(&self, running: Option<u64>) {
+        let v = running.map_or(UNKNOWN, |n| n.min(UNKNOWN - 1));
+        if self.backend_running.swap(v, Relaxed) != v {
+            let now = self.clock.now();
+            self.lock().set_backend(now, running);
+        }
+    }
+
+    /// What the curve's concurrency axis counts now: `"backend"` or `"proxy"`.
+    pub fn concurrency_source(&self) -> &'static str {
+        if self.backend_running.load(Relaxed) == UNKNOWN {
+            "proxy"
+        } else {
+            "backend"
         }
     }
 
@@ -516,10 +542,14 @@ impl Stream {
             return;
         }
         let in_flight = self.meter.in_flight.load(Relaxed);
+        let curve_at = match self.meter.backend_running.load(Relaxed) {
+            UNKNOWN => in_flight,
+            backend => backend,
+        };
         let gap = self
             .meter
             .shard(self.shard)
-            .tokens(self.key, now, n, in_flight);
+            .tokens(self.key, now, n, curve_at);
         self.concurrency_sum += in_flight;
         self.events += 1;
         if gap.is_none() {

@@ -259,8 +259,9 @@ impl Shard {
         })
     }
 
-    /// Records `n` tokens of request `key` at `now`, `in_flight` requests being in flight;
-    /// returns the gap since its previous token event (`None` for its first).
+    /// Records `n` tokens of request `key` at `now`, the curve's concurrency being
+    /// `in_flight` (tokentap's, or the backend's own count); returns the gap since its
+    /// previous token event (`None` for its first).
     pub(super) fn tokens(
         &mut self,
         key: usize,
@@ -433,8 +434,13 @@ pub(super) struct Windows {
     ring: [BusySlot; SLOTS],
     in_flight: u64,
     last_change: Nanos,
-    /// Time spent at each curve bucket's concurrency.
+    /// Time spent at each curve bucket's concurrency (while this tokentap had requests in
+    /// flight), ∫ concurrency dt there, and the part of that time counted by the backend.
     curve_time: [Nanos; CURVE_BUCKETS],
+    curve_busy: [u128; CURVE_BUCKETS],
+    backend_time: [Nanos; CURVE_BUCKETS],
+    /// The backend's running count, when the curve is bucketed by it.
+    backend: Option<u64>,
     totals: Totals,
     metered: bool,
     /// What the SLO controller reads each tick: ∫ in_flight dt since the last read.
@@ -462,6 +468,9 @@ impl Windows {
             in_flight: 0,
             last_change: now,
             curve_time: [0; CURVE_BUCKETS],
+            curve_busy: [0; CURVE_BUCKETS],
+            backend_time: [0; CURVE_BUCKETS],
+            backend: None,
             totals: Totals::default(),
             metered: false,
             control_busy: 0,
@@ -514,6 +523,13 @@ impl Windows {
             }
         }
         self.in_flight
+    }
+
+    /// From `now` on, the curve counts the backend's `running` (or, `None`, tokentap's own
+    /// in-flight count).
+    pub(super) fn set_backend(&mut self, now: Nanos, running: Option<u64>) {
+        self.advance(now);
+        self.backend = running;
     }
 
     /// Output tokens of finished requests.
@@ -664,12 +680,22 @@ impl Windows {
                         .map(|h| quantile_us(h, p) / 1e3)
                 };
                 let mean_ms = (samples > 0).then(|| b.gap_sum_us / samples as f64 / 1e3);
+                let single = mean_ms.filter(|m| *m > 0.0).map(|m| 1000.0 / m);
+                // Counted by the backend, this tokentap's tokens are only its share of the
+                // batch: the backend's rate is its mean batch × the per-stream rate.
+                let by_backend = self.backend_time[i] * 2 > time;
+                let mean_concurrency = self.curve_busy[i] as f64 / time as f64;
+                let system_tps = match (time > 0, by_backend) {
+                    (false, _) => None,
+                    (true, true) => single.map(|s| s * mean_concurrency),
+                    (true, false) => Some(b.tokens as f64 / (time as f64 / 1e9)),
+                };
                 CurvePoint {
                     concurrency: 1 << i,
                     tpot_ms_p50: q(0.5),
                     tpot_ms_p90: q(0.9),
-                    single_stream_tps: mean_ms.filter(|m| *m > 0.0).map(|m| 1000.0 / m),
-                    system_tps: (time > 0).then(|| b.tokens as f64 / (time as f64 / 1e9)),
+                    single_stream_tps: single,
+                    system_tps,
                     samples,
                 }
             })
@@ -686,7 +712,13 @@ impl Windows {
             return now;
         }
         let n = self.in_flight;
-        self.curve_time[bucket(n)] += now - from;
+        let c = self.backend.unwrap_or(n);
+        let b = bucket(c);
+        self.curve_time[b] += now - from;
+        self.curve_busy[b] += u128::from(c) * u128::from(now - from);
+        if self.backend.is_some() {
+            self.backend_time[b] += now - from;
+        }
         self.control_busy += u128::from(n) * u128::from(now - from);
         // Only the slots still in the window matter for the ring.
         let mut t = from.max(Span::of(now, self.slot_ns).start());

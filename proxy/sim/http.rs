@@ -70,6 +70,35 @@ fn json_response(status: StatusCode, v: &Value) -> Response<SimBody> {
     r
 }
 
+/// `GET /metrics` in vLLM's names: requests running (prefilling or decoding) and waiting,
+/// and the batch's share of `--max-batch` as its KV-cache use.
+fn metrics(engine: &Engine) -> Response<SimBody> {
+    let s = engine.stats();
+    let running = s.prefilling + s.decoding;
+    let kv = engine
+        .args
+        .max_batch
+        .map_or(0.0, |m| running as f64 / m.max(1) as f64);
+    let model = engine.args.model.replace(['\\', '"', '\n'], "_");
+    let text = format!(
+        "# HELP vllm:num_requests_running Number of requests in model execution batches.\n\
+         # TYPE vllm:num_requests_running gauge\n\
+         vllm:num_requests_running{{model_name=\"{model}\"}} {running}\n\
+         # HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n\
+         # TYPE vllm:num_requests_waiting gauge\n\
+         vllm:num_requests_waiting{{model_name=\"{model}\"}} {}\n\
+         # HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n\
+         # TYPE vllm:kv_cache_usage_perc gauge\n\
+         vllm:kv_cache_usage_perc{{model_name=\"{model}\"}} {kv}\n",
+        s.waiting
+    );
+    let mut resp = Response::new(SimBody::Full(Some(Bytes::from(text))));
+    if let Ok(v) = "text/plain; version=0.0.4".parse() {
+        resp.headers_mut().insert(http::header::CONTENT_TYPE, v);
+    }
+    resp
+}
+
 fn error(status: StatusCode, message: &str) -> Response<SimBody> {
     json_response(
         status,
@@ -89,6 +118,7 @@ async fn handle(
             &json!({"object": "list", "data": [{"id": engine.args.model, "object": "model", "owned_by": "tokentap-sim"}]}),
         ),
         ("GET", "/sim/stats") => json_response(StatusCode::OK, &json!(engine.stats())),
+        ("GET", "/metrics") => metrics(&engine),
         ("POST", "/sim/curve") => set_curve(&engine, req).await,
         ("POST", p) => match Api::route(engine.args.dialect, p) {
             Some(api) => generate(engine, req, api).await,

@@ -294,7 +294,7 @@ pub fn curve_table(s: &MeterStats) -> String {
         "\n{}\n{:>12} {:>10} {:>10} {:>14} {:>12} {:>9}\n",
         s.name, "concurrency", "TPOT p50", "TPOT p90", "1-stream T/s", "system T/s", "samples"
     );
-    for p in &s.curve {
+    for p in s.curve.iter().filter(|p| !p.sparse) {
         let _ = writeln!(
             out,
             "{:>12} {:>10} {:>10} {:>14} {:>12} {:>9}",

@@ -151,6 +151,7 @@ impl Upstream {
         let meter =
             UpstreamMeter::new(&u.name, config.window, clock, telemetry.histograms(&u.name));
         meter.set_sample_window(config.compare_window);
+        meter.set_curve_window(config.curve_window);
         let slo = u.slo.map(|slo| Arc::new(Adaptive::new(slo)));
         let limiter = Limiter::new(
             limit_config(u, slo.as_deref()),
@@ -171,6 +172,8 @@ impl Upstream {
     /// under it), and the same adaptive cap when it keeps an SLO, retuned.
     fn successor(&self, u: &config::Upstream, config: &Config) -> Upstream {
         self.meter.set_sample_window(config.compare_window);
+        // A new length starts the curve's window afresh; the same keeps it.
+        self.meter.set_curve_window(config.curve_window);
         let slo = match (u.slo, &self.slo) {
             (Some(slo), Some(adaptive)) => {
                 adaptive.retune(slo);

@@ -141,9 +141,6 @@ async fn bodies_are_forwarded_byte_for_byte() {
         "tokentap_estimated_output_tokens_total{upstream=\"mock\"} 28",
         "tokentap_build_info{version=\"",
         "tokentap_e2e_seconds_bucket{upstream=\"mock\"",
-        "tokentap_curve_tokens_total{upstream=\"mock\",concurrency=\"1\"}",
-        "tokentap_curve_seconds_total{upstream=\"mock\",concurrency=\"1\"}",
-        "tokentap_curve_gap_seconds_bucket{upstream=\"mock\",concurrency=\"1\",le=\"0.001\"}",
         "tokentap_tokens_per_event_bucket{upstream=\"mock\",le=\"1\"}",
         "tokentap_in_flight_requests{upstream=\"mock\"} 0",
         "tokentap_system_tokens_per_second{upstream=\"mock\"}",
@@ -154,8 +151,10 @@ async fn bodies_are_forwarded_byte_for_byte() {
     ] {
         assert!(text.contains(name), "/metrics lacks {name}:\n{text}");
     }
-    // No cap, no NaN: a figure without a value is left out.
+    // No cap, no NaN: a figure without a value is left out; so is a curve bucket without
+    // the support of a point (these few gaps; tests/curve.rs has one with it).
     assert!(!text.contains("NaN"), "{text}");
+    assert!(!text.contains("tokentap_curve_tokens_total{"), "{text}");
     assert!(!text.contains("tokentap_concurrency_limit{"), "{text}");
     let health = fetch(tap.shared().config.listen.admin, "GET", "/healthz", b"").await;
     assert_eq!(health.status, 200);

@@ -484,6 +484,16 @@ impl Admin {
     }
 
     fn serve(&self, shared: &Shared, req: &pingora::http::RequestHeader) -> Response<Vec<u8>> {
+        if req.method == http::Method::POST && req.uri.path() == "/curve/reset" {
+            for u in &shared.upstreams {
+                u.meter.reset_curve();
+            }
+            return respond(
+                StatusCode::OK,
+                "application/json",
+                br#"{"reset":true}"#.to_vec(),
+            );
+        }
         if req.method == http::Method::POST && req.uri.path() == "/compare/reset" {
             for u in &shared.upstreams {
                 u.meter.reset_samples();
@@ -497,7 +507,7 @@ impl Admin {
         if req.method != http::Method::GET && req.method != http::Method::HEAD {
             return json_error(
                 StatusCode::METHOD_NOT_ALLOWED,
-                "use GET or HEAD (or POST /reload, POST /compare/reset)",
+                "use GET or HEAD (or POST /reload, POST /compare/reset, POST /curve/reset)",
             );
         }
         match req.uri.path() {

@@ -147,6 +147,9 @@ pub struct MetricsFile {
     /// models of each upstream get their name as the `model` label, later ones `other`.
     /// Default false.
     pub model_label: bool,
+    /// How much recent time the concurrency→TPOT curve of `/stats` covers, seconds.
+    /// Default 900.
+    pub curve_window_secs: u64,
 }
 
 impl Default for MetricsFile {
@@ -155,6 +158,7 @@ impl Default for MetricsFile {
             window_secs: 10,
             max_event_bytes: 1 << 20,
             model_label: false,
+            curve_window_secs: 900,
         }
     }
 }
@@ -477,6 +481,9 @@ impl FileConfig {
         if !(10..=86_400).contains(&self.compare.window_secs) {
             p.add("compare.window_secs", "must be between 10 and 86400");
         }
+        if !(60..=86_400).contains(&self.metrics.curve_window_secs) {
+            p.add("metrics.curve_window_secs", "must be between 60 and 86400");
+        }
         if self.metrics.max_event_bytes < 1024 {
             p.add("metrics.max_event_bytes", "must be at least 1024");
         }
@@ -728,6 +735,7 @@ impl FileConfig {
         let max_event_bytes = self.metrics.max_event_bytes;
         let compare_window = Duration::from_secs(self.compare.window_secs);
         let model_label = self.metrics.model_label;
+        let curve_window = Duration::from_secs(self.metrics.curve_window_secs);
         p.into_result(move || Config {
             listen: Listen {
                 // Both are Ok here: an Err added a problem.
@@ -739,6 +747,7 @@ impl FileConfig {
             compare_window,
             max_event_bytes,
             model_label,
+            curve_window,
             threads,
             grace_period: Duration::from_secs(grace),
             keepalive_pool,

@@ -32,6 +32,8 @@ pub struct Config {
     pub max_event_bytes: usize,
     /// Per-model counters (`metrics.model_label`).
     pub model_label: bool,
+    /// What the curve of `/stats` covers (`metrics.curve_window_secs`).
+    pub curve_window: Duration,
     /// Worker threads of the proxy service.
     pub threads: usize,
     /// How long a graceful shutdown (SIGTERM) lets streams run on.

@@ -49,6 +49,7 @@ const FILE: &[Field] = &[
             ("window_secs", SECS),
             ("max_event_bytes", BYTES),
             ("model_label", Kind::Bool),
+            ("curve_window_secs", SECS),
         ]),
     ),
     (

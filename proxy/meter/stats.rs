@@ -60,7 +60,8 @@ impl TokensPerEvent {
 }
 
 /// One point of the concurrency→TPOT curve: the tokens that arrived while the upstream had
-/// between `concurrency / 2 + 1` and `concurrency` requests in flight, since the proxy started.
+/// between `concurrency / 2 + 1` and `concurrency` requests in flight, over the last
+/// `metrics.curve_window_secs`.
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct CurvePoint {
     pub concurrency: u64,
@@ -68,8 +69,13 @@ pub struct CurvePoint {
     pub tpot_ms_p90: Option<f64>,
     pub single_stream_tps: Option<f64>,
     pub system_tps: Option<f64>,
+    /// The time-weighted mean concurrency while in this bucket.
+    pub mean_concurrency: Option<f64>,
     /// Per-token gaps measured in this bucket.
     pub samples: u64,
+    /// Too little support to be a point (under 2 s in the bucket or 50 gaps): shown here,
+    /// left out of `/metrics`, not to be read as the backend's figure.
+    pub sparse: bool,
 }
 
 /// What the meter knows of one upstream: its part of `/stats`, which the admin API combines

@@ -20,13 +20,12 @@ use std::time::Duration;
 use hdrhistogram::Histogram;
 use slab::Slab;
 
+use super::curve::{self, Bucket as CurveBucket, Events, Scope, Times, CURVE_BUCKETS};
 use super::stats::{CurvePoint, MeterStats, Percentiles, TokensPerEvent};
 use super::{Nanos, Outcome};
 
 /// Slots per window.
 pub const SLOTS: usize = 20;
-/// Concurrency buckets of the curve: 1, 2, 4, …, 2^(CURVE_BUCKETS-1).
-const CURVE_BUCKETS: usize = 21;
 /// Histogram range: 1 µs to one hour, two significant figures (1% resolution).
 const HIST_MAX_US: u64 = 3_600_000_000;
 
@@ -47,24 +46,9 @@ struct Record {
     last: Nanos,
     finished_at: Option<Nanos>,
     segments: [Segment; SLOTS],
-}
-
-/// The curve's per-event part of one concurrency bucket.
-#[derive(Default)]
-struct CurveBucket {
-    tokens: u64,
-    gap_sum_us: f64,
-    gaps: Option<Histogram<u64>>,
-}
-
-impl CurveBucket {
-    fn add(&mut self, other: &CurveBucket) {
-        self.tokens += other.tokens;
-        self.gap_sum_us += other.gap_sum_us;
-        if let Some(g) = &other.gaps {
-            let _ = self.gaps.get_or_insert_with(histogram64).add(g);
-        }
-    }
+    /// Its tokens by the curve bucket they arrived in, so an exact count that replaces
+    /// them is spread over the same buckets.
+    by_bucket: [u32; CURVE_BUCKETS],
 }
 
 #[derive(Default)]
@@ -100,7 +84,7 @@ fn histogram() -> Histogram<u32> {
 
 /// A histogram kept since start: 64-bit counts, which a busy upstream cannot fill (32-bit
 /// ones would, in about ten days at 5,000 events a second).
-fn histogram64() -> Histogram<u64> {
+pub(super) fn histogram64() -> Histogram<u64> {
     Histogram::new_with_bounds(1, HIST_MAX_US, 2)
         .unwrap_or_else(|_| Histogram::new(2).unwrap_or_else(|_| unreachable!()))
 }
@@ -210,7 +194,7 @@ pub(super) struct Shard {
     records: Slab<Record>,
     /// Finished records in finishing order, removed once they leave the window.
     retired: VecDeque<(usize, Nanos)>,
-    curve: Vec<CurveBucket>,
+    curve: Events,
     /// Per-token gaps since the SLO controller's last read.
     control_gaps: Histogram<u32>,
     /// Tokens per token-bearing fragment, since start.
@@ -222,7 +206,7 @@ pub(super) struct Shard {
 // === impl Shard ===
 
 impl Shard {
-    pub(super) fn new(window: Duration) -> Self {
+    pub(super) fn new(window: Duration, curve_window: Duration) -> Self {
         Shard {
             slot_ns: slot_ns(window),
             latest: 0,
@@ -235,7 +219,7 @@ impl Shard {
                 .collect(),
             records: Slab::new(),
             retired: VecDeque::new(),
-            curve: (0..CURVE_BUCKETS).map(|_| CurveBucket::default()).collect(),
+            curve: Events::new(curve_window),
             control_gaps: histogram(),
             tokens_per_event: histogram64(),
             running: 0,
@@ -256,6 +240,7 @@ impl Shard {
             last: now,
             finished_at: None,
             segments: [Segment::default(); SLOTS],
+            by_bucket: [0; CURVE_BUCKETS],
         })
     }
 
@@ -272,6 +257,8 @@ impl Shard {
         let now = self.clamp(now);
         let epoch = now / self.slot_ns;
         let rec = self.records.get_mut(key)?;
+        let b = bucket(in_flight);
+        rec.by_bucket[b] = rec.by_bucket[b].saturating_add(n);
         let gap = rec.first.map(|_| now.saturating_sub(rec.last));
         if rec.first.is_none() {
             rec.first = Some(now);
@@ -295,7 +282,7 @@ impl Shard {
         self.running += u64::from(n);
         let slot = slot_of(&mut self.ring, epoch);
         slot.tokens += u64::from(n);
-        let curve = &mut self.curve[bucket(in_flight)];
+        let curve = self.curve.at(now, b);
         curve.tokens += u64::from(n);
         if let Some(gap) = gap {
             let per_token_us = gap as f64 / 1e3 / f64::from(n);
@@ -317,7 +304,7 @@ impl Shard {
         let now = self.clamp(now);
         self.running = self.running.saturating_sub(estimated);
         if let Some(total) = exact {
-            self.correct(key, now / self.slot_ns, estimated, total);
+            self.correct(key, now, estimated, total);
         }
         if let Some(rec) = self.records.get_mut(key) {
             rec.finished_at = Some(now);
@@ -330,7 +317,10 @@ impl Shard {
     /// segments still in the window is scaled by exact/estimated, and so is the slot it
     /// counted in, so rates and its TPOT stay right without a jump at the end. Not
     /// streamed: the tokens arrive whole, in the slot where the response ended.
-    fn correct(&mut self, key: usize, epoch: u64, estimated: u64, exact: u64) {
+    /// The curve's buckets are corrected the same way: each bucket the request's tokens
+    /// arrived in gets its share of the difference, never the bucket it finished in.
+    fn correct(&mut self, key: usize, now: Nanos, estimated: u64, exact: u64) {
+        let epoch = now / self.slot_ns;
         if exact == estimated {
             return;
         }
@@ -342,6 +332,11 @@ impl Shard {
         let Some(rec) = self.records.get_mut(key) else {
             return;
         };
+        for (b, &counted) in rec.by_bucket.iter().enumerate().filter(|(_, &t)| t > 0) {
+            let scaled = (f64::from(counted) * ratio).round() as u64;
+            let bucket = self.curve.at(now, b);
+            bucket.tokens = (bucket.tokens + scaled).saturating_sub(u64::from(counted));
+        }
         for seg in rec.segments.iter_mut().filter(|s| s.events > 0) {
             let scaled = (seg.tokens as f64 * ratio).round() as u64;
             let slot = &mut self.ring[(seg.epoch % SLOTS as u64) as usize];
@@ -371,7 +366,7 @@ impl Shard {
                 sums.tpot.push(t);
             }
         }
-        self.add_curve(sums);
+        self.add_curve(sums, Scope::Window(now));
         self.add_tokens_per_event(sums);
     }
 
@@ -381,11 +376,14 @@ impl Shard {
         self.control_gaps.reset();
     }
 
-    /// Adds this shard's curve to `sums`.
-    pub(super) fn add_curve(&self, sums: &mut Sums) {
-        for (sum, b) in sums.curve.iter_mut().zip(&self.curve) {
-            sum.add(b);
-        }
+    /// Adds this shard's curve of `scope` to `sums`.
+    pub(super) fn add_curve(&self, sums: &mut Sums, scope: Scope) {
+        self.curve.add(&mut sums.curve, scope);
+    }
+
+    /// The curve's window starts afresh, `curve_window` long.
+    pub(super) fn reset_curve(&mut self, curve_window: Duration) {
+        self.curve.reset(curve_window);
     }
 
     /// Adds this shard's tokens-per-event histogram to `sums`.
@@ -436,9 +434,7 @@ pub(super) struct Windows {
     last_change: Nanos,
     /// Time spent at each curve bucket's concurrency (while this tokentap had requests in
     /// flight), ∫ concurrency dt there, and the part of that time counted by the backend.
-    curve_time: [Nanos; CURVE_BUCKETS],
-    curve_busy: [u128; CURVE_BUCKETS],
-    backend_time: [Nanos; CURVE_BUCKETS],
+    times: Times,
     /// The backend's running count, when the curve is bucketed by it.
     backend: Option<u64>,
     totals: Totals,
@@ -456,7 +452,7 @@ fn slot_ns(window: Duration) -> Nanos {
 // === impl Windows ===
 
 impl Windows {
-    pub(super) fn new(window: Duration, now: Nanos) -> Self {
+    pub(super) fn new(window: Duration, curve_window: Duration, now: Nanos) -> Self {
         Windows {
             slot_ns: slot_ns(window),
             started: now,
@@ -467,9 +463,7 @@ impl Windows {
             }; SLOTS],
             in_flight: 0,
             last_change: now,
-            curve_time: [0; CURVE_BUCKETS],
-            curve_busy: [0; CURVE_BUCKETS],
-            backend_time: [0; CURVE_BUCKETS],
+            times: Times::new(curve_window),
             backend: None,
             totals: Totals::default(),
             metered: false,
@@ -537,21 +531,29 @@ impl Windows {
         self.totals.output_tokens
     }
 
-    /// The curve's buckets that saw tokens or time, the shards' part being in `sums`.
+    /// The curve since start, the shards' part being in `sums`: the buckets with the
+    /// support of a point (once a bucket has it, it always has).
     pub(super) fn curve_totals(&self, sums: Sums) -> Vec<super::CurveTotals> {
+        let times = self.times.sum(Scope::All);
         sums.curve
             .into_iter()
-            .zip(&self.curve_time)
+            .zip(times)
             .enumerate()
-            .filter(|(_, (b, &time))| b.tokens > 0 || time > 0)
-            .map(|(i, (b, &time))| super::CurveTotals {
+            .filter(|(_, (b, t))| !sparse(b, t))
+            .map(|(i, (b, t))| super::CurveTotals {
                 concurrency: 1 << i,
                 tokens: b.tokens,
-                seconds: time as f64 / 1e9,
+                seconds: t.ns as f64 / 1e9,
                 gaps_us: b.gaps,
                 gap_sum_us: b.gap_sum_us,
             })
             .collect()
+    }
+
+    /// The curve's window starts afresh, `curve_window` long.
+    pub(super) fn reset_curve(&mut self, now: Nanos, curve_window: Duration) {
+        self.advance(now);
+        self.times.reset(curve_window);
     }
 
     pub(super) fn count(&mut self, outcome: Outcome) {
@@ -616,7 +618,7 @@ impl Windows {
             tpot_ms: Percentiles::of(&mut sums.tpot),
             itl_ms: hist_percentiles(&sums.itl),
             e2e_ms: Percentiles::of(&mut sums.e2e),
-            curve: self.curve(&sums),
+            curve: self.curve(&sums, now),
         }
     }
 
@@ -648,30 +650,34 @@ impl Windows {
     /// `tpot_ms`, the shards' curve being in `sums`.
     pub(super) fn slo_bounded_system_tps(
         &self,
+        now: Nanos,
         tpot_ms: f64,
         percentile: f64,
         sums: &Sums,
     ) -> Option<f64> {
-        sums.curve
-            .iter()
-            .zip(&self.curve_time)
-            .filter(|(b, &time)| {
-                time > 0
-                    && b.gaps.as_ref().is_some_and(|h| {
-                        !h.is_empty() && quantile_us(h, percentile / 100.0) / 1e3 <= tpot_ms
-                    })
+        let meets = |b: &CurveBucket| {
+            b.gaps.as_ref().is_some_and(|h| {
+                !h.is_empty() && quantile_us(h, percentile / 100.0) / 1e3 <= tpot_ms
             })
-            .map(|(b, &time)| b.tokens as f64 / (time as f64 / 1e9))
+        };
+        self.curve(sums, now)
+            .into_iter()
+            .filter(|p| !p.sparse)
+            .filter(|p| meets(&sums.curve[p.concurrency.trailing_zeros() as usize]))
+            .filter_map(|p| p.system_tps)
             .max_by(f64::total_cmp)
     }
 
-    fn curve(&self, sums: &Sums) -> Vec<CurvePoint> {
+    /// The curve of the window ending at `now`: every bucket with tokens, `sparse` when it
+    /// lacks the support of a point.
+    fn curve(&self, sums: &Sums, now: Nanos) -> Vec<CurvePoint> {
+        let times = self.times.sum(Scope::Window(now));
         sums.curve
             .iter()
-            .zip(&self.curve_time)
+            .zip(times)
             .enumerate()
             .filter(|(_, (b, _))| b.tokens > 0)
-            .map(|(i, (b, &time))| {
+            .map(|(i, (b, t))| {
                 let samples = b.gaps.as_ref().map_or(0, Histogram::len);
                 let q = |p: f64| {
                     b.gaps
@@ -681,14 +687,14 @@ impl Windows {
                 };
                 let mean_ms = (samples > 0).then(|| b.gap_sum_us / samples as f64 / 1e3);
                 let single = mean_ms.filter(|m| *m > 0.0).map(|m| 1000.0 / m);
+                let mean_concurrency = (t.ns > 0).then(|| t.busy as f64 / t.ns as f64);
                 // Counted by the backend, this tokentap's tokens are only its share of the
                 // batch: the backend's rate is its mean batch × the per-stream rate.
-                let by_backend = self.backend_time[i] * 2 > time;
-                let mean_concurrency = self.curve_busy[i] as f64 / time as f64;
-                let system_tps = match (time > 0, by_backend) {
+                let by_backend = t.backend_ns * 2 > t.ns;
+                let system_tps = match (t.ns > 0, by_backend) {
                     (false, _) => None,
-                    (true, true) => single.map(|s| s * mean_concurrency),
-                    (true, false) => Some(b.tokens as f64 / (time as f64 / 1e9)),
+                    (true, true) => single.zip(mean_concurrency).map(|(s, c)| s * c),
+                    (true, false) => Some(b.tokens as f64 / (t.ns as f64 / 1e9)),
                 };
                 CurvePoint {
                     concurrency: 1 << i,
@@ -696,7 +702,9 @@ impl Windows {
                     tpot_ms_p90: q(0.9),
                     single_stream_tps: single,
                     system_tps,
+                    mean_concurrency,
                     samples,
+                    sparse: sparse(b, &t),
                 }
             })
             .collect()
@@ -713,12 +721,8 @@ impl Windows {
         }
         let n = self.in_flight;
         let c = self.backend.unwrap_or(n);
-        let b = bucket(c);
-        self.curve_time[b] += now - from;
-        self.curve_busy[b] += u128::from(c) * u128::from(now - from);
-        if self.backend.is_some() {
-            self.backend_time[b] += now - from;
-        }
+        self.times
+            .add(from, now, bucket(c), c, self.backend.is_some());
         self.control_busy += u128::from(n) * u128::from(now - from);
         // Only the slots still in the window matter for the ring.
         let mut t = from.max(Span::of(now, self.slot_ns).start());
@@ -734,6 +738,13 @@ impl Windows {
         }
         now
     }
+}
+
+/// Whether a bucket lacks the support of a point: [`curve::MIN_SECS`] spent there and
+/// [`curve::MIN_GAPS`] per-token gaps.
+fn sparse(b: &CurveBucket, t: &curve::Time) -> bool {
+    let gaps = b.gaps.as_ref().map_or(0, Histogram::len);
+    (t.ns as f64 / 1e9) < curve::MIN_SECS || gaps < curve::MIN_GAPS
 }
 
 /// A request's TPOT (ms) over its token events inside the window `span`: `None` unless it

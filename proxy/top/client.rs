@@ -59,6 +59,8 @@ pub struct CurvePoint {
     pub tpot_ms_p90: Option<f64>,
     pub system_tps: Option<f64>,
     pub samples: u64,
+    #[serde(default)]
+    pub sparse: bool,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]

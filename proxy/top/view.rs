@@ -201,7 +201,7 @@ fn upstream(frame: &mut Frame<'_>, area: Rect, u: &Upstream, board: &Board, colo
     frame.render_widget(Paragraph::new(figures), cols[0]);
 
     // The curve: the buckets with the most samples, in concurrency order.
-    let mut curve = u.curve.clone();
+    let mut curve: Vec<_> = u.curve.iter().filter(|p| !p.sparse).cloned().collect();
     let keep = usize::from(cols[1].height.saturating_sub(1));
     if curve.len() > keep {
         curve.sort_by_key(|p| std::cmp::Reverse(p.samples));

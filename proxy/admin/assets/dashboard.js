@@ -325,7 +325,7 @@ function updateCharts(names) {
   const ups = state.snap.stats.upstreams;
   const xs = new Set();
   for (const u of ups) {
-    for (const p of u.curve) xs.add(p.concurrency);
+    for (const p of u.curve) if (!p.sparse) xs.add(p.concurrency);
     if (u.concurrency > 0) xs.add(Number(u.concurrency.toFixed(2)));
   }
   const cx = [...xs].sort((a, b) => a - b);
@@ -333,7 +333,7 @@ function updateCharts(names) {
   for (const n of names) {
     const u = ups.find((u) => u.name === n);
     const at = (f) => cx.map((c) => {
-      const p = u && u.curve.find((p) => p.concurrency === c);
+      const p = u && u.curve.find((p) => p.concurrency === c && !p.sparse);
       return p ? f(p) ?? null : null;
     });
     const now = u && u.concurrency > 0 ? Number(u.concurrency.toFixed(2)) : null;

@@ -58,6 +58,7 @@ pub fn build(live: &Arc<Live>) -> (Server, Arc<Transport>) {
     let sampler = Sampler(history, Arc::clone(live), Arc::clone(&transport));
     let sampler = background_service("history", sampler);
     let scraper = background_service("backend metrics", BackendScrape(Arc::clone(live)));
+    let fleet = background_service("cluster", FleetKeeper(Arc::clone(live)));
 
     server.add_service(proxy);
     server.add_service(admin);
@@ -65,6 +66,7 @@ pub fn build(live: &Arc<Live>) -> (Server, Arc<Transport>) {
     server.add_service(control);
     server.add_service(sampler);
     server.add_service(scraper);
+    server.add_service(fleet);
     (server, transport)
 }
 
@@ -130,6 +132,27 @@ impl BackgroundService for BackendScrape {
                 }
             }
         }
+    }
+}
+
+/// Keeps this replica's place in the fleet (`limit::fleet`): alive, its leases renewed.
+struct FleetKeeper(Arc<Live>);
+
+#[async_trait]
+impl BackgroundService for FleetKeeper {
+    async fn start(&self, shutdown: ShutdownWatch) {
+        let Some(cluster) = self.0.load().cluster.clone() else {
+            return;
+        };
+        let fleets = || {
+            self.0
+                .load()
+                .upstreams
+                .iter()
+                .filter_map(|u| Some((Arc::clone(u.fleet.as_ref()?), Arc::clone(&u.limiter))))
+                .collect()
+        };
+        cluster.keep(fleets, shutdown).await;
     }
 }
 

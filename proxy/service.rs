@@ -22,7 +22,7 @@ use pingora::ErrorSource;
 use crate::config::Config;
 use crate::dialect::{tokens_carried, Dialect, Facts, Framing};
 use crate::estimate;
-use crate::limit::Permit;
+use crate::limit::fleet::Slot;
 use crate::meter::{Nanos, Outcome, Stream};
 use crate::ndjson::NdjsonParser;
 use crate::routing::Choice;
@@ -137,7 +137,7 @@ pub struct Ctx {
     /// The metered request: in flight until finished (or dropped, which finishes it).
     stream: Option<Stream>,
     /// The concurrency slot, held until the request ends however it ends.
-    permit: Option<Permit>,
+    permit: Option<Slot>,
     /// Removes the usage-only chunk from the response (the client did not ask for it).
     strip_usage: Option<UsageStripper>,
     /// Estimate tokens with the tokenizer rather than one per event.

@@ -18,6 +18,7 @@ use pingora::upstreams::peer::HttpPeer;
 use crate::access::Access;
 use crate::backend::Backend;
 use crate::config::{self, Config, ConfigError};
+use crate::limit::fleet::{Cluster, Fleet};
 use crate::limit::slo::Adaptive;
 use crate::limit::{LimitConfig, Limiter};
 use crate::logs::Throttle;
@@ -34,6 +35,8 @@ pub struct Shared {
     pub upstreams: Vec<Upstream>,
     pub router: Router,
     pub telemetry: Arc<Telemetry>,
+    /// The fleet's Redis, with `[cluster]`.
+    pub cluster: Option<Arc<Cluster>>,
 }
 
 /// Everything tokentap keeps for one upstream.
@@ -48,27 +51,40 @@ pub struct Upstream {
     pub slo: Option<Arc<Adaptive>>,
     /// The backend's own load, with `backend_metrics`.
     pub backend: Option<Arc<Backend>>,
+    /// Its slots as fleet leases, with `[cluster]` and a cap.
+    pub fleet: Option<Arc<Fleet>>,
 }
 
 // === impl Shared ===
 
 impl Shared {
     pub fn new(config: Config) -> Arc<Shared> {
-        Shared::build(config, Clock::new(), Arc::new(Telemetry::new()), |_| None)
+        let cluster = config
+            .cluster
+            .as_ref()
+            .and_then(|c| Cluster::new(&c.redis_url, c.lease).ok());
+        Shared::build(
+            config,
+            Clock::new(),
+            Arc::new(Telemetry::new()),
+            cluster,
+            |_| None,
+        )
     }
 
     fn build<'a>(
         config: Config,
         clock: Clock,
         telemetry: Arc<Telemetry>,
+        cluster: Option<Arc<Cluster>>,
         kept: impl Fn(&str) -> Option<&'a Upstream>,
     ) -> Arc<Shared> {
         let upstreams = config
             .upstreams
             .iter()
             .map(|u| match kept(&u.name) {
-                Some(old) => old.successor(u, &config),
-                None => Upstream::new(u, &config, clock, &telemetry),
+                Some(old) => old.successor(u, &config, cluster.as_ref()),
+                None => Upstream::new(u, &config, clock, &telemetry, cluster.as_ref()),
             })
             .collect();
         Arc::new(Shared {
@@ -76,6 +92,7 @@ impl Shared {
             upstreams,
             clock,
             telemetry,
+            cluster,
             config,
         })
     }
@@ -112,9 +129,18 @@ impl Shared {
         );
         keep(n, "metrics.window_secs", &mut c.window, old.window);
         keep(n, "log.format", &mut c.log.format, old.log.format);
-        let next = Shared::build(config, self.clock, Arc::clone(&self.telemetry), |name| {
-            self.upstream(name).map(|(_, u)| u)
-        });
+        if c.cluster != old.cluster {
+            n.push("cluster: changes only on restart; the running [cluster] stays".to_owned());
+            c.cluster.clone_from(&old.cluster);
+        }
+        let cluster = self.cluster.clone();
+        let next = Shared::build(
+            config,
+            self.clock,
+            Arc::clone(&self.telemetry),
+            cluster,
+            |name| self.upstream(name).map(|(_, u)| u),
+        );
         (next, notes)
     }
 
@@ -147,7 +173,13 @@ fn keep<T: PartialEq + Copy + std::fmt::Debug>(
 // === impl Upstream ===
 
 impl Upstream {
-    fn new(u: &config::Upstream, config: &Config, clock: Clock, telemetry: &Telemetry) -> Self {
+    fn new(
+        u: &config::Upstream,
+        config: &Config,
+        clock: Clock,
+        telemetry: &Telemetry,
+        cluster: Option<&Arc<Cluster>>,
+    ) -> Self {
         let meter =
             UpstreamMeter::new(&u.name, config.window, clock, telemetry.histograms(&u.name));
         meter.set_sample_window(config.compare_window);
@@ -164,13 +196,19 @@ impl Upstream {
             limiter,
             slo,
             backend: backend(u),
+            fleet: fleet(u, cluster),
         }
     }
 
     /// This upstream as `u` configures it now: the same meter and limiter (its in-flight
     /// requests and queue carry over; a lower cap admits nothing new until in-flight is
     /// under it), and the same adaptive cap when it keeps an SLO, retuned.
-    fn successor(&self, u: &config::Upstream, config: &Config) -> Upstream {
+    fn successor(
+        &self,
+        u: &config::Upstream,
+        config: &Config,
+        cluster: Option<&Arc<Cluster>>,
+    ) -> Upstream {
         self.meter.set_sample_window(config.compare_window);
         // A new length starts the curve's window afresh; the same keeps it.
         self.meter.set_curve_window(config.curve_window);
@@ -200,8 +238,19 @@ impl Upstream {
             limiter: Arc::clone(&self.limiter),
             slo,
             backend,
+            // Held leases stay with the fleet part that took them.
+            fleet: match (&self.fleet, fleet(u, cluster)) {
+                (Some(kept), Some(_)) => Some(Arc::clone(kept)),
+                (_, next) => next,
+            },
         }
     }
+}
+
+/// The fleet part of an upstream with a cap, when there is a cluster.
+fn fleet(u: &config::Upstream, cluster: Option<&Arc<Cluster>>) -> Option<Arc<Fleet>> {
+    let capped = u.max_concurrency.is_some() || u.slo.is_some();
+    cluster.filter(|_| capped).map(|c| Fleet::new(c, &u.name))
 }
 
 fn backend(u: &config::Upstream) -> Option<Arc<Backend>> {
@@ -257,6 +306,9 @@ pub struct Process {
     pub last_reload_success: u64,
     /// Access-log lines dropped because the writer could not keep up.
     pub access_dropped: u64,
+    /// With `[cluster]`: whether Redis is away (each replica on its share), and the
+    /// replicas seen in the last minute.
+    pub cluster: Option<(bool, u64)>,
 }
 
 /// What a reload did.
@@ -371,6 +423,11 @@ impl Live {
             reloads_failed: self.reloads_failed.load(Relaxed),
             last_reload_success: self.last_success.load(Relaxed),
             access_dropped: self.access.dropped(),
+            cluster: self
+                .load()
+                .cluster
+                .as_ref()
+                .map(|c| (c.degraded(), c.replicas())),
         }
     }
 }

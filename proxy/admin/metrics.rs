@@ -62,6 +62,14 @@ pub fn render(
         &[],
         process.access_dropped as f64,
     );
+    if let Some((degraded, replicas)) = process.cluster {
+        x.add(
+            "tokentap_cluster_degraded",
+            &[],
+            f64::from(u8::from(degraded)),
+        );
+        x.add("tokentap_cluster_replicas", &[], replicas as f64);
+    }
     x.add("tokentap_client_connections", &[], connections.open as f64);
     x.add(
         "tokentap_client_connections_max",

@@ -8,8 +8,9 @@ use indexmap::IndexMap;
 use serde::Deserialize;
 
 use super::{
-    socket_addr, tls, upstream_url, AccessLog, AdminAuth, Config, Limits, Listen, ListenTls, Log,
-    LogFormat, Problem, Problems, Route, Secret, Upstream, ADMIN_TOKEN_ENV, DEFAULT_LOG_FILTER,
+    socket_addr, tls, upstream_url, AccessLog, AdminAuth, Cluster, Config, Limits, Listen,
+    ListenTls, Log, LogFormat, Problem, Problems, Route, Secret, Upstream, ADMIN_TOKEN_ENV,
+    DEFAULT_LOG_FILTER,
 };
 use super::{DEFAULT_CONNECT_TIMEOUT_MS, DEFAULT_READ_TIMEOUT_SECS};
 use crate::estimate::Estimate;
@@ -30,6 +31,8 @@ pub struct FileConfig {
     pub admin: AdminFile,
     #[serde(default)]
     pub log: LogFile,
+    #[serde(default)]
+    pub cluster: ClusterFile,
     #[serde(default)]
     pub upstream: Vec<UpstreamFile>,
     #[serde(default)]
@@ -159,6 +162,27 @@ impl Default for MetricsFile {
             max_event_bytes: 1 << 20,
             model_label: false,
             curve_window_secs: 900,
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ClusterFile {
+    /// `redis://host:port[/db]`: the caps (`max_concurrency`, the adaptive SLO cap) hold
+    /// across every tokentap sharing it, as leases in Redis. Default: none (each replica
+    /// caps alone).
+    pub redis_url: Option<String>,
+    /// How long a slot's lease lives unless renewed: a replica that dies frees its slots
+    /// within this. Default 10.
+    pub lease_secs: u64,
+}
+
+impl Default for ClusterFile {
+    fn default() -> Self {
+        ClusterFile {
+            redis_url: None,
+            lease_secs: 10,
         }
     }
 }
@@ -481,6 +505,26 @@ impl FileConfig {
         if !(10..=86_400).contains(&self.compare.window_secs) {
             p.add("compare.window_secs", "must be between 10 and 86400");
         }
+        if !(2..=300).contains(&self.cluster.lease_secs) {
+            p.add("cluster.lease_secs", "must be between 2 and 300");
+        }
+        let cluster =
+            self.cluster
+                .redis_url
+                .as_deref()
+                .and_then(|url| match redis::Client::open(url) {
+                    Ok(_) if url.starts_with("redis://") => Some(Cluster {
+                        redis_url: url.to_owned(),
+                        lease: Duration::from_secs(self.cluster.lease_secs.clamp(2, 300)),
+                    }),
+                    _ => {
+                        p.add(
+                            "cluster.redis_url",
+                            format!("must be a URL like redis://127.0.0.1:6379, not `{url}`"),
+                        );
+                        None
+                    }
+                });
         if !(60..=86_400).contains(&self.metrics.curve_window_secs) {
             p.add("metrics.curve_window_secs", "must be between 60 and 86400");
         }
@@ -748,6 +792,7 @@ impl FileConfig {
             max_event_bytes,
             model_label,
             curve_window,
+            cluster,
             threads,
             grace_period: Duration::from_secs(grace),
             keepalive_pool,

@@ -34,6 +34,8 @@ pub struct Config {
     pub model_label: bool,
     /// What the curve of `/stats` covers (`metrics.curve_window_secs`).
     pub curve_window: Duration,
+    /// Caps shared by every replica through Redis (`[cluster]`).
+    pub cluster: Option<Cluster>,
     /// Worker threads of the proxy service.
     pub threads: usize,
     /// How long a graceful shutdown (SIGTERM) lets streams run on.
@@ -52,6 +54,13 @@ pub struct Config {
     /// Routes in file order; first match wins. Never empty: a config with one upstream and
     /// no route gets one route for `/` to it.
     pub routes: Vec<Route>,
+}
+
+/// `[cluster]`: where the fleet's leases live.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Cluster {
+    pub redis_url: String,
+    pub lease: Duration,
 }
 
 /// The environment variable that holds the admin token when `admin.token_file` is unset.

@@ -69,6 +69,10 @@ const FILE: &[Field] = &[
     ),
     ("compare", Kind::Table(&[("window_secs", SECS)])),
     (
+        "cluster",
+        Kind::Table(&[("redis_url", Kind::Text), ("lease_secs", SECS)]),
+    ),
+    (
         "admin",
         Kind::Table(&[("token_file", Kind::Text), ("metrics_public", Kind::Bool)]),
     ),

@@ -6,6 +6,7 @@
 //! it straight to the head of the queue, so waiting requests are served in arrival order.
 
 pub mod controller;
+pub mod fleet;
 pub mod slo;
 
 use std::collections::VecDeque;
@@ -54,6 +55,9 @@ pub struct Limiter {
     /// A request had to queue (or was refused) since the controller last looked.
     binding: AtomicBool,
     waits: metrics::Histogram,
+    /// A cap under the limit: this replica's share while its fleet's Redis is away
+    /// (`u64::MAX`: none).
+    share: AtomicU64,
 }
 
 struct State {
@@ -95,7 +99,32 @@ impl Limiter {
             rejected: [AtomicU64::new(0), AtomicU64::new(0)],
             binding: AtomicBool::new(false),
             waits,
+            share: AtomicU64::new(u64::MAX),
         })
+    }
+
+    /// The limit admitted against here: the limit, or this replica's share of it.
+    fn effective(&self) -> u64 {
+        self.limit.load(Relaxed).min(self.share.load(Relaxed))
+    }
+
+    /// Admits at most `share` from now on (`None`: the whole limit again).
+    pub fn set_share(&self, share: Option<u64>) {
+        let v = share.map_or(u64::MAX, |s| s.max(1));
+        if self.share.swap(v, Relaxed) != v {
+            let mut st = self.lock();
+            self.grant_waiting(&mut st);
+        }
+    }
+
+    /// The share in force, if any.
+    pub fn share(&self) -> Option<u64> {
+        Some(self.share.load(Relaxed)).filter(|&s| s != u64::MAX)
+    }
+
+    /// The fleet held a request back (for the adaptive controller).
+    pub fn note_binding(&self) {
+        self.binding.store(true, Relaxed);
     }
 
     pub fn limit(&self) -> Option<u64> {
@@ -105,13 +134,13 @@ impl Limiter {
     /// Whether a request arriving now would get a slot without waiting.
     pub fn has_headroom(&self) -> bool {
         let st = self.lock();
-        st.queue.is_empty() && st.in_flight < self.limit.load(Relaxed)
+        st.queue.is_empty() && st.in_flight < self.effective()
     }
 
     /// A slot now, if one is free and nobody waits.
     pub fn try_acquire(self: &Arc<Self>) -> Option<Permit> {
         let mut st = self.lock();
-        if st.queue.is_empty() && st.in_flight < self.limit.load(Relaxed) {
+        if st.queue.is_empty() && st.in_flight < self.effective() {
             st.in_flight += 1;
             return Some(Permit(Arc::clone(self)));
         }
@@ -123,7 +152,7 @@ impl Limiter {
     pub async fn acquire(self: &Arc<Self>) -> Result<Permit, Rejected> {
         let (id, rx, queue_timeout) = {
             let mut st = self.lock();
-            if st.queue.is_empty() && st.in_flight < self.limit.load(Relaxed) {
+            if st.queue.is_empty() && st.in_flight < self.effective() {
                 st.in_flight += 1;
                 return Ok(Permit(Arc::clone(self)));
             }
@@ -211,7 +240,7 @@ impl Limiter {
 
     /// Hands free slots to the head of the queue, skipping waiters already gone.
     fn grant_waiting(&self, st: &mut State) {
-        let limit = self.limit.load(Relaxed);
+        let limit = self.effective();
         while st.in_flight < limit {
             let Some(w) = st.queue.pop_front() else { break };
             if w.grant.send(()).is_ok() {

@@ -53,7 +53,8 @@ use super::{Ctx, TokenTap, HOST, UPSTREAM_HEADER};
 use crate::config::Limits;
 use crate::dialect::Dialect;
 use crate::estimate::Estimate;
-use crate::limit::Rejected;
+use crate::limit::fleet::Slot;
+use crate::limit::{Permit, Rejected};
 use crate::meter::{Nanos, Outcome};
 use crate::routing::Choice;
 use crate::state::Shared;
@@ -347,13 +348,35 @@ impl TokenTap {
         if ctx.dialect.is_some() {
             let queued = std::time::Instant::now();
             let limiter = &upstream.limiter;
-            let granted = match limiter.try_acquire() {
-                Some(permit) => Ok(Ok(permit)),
-                None if read_whole => {
-                    let acquire = async { Ok(limiter.acquire().await) };
+            // The local slot, then (with [cluster]) the fleet's: both within the queue's
+            // timeout.
+            let deadline = queued + upstream.config.queue_timeout;
+            let slot = |permit: Permit| async move {
+                match &upstream.fleet {
+                    Some(fleet) => fleet.slot(limiter, permit, deadline).await,
+                    None => Ok(Slot::local(permit)),
+                }
+            };
+            let granted = match (limiter.try_acquire(), &upstream.fleet) {
+                (Some(permit), None) => Ok(Ok(Slot::local(permit))),
+                (Some(permit), Some(_)) if read_whole => {
+                    let acquire = async { Ok(slot(permit).await) };
                     watching(client, &mut watch, &mut leftover, acquire).await
                 }
-                None => Ok(limiter.acquire().await),
+                (Some(permit), Some(_)) => Ok(slot(permit).await),
+                (None, _) if read_whole => {
+                    let acquire = async {
+                        Ok(match limiter.acquire().await {
+                            Ok(permit) => slot(permit).await,
+                            Err(why) => Err(why),
+                        })
+                    };
+                    watching(client, &mut watch, &mut leftover, acquire).await
+                }
+                (None, _) => Ok(match limiter.acquire().await {
+                    Ok(permit) => slot(permit).await,
+                    Err(why) => Err(why),
+                }),
             };
             if let Some(seen) = ctx.seen.as_mut() {
                 seen.queue_ms = queued.elapsed().as_secs_f64() * 1e3;

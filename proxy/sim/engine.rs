@@ -113,6 +113,13 @@ impl Engine {
         self.jobs.send(job).is_ok()
     }
 
+    /// Starts the peak batch again from the batch now (`POST /sim/peak/reset`).
+    pub fn reset_peak(&self) {
+        let c = &self.counters;
+        let now = c.prefilling.load(Relaxed) + c.decoding.load(Relaxed);
+        c.peak_batch.store(now, Relaxed);
+    }
+
     pub fn stats(&self) -> SimStats {
         let c = &self.counters;
         SimStats {

@@ -119,6 +119,10 @@ async fn handle(
         ),
         ("GET", "/sim/stats") => json_response(StatusCode::OK, &json!(engine.stats())),
         ("GET", "/metrics") => metrics(&engine),
+        ("POST", "/sim/peak/reset") => {
+            engine.reset_peak();
+            json_response(StatusCode::OK, &json!(engine.stats()))
+        }
         ("POST", "/sim/curve") => set_curve(&engine, req).await,
         ("POST", p) => match Api::route(engine.args.dialect, p) {
             Some(api) => generate(engine, req, api).await,

@@ -59,10 +59,11 @@ pub struct Upstream {
 
 impl Shared {
     pub fn new(config: Config) -> Arc<Shared> {
-        let cluster = config
-            .cluster
-            .as_ref()
-            .and_then(|c| Cluster::new(&c.redis_url, c.lease).ok());
+        let cluster = config.cluster.as_ref().and_then(|c| {
+            Cluster::new(&c.redis_url, c.lease)
+                .map_err(|e| tracing::error!(cause = %e, "cluster: cannot use [cluster] redis_url; caps are per replica"))
+                .ok()
+        });
         Shared::build(
             config,
             Clock::new(),
@@ -241,7 +242,13 @@ impl Upstream {
             // Held leases stay with the fleet part that took them.
             fleet: match (&self.fleet, fleet(u, cluster)) {
                 (Some(kept), Some(_)) => Some(Arc::clone(kept)),
-                (_, next) => next,
+                (_, next) => {
+                    if next.is_none() {
+                        // Uncapped (or out of the cluster): no share holds it back.
+                        self.limiter.set_share(None);
+                    }
+                    next
+                }
             },
         }
     }

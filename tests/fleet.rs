@@ -380,3 +380,40 @@ async fn a_killed_replica_s_slots_are_free_within_the_lease() {
     );
     drop(a);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_redis_from_the_start_it_serves_on_a_share_that_does_not_grow() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let sim = sim().await;
+    let dir = Scratch::new("fleet-none");
+    // Nothing listens on this port: Redis is away from the start.
+    let tap = replica(&dir, "a", free_addr().port(), sim.addr);
+    let target = LoadArgs {
+        max_tokens: 30,
+        ..LoadArgs::for_url(format!("http://{}", tap.proxy))
+    }
+    .target()
+    .unwrap();
+    let report = load::phase(
+        &target,
+        Mode::Closed { concurrency: 8 },
+        Duration::ZERO,
+        Duration::from_secs(3),
+        false,
+    )
+    .await;
+    only_429s(&[report.clone()]);
+    assert!(report.requests > 0, "it served nothing");
+    let m = send(tap.admin, "GET", "/metrics", b"", &[]).await.unwrap();
+    let text = String::from_utf8_lossy(&m.body).into_owned();
+    assert!(text.contains("tokentap_cluster_degraded 1"), "{text}");
+    // The fleet's size was never read: the share stays at what it started with (1), so
+    // replicas starting together during an outage cannot add up to more than the limit.
+    assert_eq!(peak_batch(sim.addr).await, 1);
+    assert_eq!(
+        tap.stderr().matches("Redis unreachable").count(),
+        1,
+        "{}",
+        tap.stderr()
+    );
+}

@@ -505,8 +505,8 @@ impl FileConfig {
         if !(10..=86_400).contains(&self.compare.window_secs) {
             p.add("compare.window_secs", "must be between 10 and 86400");
         }
-        if !(2..=300).contains(&self.cluster.lease_secs) {
-            p.add("cluster.lease_secs", "must be between 2 and 300");
+        if !(3..=300).contains(&self.cluster.lease_secs) {
+            p.add("cluster.lease_secs", "must be between 3 and 300");
         }
         let cluster =
             self.cluster
@@ -515,7 +515,7 @@ impl FileConfig {
                 .and_then(|url| match redis::Client::open(url) {
                     Ok(_) if url.starts_with("redis://") => Some(Cluster {
                         redis_url: url.to_owned(),
-                        lease: Duration::from_secs(self.cluster.lease_secs.clamp(2, 300)),
+                        lease: Duration::from_secs(self.cluster.lease_secs.clamp(3, 300)),
                     }),
                     _ => {
                         p.add(

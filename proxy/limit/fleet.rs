@@ -33,9 +33,10 @@ use super::{Limiter, Permit, Rejected};
 const RETRY: Duration = Duration::from_millis(20);
 /// The longest one Redis call may take before the fleet counts as unreachable (a Redis
 /// that is down fails at once; this is for one that hangs).
-const CALL_TIMEOUT: Duration = Duration::from_secs(2);
+const CALL_TIMEOUT: Duration = Duration::from_secs(1);
 
 const ACQUIRE: &str = r"
+if redis.replicate_commands then redis.replicate_commands() end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
@@ -47,6 +48,7 @@ return 0
 ";
 
 const RENEW: &str = r"
+if redis.replicate_commands then redis.replicate_commands() end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 for i = 2, #ARGV do
@@ -56,6 +58,7 @@ return #ARGV - 1
 ";
 
 const ALIVE: &str = r"
+if redis.replicate_commands then redis.replicate_commands() end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('ZADD', KEYS[1], now, ARGV[1])
@@ -71,8 +74,18 @@ pub struct Cluster {
     replica: String,
     lease: Duration,
     degraded: AtomicBool,
+    /// Redis answered again: the shares stay one more period, so that replicas which have
+    /// not yet re-registered their slots are counted before anyone takes more.
+    rejoining: AtomicBool,
     replicas: AtomicU64,
+    /// Whether `replicas` was ever read from Redis (before that the fleet's size is
+    /// unknown, and a degraded share does not grow).
+    replicas_known: AtomicBool,
     next_lease: AtomicU64,
+    /// Every fleet part made, so leases are renewed for as long as any is held, across
+    /// reloads that rename or uncap an upstream.
+    fleets: Mutex<Vec<std::sync::Weak<Fleet>>>,
+    connecting: tokio::sync::Mutex<()>,
     acquire: redis::Script,
     renew: redis::Script,
     alive: redis::Script,
@@ -86,6 +99,22 @@ pub struct Fleet {
     held: Mutex<HashSet<u64>>,
     /// The request whose turn it is to ask Redis (FIFO: tokio's mutex is fair).
     turn: tokio::sync::Mutex<()>,
+}
+
+/// A lease being taken: dropped before it was (the request's future dropped mid-call, a
+/// call timed out), it is taken back from Redis, where the script may have added it.
+struct Pending<'a> {
+    fleet: &'a Arc<Fleet>,
+    id: u64,
+    armed: bool,
+}
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.fleet.forget(self.id);
+        }
+    }
 }
 
 /// A fleet slot: the local permit and its lease; dropping it frees both.
@@ -123,8 +152,12 @@ impl Cluster {
             replica,
             lease,
             degraded: AtomicBool::new(false),
+            rejoining: AtomicBool::new(false),
             replicas: AtomicU64::new(1),
+            replicas_known: AtomicBool::new(false),
             next_lease: AtomicU64::new(0),
+            fleets: Mutex::new(Vec::new()),
+            connecting: tokio::sync::Mutex::new(()),
             acquire: redis::Script::new(ACQUIRE),
             renew: redis::Script::new(RENEW),
             alive: redis::Script::new(ALIVE),
@@ -147,6 +180,38 @@ impl Cluster {
             .clone()
     }
 
+    /// The connection, made now if there is none (one attempt at a time).
+    async fn connect(&self) -> anyhow::Result<ConnectionManager> {
+        if let Some(c) = self.conn() {
+            return Ok(c);
+        }
+        let _one = self.connecting.lock().await;
+        if let Some(c) = self.conn() {
+            return Ok(c);
+        }
+        // One try, bounded: the keeper tries again every period, and a request waiting on
+        // a Redis that is away should find out at once.
+        let config = redis::aio::ConnectionManagerConfig::new()
+            .set_number_of_retries(0)
+            .set_connection_timeout(CALL_TIMEOUT)
+            .set_response_timeout(CALL_TIMEOUT);
+        let c = tokio::time::timeout(
+            CALL_TIMEOUT * 2,
+            ConnectionManager::new_with_config(self.client.clone(), config),
+        )
+        .await
+        .map_err(|_| anyhow::anyhow!("connecting timed out"))??;
+        *self.conn.lock().unwrap_or_else(PoisonError::into_inner) = Some(c.clone());
+        Ok(c)
+    }
+
+    /// The fleet parts still alive (held by the state in force or by running requests).
+    fn all_fleets(&self) -> Vec<Arc<Fleet>> {
+        let mut fleets = self.fleets.lock().unwrap_or_else(PoisonError::into_inner);
+        fleets.retain(|f| f.strong_count() > 0);
+        fleets.iter().filter_map(std::sync::Weak::upgrade).collect()
+    }
+
     /// Redis failed: each replica holds its share until it answers again.
     /// `grow`: one renewal period has passed (the share may grow by one).
     fn degrade(&self, why: &str, fleets: &[(&Fleet, &Limiter)], grow: bool) {
@@ -157,6 +222,10 @@ impl Cluster {
                 "cluster: Redis unreachable; each replica now holds its share of every cap (the limit / the replicas seen in the last minute)"
             );
         }
+        self.rejoining.store(false, Relaxed);
+        // Until the fleet's size has been read once, a share does not grow: a replica that
+        // starts while Redis is away cannot know how many others hold slots.
+        let grow = grow && self.replicas_known.load(Relaxed);
         for (fleet, limiter) in fleets {
             let fair = self.fair_share(limiter);
             let share = match limiter.share() {
@@ -193,17 +262,23 @@ impl Cluster {
             }
             let fleets = fleets();
             let parts: Vec<(&Fleet, &Limiter)> = fleets.iter().map(|(f, l)| (&**f, &**l)).collect();
-            match self.renew_all(&fleets).await {
+            match self.renew_all().await {
                 Ok(replicas) => {
                     self.replicas.store(replicas.max(1), Relaxed);
+                    self.replicas_known.store(true, Relaxed);
                     if self.degraded.swap(false, Relaxed) {
                         tracing::info!(
                             replicas,
                             "cluster: Redis answers again; the fleet's caps hold again"
                         );
-                    }
-                    for (_, l) in &parts {
-                        l.set_share(None);
+                        // The shares stay one more period (see `rejoining`).
+                        self.rejoining.store(true, Relaxed);
+                    } else if self.rejoining.swap(false, Relaxed)
+                        || parts.iter().any(|(_, l)| l.share().is_some())
+                    {
+                        for (_, l) in &parts {
+                            l.set_share(None);
+                        }
                     }
                 }
                 Err(e) => {
@@ -216,20 +291,8 @@ impl Cluster {
         }
     }
 
-    async fn renew_all(&self, fleets: &[(Arc<Fleet>, Arc<Limiter>)]) -> anyhow::Result<u64> {
-        let mut conn = match self.conn() {
-            Some(c) => c,
-            None => {
-                let c = tokio::time::timeout(
-                    Duration::from_secs(2),
-                    ConnectionManager::new(self.client.clone()),
-                )
-                .await
-                .map_err(|_| anyhow::anyhow!("connecting timed out"))??;
-                *self.conn.lock().unwrap_or_else(PoisonError::into_inner) = Some(c.clone());
-                c
-            }
-        };
+    async fn renew_all(&self) -> anyhow::Result<u64> {
+        let mut conn = self.connect().await?;
         let replicas: u64 = timed(
             self.alive
                 .key("tokentap:replicas")
@@ -237,7 +300,7 @@ impl Cluster {
                 .invoke_async(&mut conn),
         )
         .await?;
-        for (fleet, _) in fleets {
+        for fleet in self.all_fleets() {
             let held: Vec<u64> = fleet
                 .held
                 .lock()
@@ -250,10 +313,27 @@ impl Cluster {
             }
             let mut call = self.renew.key(&fleet.key);
             call.arg(self.lease_ms());
-            for id in held {
+            for &id in &held {
                 call.arg(self.member(id));
             }
             let _: u64 = timed(call.invoke_async(&mut conn)).await?;
+            // A lease freed while the renewal was on its way was added back by it.
+            let freed: Vec<String> = {
+                let now = fleet.held.lock().unwrap_or_else(PoisonError::into_inner);
+                held.iter()
+                    .filter(|id| !now.contains(id))
+                    .map(|&id| self.member(id))
+                    .collect()
+            };
+            if !freed.is_empty() {
+                let _: u64 = timed(
+                    redis::cmd("ZREM")
+                        .arg(&fleet.key)
+                        .arg(freed)
+                        .query_async(&mut conn),
+                )
+                .await?;
+            }
         }
         Ok(replicas)
     }
@@ -271,6 +351,7 @@ impl Cluster {
 async fn timed<T>(
     call: impl std::future::Future<Output = redis::RedisResult<T>>,
 ) -> anyhow::Result<T> {
+    // The shortest lease is 3 s, renewed every second: no call may take longer.
     match tokio::time::timeout(CALL_TIMEOUT, call).await {
         Ok(r) => Ok(r?),
         Err(_) => anyhow::bail!("no answer in {CALL_TIMEOUT:?}"),
@@ -281,12 +362,18 @@ async fn timed<T>(
 
 impl Fleet {
     pub fn new(cluster: &Arc<Cluster>, upstream: &str) -> Arc<Fleet> {
-        Arc::new(Fleet {
+        let fleet = Arc::new(Fleet {
             cluster: Arc::clone(cluster),
             key: format!("tokentap:{upstream}:leases"),
             held: Mutex::new(HashSet::new()),
             turn: tokio::sync::Mutex::new(()),
-        })
+        });
+        cluster
+            .fleets
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(Arc::downgrade(&fleet));
+        fleet
     }
 
     /// A fleet slot for a request holding a local `permit`, waiting its turn until
@@ -299,47 +386,72 @@ impl Fleet {
     ) -> Result<Slot, Rejected> {
         let c = &self.cluster;
         let id = c.next_lease.fetch_add(1, Relaxed);
-        if !c.degraded() {
-            let Some(mut conn) = c.conn() else {
-                c.degrade("not connected yet", &[(self, limiter)], false);
-                return self.share(limiter, permit, id).await;
-            };
-            let turn = self.turn.lock().await;
-            // Redis went away while this request waited its turn.
-            if c.degraded() {
-                drop(turn);
-                return self.share(limiter, permit, id).await;
+        if c.degraded() {
+            // A fleet the keeper has not given a share yet (another upstream's request
+            // found Redis away, or a reload made it): it takes one now.
+            if limiter.share().is_none() {
+                c.degrade("unreachable", &[(self, limiter)], false);
+                return self.share(limiter, permit, id, deadline).await;
             }
-            loop {
-                let limit = limiter.limit().unwrap_or(u64::MAX);
-                let got: anyhow::Result<u64> = timed(
-                    c.acquire
-                        .key(&self.key)
-                        .arg(limit)
-                        .arg(c.lease_ms())
-                        .arg(c.member(id))
-                        .invoke_async(&mut conn),
-                )
-                .await;
-                match got {
-                    Ok(1) => return Ok(self.held(id, permit)),
-                    Ok(_) if Instant::now() + RETRY < deadline => {
-                        limiter.note_binding();
-                        tokio::time::sleep(RETRY).await;
-                    }
-                    Ok(_) => {
-                        limiter.note_binding();
-                        return Err(Rejected::QueueTimeout);
-                    }
-                    Err(e) => {
-                        c.degrade(&format!("{e:#}"), &[(self, limiter)], false);
-                        drop(turn);
-                        return self.share(limiter, permit, id).await;
-                    }
+            return Ok(self.held(id, permit));
+        }
+        let mut conn = match c.connect().await {
+            Ok(conn) => conn,
+            Err(e) => {
+                c.degrade(&format!("{e:#}"), &[(self, limiter)], false);
+                return self.share(limiter, permit, id, deadline).await;
+            }
+        };
+        let Ok(turn) = tokio::time::timeout_at(deadline.into(), self.turn.lock()).await else {
+            limiter.note_binding();
+            return Err(Rejected::QueueTimeout);
+        };
+        // Redis went away while this request waited its turn.
+        if c.degraded() {
+            drop(turn);
+            return self.share(limiter, permit, id, deadline).await;
+        }
+        // Should this future be dropped mid-call (the client left), the script may have
+        // added the lease: it is taken back.
+        let mut pending = Pending {
+            fleet: self,
+            id,
+            armed: true,
+        };
+        loop {
+            let limit = limiter.limit().unwrap_or(u64::MAX);
+            let got: anyhow::Result<u64> = timed(
+                c.acquire
+                    .key(&self.key)
+                    .arg(limit)
+                    .arg(c.lease_ms())
+                    .arg(c.member(id))
+                    .invoke_async(&mut conn),
+            )
+            .await;
+            match got {
+                Ok(1) => {
+                    pending.armed = false;
+                    return Ok(self.held(id, permit));
+                }
+                Ok(_) if Instant::now() + RETRY < deadline => {
+                    limiter.note_binding();
+                    tokio::time::sleep(RETRY).await;
+                }
+                Ok(_) => {
+                    pending.armed = false;
+                    limiter.note_binding();
+                    return Err(Rejected::QueueTimeout);
+                }
+                Err(e) => {
+                    // Timed out, the script may still have run: `pending` frees it.
+                    c.degrade(&format!("{e:#}"), &[(self, limiter)], false);
+                    drop(turn);
+                    drop(pending);
+                    return self.share(limiter, permit, id, deadline).await;
                 }
             }
         }
-        Ok(self.held(id, permit))
     }
 
     /// Redis is away: the request gives back the local slot it took under the whole
@@ -349,10 +461,31 @@ impl Fleet {
         limiter: &Arc<Limiter>,
         permit: Permit,
         id: u64,
+        deadline: Instant,
     ) -> Result<Slot, Rejected> {
         drop(permit);
-        let permit = limiter.acquire().await?;
-        Ok(self.held(id, permit))
+        match tokio::time::timeout_at(deadline.into(), limiter.acquire()).await {
+            Ok(permit) => Ok(self.held(id, permit?)),
+            Err(_) => Err(Rejected::QueueTimeout),
+        }
+    }
+
+    /// Takes a lease back that may have been added for a request that did not get it.
+    fn forget(self: &Arc<Self>, id: u64) {
+        let c = &self.cluster;
+        let (Some(mut conn), Ok(rt)) = (c.conn(), tokio::runtime::Handle::try_current()) else {
+            return;
+        };
+        let (key, member) = (self.key.clone(), c.member(id));
+        rt.spawn(async move {
+            let _: anyhow::Result<u64> = timed(
+                redis::cmd("ZREM")
+                    .arg(key)
+                    .arg(member)
+                    .query_async(&mut conn),
+            )
+            .await;
+        });
     }
 
     fn held_count(&self) -> u64 {

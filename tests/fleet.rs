@@ -402,7 +402,7 @@ async fn without_redis_from_the_start_it_serves_on_a_share_that_does_not_grow() 
         false,
     )
     .await;
-    only_429s(&[report.clone()]);
+    only_429s(std::slice::from_ref(&report));
     assert!(report.requests > 0, "it served nothing");
     let m = send(tap.admin, "GET", "/metrics", b"", &[]).await.unwrap();
     let text = String::from_utf8_lossy(&m.body).into_owned();

@@ -101,12 +101,12 @@ fn replica(dir: &Scratch, name: &str, redis: u16, sim: SocketAddr) -> Tokentap {
 }
 
 /// `clients` closed-loop clients on each replica for `secs`.
-async fn load_all(taps: &[&Tokentap], clients: usize, secs: f64) -> Vec<PhaseReport> {
+async fn load_all(proxies: Vec<SocketAddr>, clients: usize, secs: f64) -> Vec<PhaseReport> {
     let mut runs = Vec::new();
-    for t in taps {
+    for proxy in proxies {
         let target = LoadArgs {
             max_tokens: 30,
-            ..LoadArgs::for_url(format!("http://{}", t.proxy))
+            ..LoadArgs::for_url(format!("http://{proxy}"))
         }
         .target()
         .unwrap();
@@ -169,10 +169,9 @@ async fn sixteen_for_the_fleet_through_three_replicas_and_redis_going_away() {
         .iter()
         .map(|n| replica(&dir, n, redis.port, sim.addr))
         .collect();
-    let refs: Vec<&Tokentap> = taps.iter().collect();
 
     // 96 clients, 32 on each replica.
-    let reports = load_all(&refs, 32, 6.0).await;
+    let reports = load_all(taps.iter().map(|t| t.proxy).collect(), 32, 6.0).await;
     only_429s(&reports);
     let stats: serde_json::Value = serde_json::from_slice(
         &send(sim.addr, "GET", "/sim/stats", b"", &[])
@@ -190,35 +189,7 @@ async fn sixteen_for_the_fleet_through_three_replicas_and_redis_going_away() {
     assert!(done > 50, "{done} requests");
 
     // Redis goes away mid-run, then comes back.
-    let running = tokio::spawn({
-        let targets: Vec<String> = taps.iter().map(|t| t.proxy.to_string()).collect();
-        async move {
-            let mut runs = Vec::new();
-            for url in targets {
-                let target = LoadArgs {
-                    max_tokens: 30,
-                    ..LoadArgs::for_url(format!("http://{url}"))
-                }
-                .target()
-                .unwrap();
-                runs.push(tokio::spawn(async move {
-                    load::phase(
-                        &target,
-                        Mode::Closed { concurrency: 32 },
-                        Duration::ZERO,
-                        Duration::from_secs(12),
-                        false,
-                    )
-                    .await
-                }));
-            }
-            let mut out = Vec::new();
-            for r in runs {
-                out.push(r.await.unwrap());
-            }
-            out
-        }
-    });
+    let running = tokio::spawn(load_all(taps.iter().map(|t| t.proxy).collect(), 32, 12.0));
     // Watched once the streams the last run's end abandoned have left the simulator (it
     // notices a client gone at its next token).
     tokio::time::sleep(Duration::from_secs(1)).await;

@@ -470,7 +470,8 @@ impl Fleet {
         }
     }
 
-    /// Takes a lease back that may have been added for a request that did not get it.
+    /// Frees lease `id` in Redis, in the background (also one a request may have been
+    /// added without getting).
     fn forget(self: &Arc<Self>, id: u64) {
         let c = &self.cluster;
         let (Some(mut conn), Ok(rt)) = (c.conn(), tokio::runtime::Handle::try_current()) else {
@@ -506,25 +507,13 @@ impl Fleet {
         }
     }
 
+    /// A request ended: its lease is no longer renewed, and is freed in Redis (not waited
+    /// for: if that fails, the lease expires).
     fn release(self: &Arc<Self>, id: u64) {
         self.held
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .remove(&id);
-        let c = &self.cluster;
-        let (Some(mut conn), Ok(rt)) = (c.conn(), tokio::runtime::Handle::try_current()) else {
-            return;
-        };
-        let (key, member) = (self.key.clone(), c.member(id));
-        // Not waited for: if it fails, the lease is no longer renewed and expires.
-        rt.spawn(async move {
-            let _: anyhow::Result<u64> = timed(
-                redis::cmd("ZREM")
-                    .arg(key)
-                    .arg(member)
-                    .query_async(&mut conn),
-            )
-            .await;
-        });
+        self.forget(id);
     }
 }

@@ -66,29 +66,55 @@ fn inside(scope: Scope, id: u64, epoch_ns: Nanos) -> bool {
     }
 }
 
-/// One shard's tokens and gaps by bucket.
-pub(super) struct Events {
+/// A cell kept per bucket that epochs add up into.
+trait Cell {
+    fn merge(&mut self, other: &Self);
+}
+
+impl Cell for Bucket {
+    fn merge(&mut self, other: &Bucket) {
+        self.add(other);
+    }
+}
+
+impl Cell for Time {
+    fn merge(&mut self, other: &Time) {
+        self.ns += other.ns;
+        self.busy += other.busy;
+        self.backend_ns += other.backend_ns;
+    }
+}
+
+fn merge_all<C: Cell>(into: &mut [C], from: &[C]) {
+    for (sum, c) in into.iter_mut().zip(from) {
+        sum.merge(c);
+    }
+}
+
+/// The epochs of one kind of cell, by bucket: the live ones, and the sum of those that
+/// left the window.
+struct Epochs<C> {
     epoch_ns: Nanos,
-    live: VecDeque<(u64, Vec<Bucket>)>,
-    retired: Vec<Bucket>,
+    live: VecDeque<(u64, Vec<C>)>,
+    retired: Vec<C>,
 }
 
-fn buckets() -> Vec<Bucket> {
-    (0..CURVE_BUCKETS).map(|_| Bucket::default()).collect()
+fn cells<C: Default>() -> Vec<C> {
+    (0..CURVE_BUCKETS).map(|_| C::default()).collect()
 }
 
-impl Events {
-    pub(super) fn new(window: Duration) -> Events {
-        Events {
+impl<C: Cell + Default> Epochs<C> {
+    fn new(window: Duration) -> Self {
+        Epochs {
             epoch_ns: epoch_ns(window),
             live: VecDeque::new(),
-            retired: buckets(),
+            retired: cells(),
         }
     }
 
-    /// Bucket `b` of the epoch of `now` (a new epoch retires those out of the window).
-    pub(super) fn at(&mut self, now: Nanos, b: usize) -> &mut Bucket {
-        let id = now / self.epoch_ns;
+    /// The cells of epoch `id` (a new epoch retires those out of the window). Timestamps
+    /// arrive clamped to be monotonic, so an older `id` gets the newest epoch.
+    fn epoch(&mut self, id: u64) -> &mut [C] {
         if self.live.back().is_none_or(|(last, _)| *last < id) {
             while self
                 .live
@@ -96,45 +122,59 @@ impl Events {
                 .is_some_and(|(first, _)| first + EPOCHS <= id)
             {
                 if let Some((_, old)) = self.live.pop_front() {
-                    retire(&mut self.retired, &old);
+                    merge_all(&mut self.retired, &old);
                 }
             }
-            self.live.push_back((id, buckets()));
+            self.live.push_back((id, cells()));
         }
-        // Out-of-order timestamps are clamped by the shard, so the newest epoch is `id`.
         let last = self.live.len() - 1;
-        &mut self.live[last].1[b.min(CURVE_BUCKETS - 1)]
+        &mut self.live[last].1
     }
 
-    /// Adds this shard's buckets of `scope` to `into`.
-    pub(super) fn add(&self, into: &mut [Bucket], scope: Scope) {
+    /// Adds the cells of `scope` to `into`.
+    fn add_into(&self, into: &mut [C], scope: Scope) {
         if matches!(scope, Scope::All) {
-            for (sum, b) in into.iter_mut().zip(&self.retired) {
-                sum.add(b);
-            }
+            merge_all(into, &self.retired);
         }
         for (id, epoch) in &self.live {
             if inside(scope, *id, self.epoch_ns) {
-                for (sum, b) in into.iter_mut().zip(epoch) {
-                    sum.add(b);
-                }
+                merge_all(into, epoch);
             }
         }
     }
 
-    /// The window starts afresh (`POST /curve/reset`, a new `curve_window_secs`); what
-    /// it held stays in the since-start totals.
-    pub(super) fn reset(&mut self, window: Duration) {
+    /// The window starts afresh, `window` long; what it held stays in the since-start sum.
+    fn reset(&mut self, window: Duration) {
         for (_, old) in std::mem::take(&mut self.live) {
-            retire(&mut self.retired, &old);
+            merge_all(&mut self.retired, &old);
         }
         self.epoch_ns = epoch_ns(window);
     }
 }
 
-fn retire(into: &mut [Bucket], old: &[Bucket]) {
-    for (sum, b) in into.iter_mut().zip(old) {
-        sum.add(b);
+/// One shard's tokens and gaps by bucket.
+pub(super) struct Events(Epochs<Bucket>);
+
+impl Events {
+    pub(super) fn new(window: Duration) -> Events {
+        Events(Epochs::new(window))
+    }
+
+    /// Bucket `b` of the epoch of `now`.
+    pub(super) fn at(&mut self, now: Nanos, b: usize) -> &mut Bucket {
+        let id = now / self.0.epoch_ns;
+        &mut self.0.epoch(id)[b.min(CURVE_BUCKETS - 1)]
+    }
+
+    /// Adds this shard's buckets of `scope` to `into`.
+    pub(super) fn add(&self, into: &mut [Bucket], scope: Scope) {
+        self.0.add_into(into, scope);
+    }
+
+    /// The window starts afresh (`POST /curve/reset`, a new `curve_window_secs`); what
+    /// it held stays in the since-start totals.
+    pub(super) fn reset(&mut self, window: Duration) {
+        self.0.reset(window);
     }
 }
 
@@ -146,39 +186,23 @@ pub(super) struct Time {
     pub(super) backend_ns: Nanos,
 }
 
-impl Time {
-    fn add(&mut self, other: &Time) {
-        self.ns += other.ns;
-        self.busy += other.busy;
-        self.backend_ns += other.backend_ns;
-    }
-}
-
 /// The time spent in each bucket, by epoch.
-pub(super) struct Times {
-    epoch_ns: Nanos,
-    live: VecDeque<(u64, [Time; CURVE_BUCKETS])>,
-    retired: [Time; CURVE_BUCKETS],
-}
+pub(super) struct Times(Epochs<Time>);
 
 impl Times {
     pub(super) fn new(window: Duration) -> Times {
-        Times {
-            epoch_ns: epoch_ns(window),
-            live: VecDeque::new(),
-            retired: [Time::default(); CURVE_BUCKETS],
-        }
+        Times(Epochs::new(window))
     }
 
     /// `from..to` spent in bucket `b` at concurrency `c` (counted by the backend or not),
     /// split at epoch edges.
     pub(super) fn add(&mut self, from: Nanos, to: Nanos, b: usize, c: u64, backend: bool) {
+        let epoch_ns = self.0.epoch_ns;
         let mut t = from;
         while t < to {
-            let id = t / self.epoch_ns;
-            let end = ((id + 1) * self.epoch_ns).min(to);
-            let epoch = self.epoch(id);
-            let slot = &mut epoch[b.min(CURVE_BUCKETS - 1)];
+            let id = t / epoch_ns;
+            let end = ((id + 1) * epoch_ns).min(to);
+            let slot = &mut self.0.epoch(id)[b.min(CURVE_BUCKETS - 1)];
             let dt = end - t;
             slot.ns += dt;
             slot.busy += u128::from(c) * u128::from(dt);
@@ -189,48 +213,14 @@ impl Times {
         }
     }
 
-    fn epoch(&mut self, id: u64) -> &mut [Time; CURVE_BUCKETS] {
-        if self.live.back().is_none_or(|(last, _)| *last < id) {
-            while self
-                .live
-                .front()
-                .is_some_and(|(first, _)| first + EPOCHS <= id)
-            {
-                if let Some((_, old)) = self.live.pop_front() {
-                    for (sum, t) in self.retired.iter_mut().zip(&old) {
-                        sum.add(t);
-                    }
-                }
-            }
-            self.live.push_back((id, [Time::default(); CURVE_BUCKETS]));
-        }
-        let last = self.live.len() - 1;
-        &mut self.live[last].1
-    }
-
     /// The time of `scope`, by bucket.
     pub(super) fn sum(&self, scope: Scope) -> [Time; CURVE_BUCKETS] {
-        let mut out = if matches!(scope, Scope::All) {
-            self.retired
-        } else {
-            [Time::default(); CURVE_BUCKETS]
-        };
-        for (id, epoch) in &self.live {
-            if inside(scope, *id, self.epoch_ns) {
-                for (sum, t) in out.iter_mut().zip(epoch) {
-                    sum.add(t);
-                }
-            }
-        }
+        let mut out = [Time::default(); CURVE_BUCKETS];
+        self.0.add_into(&mut out, scope);
         out
     }
 
     pub(super) fn reset(&mut self, window: Duration) {
-        for (_, old) in std::mem::take(&mut self.live) {
-            for (sum, t) in self.retired.iter_mut().zip(&old) {
-                sum.add(t);
-            }
-        }
-        self.epoch_ns = epoch_ns(window);
+        self.0.reset(window);
     }
 }

@@ -19,6 +19,28 @@
 //! and client) re-executes itself pinned to CPU 0. CPU per event comes from the proxy's
 //! `/proc/PID/task/*/schedstat` (ns), memory per stream from its RSS with all streams open
 //! minus its RSS before. A warning says when the load side itself was saturated.
+//!
+//! `--scenarios` (default `plain,ops,many,tls,short`) sets what else is switched on, on both
+//! proxies alike: **plain** nothing; **ops** an access log to a file and a scrape every
+//! second (tokentap's `/metrics` and `/stats`, nginx's `stub_status`); **many** 100
+//! upstreams and 20 routes, the traffic to one of them (matched by the last route);
+//! **tls** a TLS origin (tokentap `https://`, nginx `proxy_pass https://` with
+//! `proxy_ssl_session_reuse on`; neither verifies the origin's certificate); **short**
+//! 16-token replies sent at once, on 64 keep-alive client connections, as many requests
+//! as the load side sustains: requests/s and CPU per request. `--shapes` applies to every
+//! streaming scenario (default: plain gets 1x20,512x20,4000x160,9900x400, the others
+//! 512x20).
+//!
+//! `--soak SECS [--soak-streams 512] [--soak-rate 50]` runs tokentap alone for SECS with
+//! that many streams (each 500 events at 20 ms, then the next request on the same
+//! connection) and that many short requests a second (each on a new connection): its RSS
+//! each minute, the slope after warm-up, errors, stalls (and each second that had any,
+//! with its longest gap), and `in_flight` at the end.
+//!
+//! `TOKENTAP_OVERHEAD_WRAP` runs the proxy under a profiler (`perf record -o FILE --`,
+//! `heaptrack -o FILE`): at the end the proxy itself gets SIGTERM and the profiler up to
+//! 2 minutes to write its report.
+//!
 //! `TOKENTAP_OVERHEAD_PATH=/raw` sends the requests to a path tokentap does not meter, to
 //! see the cost of the proxy without the metering. `TOKENTAP_OVERHEAD_QUEUED=1` gives
 //! tokentap's upstream a cap of `streams` and first sends `streams` requests that hold every
@@ -37,7 +59,8 @@ use std::time::{Duration, Instant, SystemTime};
 
 use hdrhistogram::Histogram;
 use nix::sys::socket::{recvmsg, setsockopt, sockopt, ControlMessageOwned, MsgFlags};
-use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
+use pingora::tls::{PrivateKeyDer, ServerConfig, TlsAcceptor};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, Interest};
 use tokio::net::TcpStream;
 
 #[derive(Clone, Copy, Debug)]
@@ -63,6 +86,44 @@ impl Mode {
     }
 }
 
+/// What else is on besides the streams (see the module's doc).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Scenario {
+    Plain,
+    Ops,
+    Many,
+    Tls,
+    Short,
+}
+
+impl Scenario {
+    fn parse(s: &str) -> Scenario {
+        match s {
+            "plain" => Scenario::Plain,
+            "ops" => Scenario::Ops,
+            "many" => Scenario::Many,
+            "tls" => Scenario::Tls,
+            "short" => Scenario::Short,
+            _ => panic!("unknown scenario {s}: plain, ops, many, tls or short"),
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Scenario::Plain => "plain",
+            Scenario::Ops => "ops (access log + scrapes every second)",
+            Scenario::Many => "many (100 upstreams, 20 routes)",
+            Scenario::Tls => "tls (TLS origin)",
+            Scenario::Short => "short (16-token replies, 64 keep-alive connections)",
+        }
+    }
+}
+
+/// How many client connections the short scenario keeps busy.
+const SHORT_CLIENTS: usize = 64;
+/// Events in one short reply.
+const SHORT_EVENTS: usize = 16;
+
 /// One run's figures.
 #[derive(Clone, Debug, Default)]
 struct Run {
@@ -83,6 +144,9 @@ struct Run {
     origin_late_p99_ms: f64,
     /// The per-event latency at p10, p25, p75, p90 and p99.9, µs.
     spread_us: [u64; 5],
+    /// Requests completed in the measured window, per second (short replies).
+    requests_per_sec: f64,
+    cpu_us_per_request: Option<f64>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -104,16 +168,22 @@ fn main() -> anyhow::Result<()> {
             .and_then(|i| args.get(i + 1))
             .cloned()
     };
-    let shapes: Vec<Shape> = opt("--shapes")
-        .unwrap_or_else(|| "1x20,512x20,4000x160,9900x400".into())
+    let parse_shapes = |list: &str| -> Vec<Shape> {
+        list.split(',')
+            .map(|s| {
+                let (n, ms) = s.split_once('x').expect("shape is STREAMSxMS");
+                Shape {
+                    streams: n.parse().expect("streams"),
+                    interval_ms: ms.parse().expect("interval"),
+                }
+            })
+            .collect()
+    };
+    let shapes = opt("--shapes");
+    let scenarios: Vec<Scenario> = opt("--scenarios")
+        .unwrap_or_else(|| "plain,ops,many,tls,short".into())
         .split(',')
-        .map(|s| {
-            let (n, ms) = s.split_once('x').expect("shape is STREAMSxMS");
-            Shape {
-                streams: n.parse().expect("streams"),
-                interval_ms: ms.parse().expect("interval"),
-            }
-        })
+        .map(Scenario::parse)
         .collect();
     let secs: u64 = opt("--secs").map_or(10, |s| s.parse().expect("secs"));
     let reps: usize = opt("--reps").map_or(3, |s| s.parse().expect("reps"));
@@ -136,35 +206,64 @@ fn main() -> anyhow::Result<()> {
         .worker_threads(1)
         .enable_all()
         .build()?;
+    if let Some(secs) = opt("--soak") {
+        let streams = opt("--soak-streams").map_or(512, |s| s.parse().expect("streams"));
+        let rate = opt("--soak-rate").map_or(50, |s| s.parse().expect("rate"));
+        return rt.block_on(soak(
+            Duration::from_secs(secs.parse().expect("soak seconds")),
+            streams,
+            rate,
+            &bin,
+        ));
+    }
     let mut report = String::new();
-    for shape in shapes {
-        let modes: Vec<Mode> = [Mode::Direct, Mode::Tokentap, Mode::Nginx]
-            .into_iter()
-            .filter(|m| *m != Mode::Nginx || nginx)
-            .filter(|m| {
-                only.as_ref()
-                    .is_none_or(|o| o.split(',').any(|n| n == m.name()))
-            })
-            .collect();
-        let mut runs: Vec<(Mode, Run)> = Vec::new();
-        for rep in 0..reps {
-            for &mode in &modes {
-                let run = rt.block_on(run_once(shape, mode, Duration::from_secs(secs), &bin))?;
-                println!(
-                    "{}x{}ms rep {} {:>8}: p50 {:.0} µs, p99 {:.0} µs (at the app {:.0}, {:.0}), {} events, stalls {}, errors {}, cpu {} µs/event, rss {} KiB/stream",
-                    shape.streams, shape.interval_ms, rep + 1, mode.name(), run.p50_us, run.p99_us, run.app_p50_us, run.app_p99_us, run.events, run.stalls, run.errors,
-                    run.cpu_us_per_event.map_or("-".into(), |v| format!("{v:.2}")),
-                    run.rss_kib_per_stream.map_or("-".into(), |v| format!("{v:.1}")),
-                );
-                let [p10, p25, p75, p90, p999] = run.spread_us;
-                println!(
-                    "    p10 {p10} µs, p25 {p25}, p75 {p75}, p90 {p90}, p99.9 {p999}; TTFT p99 {:.1} ms",
-                    run.ttft_p99_us / 1e3
-                );
-                runs.push((mode, run));
+    for scenario in scenarios {
+        let shapes = match (&shapes, scenario) {
+            // One load: as many short requests as it sustains.
+            (_, Scenario::Short) => vec![Shape {
+                streams: SHORT_CLIENTS,
+                interval_ms: 0,
+            }],
+            (Some(list), _) => parse_shapes(list),
+            (None, Scenario::Plain) => parse_shapes("1x20,512x20,4000x160,9900x400"),
+            (None, _) => parse_shapes("512x20"),
+        };
+        for shape in shapes {
+            let modes: Vec<Mode> = [Mode::Direct, Mode::Tokentap, Mode::Nginx]
+                .into_iter()
+                .filter(|m| *m != Mode::Nginx || nginx)
+                .filter(|m| {
+                    only.as_ref()
+                        .is_none_or(|o| o.split(',').any(|n| n == m.name()))
+                })
+                .collect();
+            let mut runs: Vec<(Mode, Run)> = Vec::new();
+            for rep in 0..reps {
+                for &mode in &modes {
+                    let run = rt.block_on(run_once(
+                        shape,
+                        mode,
+                        scenario,
+                        Duration::from_secs(secs),
+                        &bin,
+                    ))?;
+                    println!(
+                        "{} {}x{}ms rep {} {:>8}: p50 {:.0} µs, p99 {:.0} µs (at the app {:.0}, {:.0}), {} events, {:.0} requests/s, stalls {}, errors {}, cpu {} µs/event, {} µs/request, rss {} KiB/stream",
+                        scenario.name(), shape.streams, shape.interval_ms, rep + 1, mode.name(), run.p50_us, run.p99_us, run.app_p50_us, run.app_p99_us, run.events, run.requests_per_sec, run.stalls, run.errors,
+                        run.cpu_us_per_event.map_or("-".into(), |v| format!("{v:.2}")),
+                        run.cpu_us_per_request.map_or("-".into(), |v| format!("{v:.1}")),
+                        run.rss_kib_per_stream.map_or("-".into(), |v| format!("{v:.1}")),
+                    );
+                    let [p10, p25, p75, p90, p999] = run.spread_us;
+                    println!(
+                        "    p10 {p10} µs, p25 {p25}, p75 {p75}, p90 {p90}, p99.9 {p999}; TTFT p99 {:.1} ms",
+                        run.ttft_p99_us / 1e3
+                    );
+                    runs.push((mode, run));
+                }
             }
+            report += &table(shape, scenario, &runs);
         }
-        report += &table(shape, &runs);
     }
     println!("\n{report}");
     Ok(())
@@ -179,7 +278,7 @@ fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
-fn table(shape: Shape, runs: &[(Mode, Run)]) -> String {
+fn table(shape: Shape, scenario: Scenario, runs: &[(Mode, Run)]) -> String {
     let of = |m: Mode, f: &dyn Fn(&Run) -> f64| {
         median(
             runs.iter()
@@ -188,30 +287,54 @@ fn table(shape: Shape, runs: &[(Mode, Run)]) -> String {
                 .collect(),
         )
     };
+    let f = |v: f64| {
+        if v.is_nan() {
+            "-".to_owned()
+        } else {
+            format!("{v:.1}")
+        }
+    };
+    let reps = runs.iter().filter(|(m, _)| *m == Mode::Direct).count();
     let base50 = of(Mode::Direct, &|r| r.p50_us);
     let base99 = of(Mode::Direct, &|r| r.p99_us);
+    let mut out = if scenario == Scenario::Short {
+        format!(
+            "{}: {SHORT_EVENTS}-event replies on {} connections (medians of {reps} runs)\n{:>9} | {:>11} | {:>14} | {:>22} | {:>6}\n",
+            scenario.name(), shape.streams, "", "requests/s", "CPU µs/request", "added request p50/p99", "errors"
+        )
+    } else {
+        format!(
+            "{}: {} streams × {} ms (medians of {reps} runs)\n{:>9} | {:>13} | {:>13} | {:>17} | {:>17} | {:>12} | {:>14} | {:>6} | {:>6}\n",
+            scenario.name(), shape.streams, shape.interval_ms,
+            "", "added p50 µs", "added p99 µs", "at the app p50/99", "TTFT added p99 µs", "CPU µs/event", "RSS KiB/stream", "stalls", "errors"
+        )
+    };
     let app50 = of(Mode::Direct, &|r| r.app_p50_us);
     let app99 = of(Mode::Direct, &|r| r.app_p99_us);
     let base_ttft = of(Mode::Direct, &|r| r.ttft_p99_us);
-    let mut out = format!(
-        "{} streams × {} ms (medians of {} runs)\n{:>9} | {:>13} | {:>13} | {:>17} | {:>15} | {:>12} | {:>14} | {:>6} | {:>6}\n",
-        shape.streams, shape.interval_ms, runs.iter().filter(|(m, _)| *m == Mode::Direct).count(),
-        "", "added p50 µs", "added p99 µs", "at the app p50/99", "TTFT added p99", "CPU µs/event", "RSS KiB/stream", "stalls", "errors"
-    );
     for m in [Mode::Direct, Mode::Tokentap, Mode::Nginx] {
         if !runs.iter().any(|(x, _)| *x == m) {
             continue;
         }
-        let f = |v: f64| {
-            if v.is_nan() {
-                "-".to_owned()
-            } else {
-                format!("{v:.1}")
-            }
-        };
+        if scenario == Scenario::Short {
+            let _ = writeln!(
+                out,
+                "{:>9} | {:>11.0} | {:>14} | {:>22} | {:>6}",
+                m.name(),
+                of(m, &|r| r.requests_per_sec),
+                f(of(m, &|r| r.cpu_us_per_request.unwrap_or(f64::NAN))),
+                format!(
+                    "{} / {} µs",
+                    f(of(m, &|r| r.p50_us) - base50),
+                    f(of(m, &|r| r.p99_us) - base99)
+                ),
+                of(m, &|r| r.errors as f64),
+            );
+            continue;
+        }
         let _ = writeln!(
             out,
-            "{:>9} | {:>13} | {:>13} | {:>17} | {:>15} | {:>12} | {:>14} | {:>6} | {:>6}",
+            "{:>9} | {:>13} | {:>13} | {:>17} | {:>17} | {:>12} | {:>14} | {:>6} | {:>6}",
             m.name(),
             f(of(m, &|r| r.p50_us) - base50),
             f(of(m, &|r| r.p99_us) - base99),
@@ -227,6 +350,41 @@ fn table(shape: Shape, runs: &[(Mode, Run)]) -> String {
             of(m, &|r| r.errors as f64),
         );
     }
+    // tokentap against nginx, run by run (each pair ran back to back), then the median.
+    let cost = |r: &Run| {
+        if scenario == Scenario::Short {
+            r.cpu_us_per_request
+        } else {
+            r.cpu_us_per_event
+        }
+    };
+    let pair = |m: Mode| {
+        runs.iter()
+            .filter(move |(x, _)| *x == m)
+            .map(|(_, r)| cost(r))
+    };
+    let ratios: Vec<f64> = pair(Mode::Tokentap)
+        .zip(pair(Mode::Nginx))
+        .filter_map(|(t, n)| Some(t? / n?))
+        .collect();
+    if !ratios.is_empty() {
+        let _ = writeln!(
+            out,
+            "tokentap / nginx CPU per {}: {:.2}× (median of {} pairs: {})",
+            if scenario == Scenario::Short {
+                "request"
+            } else {
+                "event"
+            },
+            median(ratios.clone()),
+            ratios.len(),
+            ratios
+                .iter()
+                .map(|r| format!("{r:.2}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
     let share = median(runs.iter().map(|(_, r)| r.load_cpu_share).collect());
     let late = median(runs.iter().map(|(_, r)| r.origin_late_p99_ms).collect());
     let _ = writeln!(
@@ -234,7 +392,7 @@ fn table(shape: Shape, runs: &[(Mode, Run)]) -> String {
         "load side: CPU share {:.0}%, origin sends late by p99 {late:.2} ms",
         share * 100.0
     );
-    if share > 0.85 || late > shape.interval_ms as f64 / 4.0 {
+    if scenario != Scenario::Short && (share > 0.85 || late > shape.interval_ms as f64 / 4.0) {
         let _ = writeln!(
             out,
             "WARNING: the load generator itself was saturated; the figures above are bounded by it"
@@ -253,7 +411,8 @@ fn which(cmd: &str) -> bool {
         .is_ok_and(|s| s.success())
 }
 
-/// The origin: every connection gets a chunked SSE stream of stamped chunks.
+/// The origin: every connection gets a chunked SSE stream of stamped chunks (or, `short`,
+/// one 16-event reply per request, keep-alive), over TLS with `tls`.
 struct Origin {
     addr: SocketAddr,
     epoch: Instant,
@@ -261,7 +420,22 @@ struct Origin {
     stop: Arc<tokio::sync::Notify>,
 }
 
-async fn origin(interval: Duration, streams: usize, epoch: Instant) -> Origin {
+/// What the origin's connections share.
+struct Serve {
+    interval: Duration,
+    streams: usize,
+    epoch: Instant,
+    late: Arc<Mutex<Histogram<u64>>>,
+    short: bool,
+}
+
+async fn origin(
+    interval: Duration,
+    streams: usize,
+    epoch: Instant,
+    tls: Option<TlsAcceptor>,
+    short: bool,
+) -> Origin {
     // A backlog as deep as the kernel allows (`somaxconn`): `TcpListener::bind`'s 128
     // overflowed in the connection storm, and a proxy that connects upstream faster than
     // another met SYN retransmissions (1 s TTFTs) the slower one did not.
@@ -273,72 +447,31 @@ async fn origin(interval: Duration, streams: usize, epoch: Instant) -> Origin {
         Histogram::<u64>::new_with_bounds(1, 60_000_000, 2).unwrap(),
     ));
     let stop = Arc::new(tokio::sync::Notify::new());
-    let (l, s) = (Arc::clone(&late), Arc::clone(&stop));
+    let serve = Arc::new(Serve {
+        interval,
+        streams,
+        epoch,
+        late: Arc::clone(&late),
+        short,
+    });
+    let s = Arc::clone(&stop);
     let n = Arc::new(AtomicU64::new(0));
     tokio::spawn(async move {
         loop {
-            let (mut sock, _) = tokio::select! {
+            let (sock, _) = tokio::select! {
                 a = listener.accept() => match a { Ok(a) => a, Err(_) => continue },
                 _ = s.notified() => return,
             };
-            let (l, k) = (Arc::clone(&l), n.fetch_add(1, Relaxed));
+            let _ = sock.set_nodelay(true);
+            let (serve, k, tls) = (Arc::clone(&serve), n.fetch_add(1, Relaxed), tls.clone());
             tokio::spawn(async move {
-                let _ = sock.set_nodelay(true);
-                let mut buf = vec![0u8; 4096];
-                let mut got = Vec::new();
-                // Request head and body (a small JSON with Content-Length).
-                loop {
-                    let Ok(r) = sock.read(&mut buf).await else {
-                        return;
-                    };
-                    if r == 0 {
-                        return;
-                    }
-                    got.extend_from_slice(&buf[..r]);
-                    if let Some(h) = got.windows(4).position(|w| w == b"\r\n\r\n") {
-                        let head = String::from_utf8_lossy(&got[..h]).to_ascii_lowercase();
-                        let len = head
-                            .lines()
-                            .find_map(|l| l.strip_prefix("content-length:"))
-                            .and_then(|v| v.trim().parse::<usize>().ok())
-                            .unwrap_or(0);
-                        if got.len() >= h + 4 + len {
-                            break;
+                match tls {
+                    Some(tls) => {
+                        if let Ok(sock) = tls.accept(sock).await {
+                            connection(sock, &serve, k).await;
                         }
                     }
-                }
-                if memchr::memmem::find(&got, b"x-overhead-hold").is_some() {
-                    // A slot holder: a short stream after 2 s, then close.
-                    tokio::time::sleep(Duration::from_secs(2)).await;
-                    let data = "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"x\"},\"finish_reason\":\"stop\"}]}\n\ndata: [DONE]\n\n";
-                    let whole = format!("HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{data}", data.len());
-                    let _ = sock.write_all(whole.as_bytes()).await;
-                    return;
-                }
-                let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\ntransfer-encoding: chunked\r\n\r\n";
-                if sock.write_all(head.as_bytes()).await.is_err() {
-                    return;
-                }
-                // Streams start spread evenly over one interval, as independent clients
-                // would (tokio's timers then fire them in 1 ms groups).
-                let offset = interval.mul_f64((k % streams as u64) as f64 / streams as f64);
-                let mut due = tokio::time::Instant::now() + offset;
-                loop {
-                    tokio::time::sleep_until(due).await;
-                    let now = tokio::time::Instant::now();
-                    let _ = l
-                        .lock()
-                        .unwrap()
-                        .record(now.saturating_duration_since(due).as_micros().max(1) as u64);
-                    let t = epoch.elapsed().as_nanos();
-                    let data = format!(
-                        "data: {{\"id\":\"chatcmpl-overhead\",\"object\":\"chat.completion.chunk\",\"model\":\"m\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\" tok\"}},\"finish_reason\":null}}],\"t\":{t}}}\n\n"
-                    );
-                    let chunk = format!("{:x}\r\n{data}\r\n", data.len());
-                    if sock.write_all(chunk.as_bytes()).await.is_err() {
-                        return;
-                    }
-                    due += interval;
+                    None => connection(sock, &serve, k).await,
                 }
             });
         }
@@ -351,6 +484,152 @@ async fn origin(interval: Duration, streams: usize, epoch: Instant) -> Origin {
     }
 }
 
+/// Reads one request (head and a `Content-Length` body) into `got`; false at the end.
+async fn read_request<S: AsyncRead + Unpin>(sock: &mut S, got: &mut Vec<u8>) -> bool {
+    let mut buf = [0u8; 4096];
+    loop {
+        if let Some(h) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&got[..h]).to_ascii_lowercase();
+            let len = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .and_then(|v| v.trim().parse::<usize>().ok())
+                .unwrap_or(0);
+            if got.len() >= h + 4 + len {
+                return true;
+            }
+        }
+        match sock.read(&mut buf).await {
+            Ok(0) | Err(_) => return false,
+            Ok(r) => got.extend_from_slice(&buf[..r]),
+        }
+    }
+}
+
+/// One stamped SSE event.
+fn event(serve: &Serve) -> String {
+    let t = serve.epoch.elapsed().as_nanos();
+    format!(
+        "data: {{\"id\":\"chatcmpl-overhead\",\"object\":\"chat.completion.chunk\",\"model\":\"m\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\" tok\"}},\"finish_reason\":null}}],\"t\":{t}}}\n\n"
+    )
+}
+
+const SSE_HEAD: &str = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\ntransfer-encoding: chunked\r\n\r\n";
+
+/// A reply of `SHORT_EVENTS` events, whole.
+fn short_reply(serve: &Serve) -> String {
+    let mut whole = String::from(SSE_HEAD);
+    for i in 0..SHORT_EVENTS {
+        let mut data = event(serve);
+        if i + 1 == SHORT_EVENTS {
+            data = data.replace("\"finish_reason\":null", "\"finish_reason\":\"stop\"");
+            data += "data: [DONE]\n\n";
+        }
+        let _ = write!(whole, "{:x}\r\n{data}\r\n", data.len());
+    }
+    whole + "0\r\n\r\n"
+}
+
+/// The value of header `name` (lower case, with its colon) in a request head.
+fn header_value<'a>(head: &'a [u8], name: &str) -> Option<&'a str> {
+    let head = std::str::from_utf8(head).ok()?;
+    head.lines().find_map(|l| {
+        let (n, v) = l.split_once(':')?;
+        n.eq_ignore_ascii_case(name.trim_end_matches(':'))
+            .then(|| v.trim())
+    })
+}
+
+/// Serves the requests of one connection, keep-alive: a short reply (`short`, or the
+/// request's `x-overhead-short`), a slot holder's (`x-overhead-hold`), a stream of
+/// `x-overhead-events` events and its end, or a stream without end.
+async fn connection<S: AsyncRead + AsyncWrite + Unpin>(mut sock: S, serve: &Serve, k: u64) {
+    let mut got = Vec::new();
+    loop {
+        if !read_request(&mut sock, &mut got).await {
+            return;
+        }
+        let head_end = got
+            .windows(4)
+            .position(|w| w == b"\r\n\r\n")
+            .unwrap_or(got.len());
+        let head = got[..head_end].to_vec();
+        got.clear();
+        if serve.short || header_value(&head, "x-overhead-short").is_some() {
+            if sock.write_all(short_reply(serve).as_bytes()).await.is_err() {
+                return;
+            }
+            continue;
+        }
+        if header_value(&head, "x-overhead-hold").is_some() {
+            // A slot holder: a short stream after 2 s, then close.
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            let data = "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"x\"},\"finish_reason\":\"stop\"}]}\n\ndata: [DONE]\n\n";
+            let whole = format!("HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{data}", data.len());
+            let _ = sock.write_all(whole.as_bytes()).await;
+            let _ = sock.shutdown().await;
+            return;
+        }
+        let events: Option<u64> =
+            header_value(&head, "x-overhead-events").and_then(|v| v.parse().ok());
+        if sock.write_all(SSE_HEAD.as_bytes()).await.is_err() {
+            return;
+        }
+        // Streams start spread evenly over one interval, as independent clients would
+        // (tokio's timers then fire them in 1 ms groups).
+        let interval = serve.interval;
+        let offset = interval.mul_f64((k % serve.streams as u64) as f64 / serve.streams as f64);
+        let mut due = tokio::time::Instant::now() + offset;
+        let mut sent = 0;
+        loop {
+            tokio::time::sleep_until(due).await;
+            let now = tokio::time::Instant::now();
+            let _ = serve
+                .late
+                .lock()
+                .unwrap()
+                .record(now.saturating_duration_since(due).as_micros().max(1) as u64);
+            let mut data = event(serve);
+            sent += 1;
+            let last = events.is_some_and(|n| sent >= n);
+            if last {
+                data = data.replace("\"finish_reason\":null", "\"finish_reason\":\"stop\"");
+                data += "data: [DONE]\n\n";
+            }
+            let mut chunk = format!("{:x}\r\n{data}\r\n", data.len());
+            if last {
+                chunk += "0\r\n\r\n";
+            }
+            if sock.write_all(chunk.as_bytes()).await.is_err() || sock.flush().await.is_err() {
+                return;
+            }
+            if last {
+                break;
+            }
+            due += interval;
+        }
+    }
+}
+
+/// A TLS acceptor with a fresh self-signed certificate for 127.0.0.1 (the proxies do not
+/// verify it).
+fn tls_acceptor() -> TlsAcceptor {
+    pingora::tls::install_default_crypto_provider();
+    let key = rcgen::KeyPair::generate().unwrap();
+    let cert = rcgen::CertificateParams::new(vec!["127.0.0.1".to_owned()])
+        .unwrap()
+        .self_signed(&key)
+        .unwrap();
+    let config = ServerConfig::builder()
+        .with_no_client_auth()
+        .with_single_cert(
+            vec![cert.der().clone()],
+            PrivateKeyDer::try_from(key.serialize_der()).unwrap(),
+        )
+        .unwrap();
+    TlsAcceptor::from(Arc::new(config))
+}
+
 /// A proxy process under test.
 struct Proxy {
     child: Child,
@@ -358,15 +637,38 @@ struct Proxy {
     /// Processes whose CPU and memory count (nginx: master and worker).
     pids: Vec<u32>,
     dir: PathBuf,
+    /// Where to scrape, and what (the ops scenario).
+    scrape: Option<(SocketAddr, Vec<&'static str>)>,
+}
+
+/// The first process below `root` whose name is one of `names` (a wrapped proxy).
+fn descendant(root: u32, names: &[&str]) -> Option<u32> {
+    let mut below = children(root);
+    while let Some(pid) = below.pop() {
+        let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+        if names.contains(&comm.trim_end()) {
+            return Some(pid);
+        }
+        below.extend(children(pid));
+    }
+    None
 }
 
 impl Drop for Proxy {
     fn drop(&mut self) {
+        // Under TOKENTAP_OVERHEAD_WRAP the child is the wrapper (heaptrack, perf): the proxy
+        // itself gets the signal, and the wrapper the time to write its report.
+        let wrapped = std::env::var_os("TOKENTAP_OVERHEAD_WRAP").is_some();
+        let pid = if wrapped {
+            descendant(self.child.id(), &["tokentap", "nginx"]).unwrap_or(self.child.id())
+        } else {
+            self.child.id()
+        };
         let _ = Command::new("kill")
             .arg("-TERM")
-            .arg(self.child.id().to_string())
+            .arg(pid.to_string())
             .status();
-        let deadline = Instant::now() + Duration::from_secs(5);
+        let deadline = Instant::now() + Duration::from_secs(if wrapped { 120 } else { 5 });
         while Instant::now() < deadline {
             if let Ok(Some(_)) = self.child.try_wait() {
                 break;
@@ -401,10 +703,49 @@ fn free_port() -> SocketAddr {
         .unwrap()
 }
 
+/// The config of `scenario`'s extra upstreams and routes for tokentap: 100 upstreams, 20
+/// routes, the traffic (`/v1/`) matched by the last; the others split over the rest.
+fn many_tokentap(url: &str) -> String {
+    let mut c = String::new();
+    for i in 0..100 {
+        let _ = write!(c, "[[upstream]]\nname = \"u{i}\"\nurl = \"{url}\"\n");
+    }
+    for r in 0..19 {
+        let split: Vec<String> = (1 + r * 5..1 + r * 5 + 5)
+            .map(|u| format!("u{u} = 1"))
+            .collect();
+        let _ = write!(
+            c,
+            "[[route]]\npath_prefix = \"/r{r}/\"\nsplit = {{ {} }}\n",
+            split.join(", ")
+        );
+    }
+    c + "[[route]]\npath_prefix = \"/v1/\"\nsplit = { u0 = 1 }\n"
+}
+
+/// The same for nginx: 100 upstream blocks, 20 locations.
+fn many_nginx(origin: SocketAddr, scheme: &str) -> (String, String) {
+    let mut ups = String::new();
+    for i in 0..100 {
+        let _ = writeln!(ups, "upstream u{i} {{ server {origin}; keepalive 1024; }}");
+    }
+    let mut locs = String::new();
+    for r in 0..19 {
+        let _ = writeln!(
+            locs,
+            "location /r{r}/ {{ proxy_pass {scheme}://u{}; }}",
+            1 + r * 5
+        );
+    }
+    locs += &format!("location /v1/ {{ proxy_pass {scheme}://u0; }}\n");
+    (ups, locs)
+}
+
 /// Starts the proxy of `mode` in front of `origin`; `cap`: tokentap's upstream gets this
 /// concurrency cap, with a queue as deep.
 async fn start_proxy(
     mode: Mode,
+    scenario: Scenario,
     origin: SocketAddr,
     bin: &Path,
     cap: Option<usize>,
@@ -416,20 +757,35 @@ async fn start_proxy(
     ));
     std::fs::create_dir_all(&dir).ok()?;
     let addr = free_port();
-    let child = match mode {
+    let status = free_port();
+    let tls = scenario == Scenario::Tls;
+    let scheme = if tls { "https" } else { "http" };
+    let (child, scrape) = match mode {
         Mode::Direct => return None,
         Mode::Tokentap => {
             let conf = dir.join("tokentap.toml");
-            std::fs::write(
-                &conf,
-                format!(
-                    "[listen]\nproxy = \"{addr}\"\nadmin = \"{}\"\n[server]\nthreads = 1\ngrace_period_secs = 0\n{}\n[[upstream]]\nname = \"origin\"\nurl = \"http://{origin}\"\n{}",
-                    free_port(),
-                    // TOKENTAP_OVERHEAD_SERVER="work_stealing = false" adds [server] settings.
-                    std::env::var("TOKENTAP_OVERHEAD_SERVER").unwrap_or_default(),
+            let url = format!("{scheme}://{origin}");
+            let upstreams = match scenario {
+                Scenario::Many => many_tokentap(&url),
+                _ => format!(
+                    "[[upstream]]\nname = \"origin\"\nurl = \"{url}\"\n{}{}",
+                    if tls { "tls_verify = false\n" } else { "" },
                     cap.map_or(String::new(), |n| format!(
                         "max_concurrency = {n}\nmax_queue = {n}\nqueue_timeout_ms = 60000\n"
                     )),
+                ),
+            };
+            let log = if scenario == Scenario::Ops {
+                format!("[log]\naccess = \"{}\"\n", dir.join("access.log").display())
+            } else {
+                String::new()
+            };
+            std::fs::write(
+                &conf,
+                format!(
+                    "[listen]\nproxy = \"{addr}\"\nadmin = \"{status}\"\n[server]\nthreads = 1\ngrace_period_secs = 0\n{}\n{log}{upstreams}",
+                    // TOKENTAP_OVERHEAD_SERVER="work_stealing = false" adds [server] settings.
+                    std::env::var("TOKENTAP_OVERHEAD_SERVER").unwrap_or_default(),
                 ),
             )
             .ok()?;
@@ -442,10 +798,12 @@ async fn start_proxy(
                 .arg("run")
                 .arg("--config")
                 .arg(&conf);
-            cmd.stdout(Stdio::null())
+            let child = cmd
+                .stdout(Stdio::null())
                 .stderr(Stdio::null())
                 .spawn()
-                .ok()?
+                .ok()?;
+            (child, vec!["/metrics", "/stats"])
         }
         Mode::Nginx => {
             // nginx starts closing connections once fewer than 1/16 of `worker_connections`
@@ -454,19 +812,38 @@ async fn start_proxy(
             // 20,000 files it may open, of which it uses fewer than 19,810.
             let conf = dir.join("nginx.conf");
             let d = dir.display();
+            let (ups, locs) = match scenario {
+                Scenario::Many => many_nginx(origin, scheme),
+                _ => (
+                    format!("upstream origin {{ server {origin}; keepalive 1024; keepalive_requests 1000000; }}\n"),
+                    format!("location / {{ proxy_pass {scheme}://origin; }}\n"),
+                ),
+            };
+            let access = if scenario == Scenario::Ops {
+                format!("access_log {d}/access.log;\n")
+            } else {
+                "access_log off;\n".into()
+            };
+            let status_server = if scenario == Scenario::Ops {
+                format!("server {{ listen {status}; location /status {{ stub_status; }} }}\n")
+            } else {
+                String::new()
+            };
             std::fs::write(
                 &conf,
                 format!(
                     "worker_processes 1;\nworker_rlimit_nofile 20000;\ndaemon off;\npid {d}/nginx.pid;\nerror_log {d}/error.log warn;\n\
                      events {{ worker_connections 22000; multi_accept on; }}\n\
-                     http {{ access_log off; client_body_temp_path {d}/body; proxy_temp_path {d}/proxy;\n\
-                       upstream origin {{ server {origin}; keepalive 1024; }}\n\
-                       server {{ listen {addr}; location / {{ proxy_pass http://origin; proxy_http_version 1.1; proxy_set_header Connection \"\";\n\
-                         proxy_buffering off; proxy_read_timeout 600s; }} }} }}\n"
+                     http {{ {access} client_body_temp_path {d}/body; proxy_temp_path {d}/proxy;\n\
+                       keepalive_requests 1000000; keepalive_timeout 600s;\n\
+                       proxy_http_version 1.1; proxy_set_header Connection \"\"; proxy_buffering off; proxy_read_timeout 600s;\n\
+                       proxy_ssl_session_reuse on;\n\
+                       {ups}{status_server}\
+                       server {{ listen {addr};\n{locs} }} }}\n"
                 ),
             )
             .ok()?;
-            Command::new("taskset")
+            let child = Command::new("taskset")
                 .args(["-c", "1"])
                 .arg("nginx")
                 .arg("-c")
@@ -474,7 +851,8 @@ async fn start_proxy(
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
                 .spawn()
-                .ok()?
+                .ok()?;
+            (child, vec!["/status"])
         }
     };
     // Ready when it accepts.
@@ -485,6 +863,12 @@ async fn start_proxy(
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    // nginx's master listens before it forks its worker: wait for the worker, whose CPU
+    // and memory are most of what counts.
+    let forked = Instant::now() + Duration::from_secs(5);
+    while mode == Mode::Nginx && children(child.id()).is_empty() && Instant::now() < forked {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let mut pids = vec![child.id()];
     pids.extend(children(child.id()));
     Some(Proxy {
@@ -492,7 +876,39 @@ async fn start_proxy(
         addr,
         pids,
         dir,
+        scrape: (scenario == Scenario::Ops).then_some((status, scrape)),
     })
+}
+
+/// Every second until `stop`, GETs each of `paths` at `at` (a Prometheus and a dashboard
+/// scraping), on a fresh connection each; counts the failures into `errors`.
+async fn scraper(
+    at: SocketAddr,
+    paths: Vec<&'static str>,
+    stop: Arc<tokio::sync::Notify>,
+    errors: Arc<AtomicU64>,
+) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.notified() => return,
+        }
+        for path in &paths {
+            let ok = async {
+                let mut s = TcpStream::connect(at).await.ok()?;
+                let req = format!("GET {path} HTTP/1.1\r\nhost: {at}\r\nconnection: close\r\n\r\n");
+                s.write_all(req.as_bytes()).await.ok()?;
+                let mut body = Vec::new();
+                s.read_to_end(&mut body).await.ok()?;
+                body.starts_with(b"HTTP/1.1 200").then_some(())
+            }
+            .await;
+            if ok.is_none() {
+                errors.fetch_add(1, Relaxed);
+            }
+        }
+    }
 }
 
 fn children(pid: u32) -> Vec<u32> {
@@ -544,6 +960,8 @@ struct Tally {
     app_lat: Histogram<u64>,
     ttft: Vec<u64>,
     events: u64,
+    /// Whole replies (the short scenario).
+    requests: u64,
     stalls: u64,
     errors: u64,
 }
@@ -557,18 +975,34 @@ impl Tally {
             app_lat: hist(),
             ttft,
             events: 0,
+            requests: 0,
             stalls: 0,
             errors: 0,
         }
     }
 }
 
-async fn run_once(shape: Shape, mode: Mode, measure: Duration, bin: &Path) -> anyhow::Result<Run> {
+async fn run_once(
+    shape: Shape,
+    mode: Mode,
+    scenario: Scenario,
+    measure: Duration,
+    bin: &Path,
+) -> anyhow::Result<Run> {
     let interval = Duration::from_millis(shape.interval_ms);
     let epoch = Instant::now();
-    let origin = origin(interval, shape.streams, epoch).await;
+    let short = scenario == Scenario::Short;
+    let tls = (scenario == Scenario::Tls).then(tls_acceptor);
+    let origin = origin(interval, shape.streams, epoch, tls, short).await;
     let queued = mode == Mode::Tokentap && std::env::var_os("TOKENTAP_OVERHEAD_QUEUED").is_some();
-    let proxy = start_proxy(mode, origin.addr, bin, queued.then_some(shape.streams)).await;
+    let proxy = start_proxy(
+        mode,
+        scenario,
+        origin.addr,
+        bin,
+        queued.then_some(shape.streams),
+    )
+    .await;
     anyhow::ensure!(
         mode == Mode::Direct || proxy.is_some(),
         "{} did not start",
@@ -601,8 +1035,21 @@ async fn run_once(shape: Shape, mode: Mode, measure: Duration, bin: &Path) -> an
             Arc::clone(&sem),
         );
         tasks.push(tokio::spawn(async move {
-            client(target, interval, epoch, tally, measuring, stop, sem).await
+            if short {
+                short_client(target, tally, measuring, stop).await;
+            } else {
+                client(target, interval, epoch, tally, measuring, stop, sem).await;
+            }
         }));
+    }
+    let scrape_errors = Arc::new(AtomicU64::new(0));
+    if let Some((at, paths)) = proxy.as_ref().and_then(|p| p.scrape.clone()) {
+        tasks.push(tokio::spawn(scraper(
+            at,
+            paths,
+            Arc::clone(&stop),
+            Arc::clone(&scrape_errors),
+        )));
     }
     // Measure only once every stream is open and streaming (a connection storm through the
     // proxy is not what this measures), then after a further warm-up.
@@ -649,9 +1096,12 @@ async fn run_once(shape: Shape, mode: Mode, measure: Duration, bin: &Path) -> an
             .unwrap_or(0) as f64,
         events: t.events,
         stalls: t.stalls,
-        errors: t.errors,
+        errors: t.errors + scrape_errors.load(Relaxed),
         cpu_us_per_event: (!pids.is_empty() && t.events > 0)
-            .then(|| (cpu1 - cpu0) as f64 / 1e3 / t.events as f64),
+            .then(|| cpu1.saturating_sub(cpu0) as f64 / 1e3 / t.events as f64),
+        requests_per_sec: t.requests as f64 / wall.as_secs_f64(),
+        cpu_us_per_request: (!pids.is_empty() && t.requests > 0)
+            .then(|| cpu1.saturating_sub(cpu0) as f64 / 1e3 / t.requests as f64),
         rss_kib_per_stream: (!pids.is_empty())
             .then(|| rss_open.saturating_sub(rss_before) as f64 / shape.streams as f64),
         load_cpu_share: (self1 - self0) as f64 / wall.as_nanos() as f64,
@@ -761,6 +1211,326 @@ async fn client(
             }
         }
         last = Some(now);
+    }
+}
+
+/// Counts of the soak so far.
+#[derive(Default)]
+struct SoakCounts {
+    streams: AtomicU64,
+    short: AtomicU64,
+    errors: AtomicU64,
+    stalls: AtomicU64,
+    /// Stalls by the second of the soak they ended in, and the longest gap of each second
+    /// (ms): a burst on every stream at once is a pause, of the proxy or of the load side.
+    stalled_at: Mutex<std::collections::BTreeMap<u64, (u64, u64)>>,
+}
+
+/// The soak (see the module's doc).
+async fn soak(length: Duration, streams: usize, rate: u64, bin: &Path) -> anyhow::Result<()> {
+    const EVENTS: u64 = 500;
+    let interval = Duration::from_millis(20);
+    let epoch = Instant::now();
+    let origin = origin(interval, streams, epoch, None, false).await;
+    let proxy = start_proxy(Mode::Tokentap, Scenario::Ops, origin.addr, bin, None)
+        .await
+        .ok_or_else(|| anyhow::anyhow!("tokentap did not start"))?;
+    let (target, admin) = (proxy.addr, proxy.scrape.as_ref().map(|s| s.0));
+    let counts = Arc::new(SoakCounts::default());
+    let soak_start = Instant::now();
+    let stop = Arc::new(tokio::sync::Notify::new());
+    let ending = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for i in 0..streams {
+        let (counts, ending) = (Arc::clone(&counts), Arc::clone(&ending));
+        tasks.push(tokio::spawn(async move {
+            // Spread the first connects over a second.
+            tokio::time::sleep(Duration::from_millis((i as u64 * 1000) / streams as u64)).await;
+            let req = format!("POST /v1/chat/completions HTTP/1.1\r\nhost: origin\r\nx-overhead-events: {EVENTS}\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{{}}");
+            let mut buf = vec![0u8; 16 * 1024];
+            'connect: while !ending.load(Relaxed) {
+                let Ok(mut s) = TcpStream::connect(target).await else {
+                    counts.errors.fetch_add(1, Relaxed);
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                };
+                while !ending.load(Relaxed) {
+                    if s.write_all(req.as_bytes()).await.is_err() {
+                        counts.errors.fetch_add(1, Relaxed);
+                        continue 'connect;
+                    }
+                    let mut tail: Vec<u8> = Vec::new();
+                    let mut events = 0;
+                    let mut last = Instant::now();
+                    loop {
+                        let n = match tokio::time::timeout(interval * 50, s.read(&mut buf)).await {
+                            Ok(Ok(n)) if n > 0 => n,
+                            _ => {
+                                counts.errors.fetch_add(1, Relaxed);
+                                continue 'connect;
+                            }
+                        };
+                        if last.elapsed() > interval * 3 && events > 0 {
+                            counts.stalls.fetch_add(1, Relaxed);
+                            let gap = last.elapsed().as_millis() as u64;
+                            let mut at = counts.stalled_at.lock().unwrap();
+                            let e = at.entry(soak_start.elapsed().as_secs()).or_default();
+                            *e = (e.0 + 1, e.1.max(gap));
+                        }
+                        last = Instant::now();
+                        events += memchr::memmem::find_iter(&buf[..n], b"\"t\":").count();
+                        tail.extend_from_slice(&buf[..n]);
+                        if tail.len() > 16 {
+                            tail.drain(..tail.len() - 16);
+                        }
+                        if tail.ends_with(b"\r\n0\r\n\r\n") {
+                            break;
+                        }
+                    }
+                    if events as u64 != EVENTS {
+                        counts.errors.fetch_add(1, Relaxed);
+                    }
+                    counts.streams.fetch_add(1, Relaxed);
+                }
+            }
+        }));
+    }
+    // Short requests at `rate` a second, each on its own connection.
+    {
+        let (counts, ending) = (Arc::clone(&counts), Arc::clone(&ending));
+        tasks.push(tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(1) / rate.max(1) as u32);
+            while !ending.load(Relaxed) {
+                tick.tick().await;
+                let counts = Arc::clone(&counts);
+                tokio::spawn(async move {
+                    let ok = async {
+                        let mut s = TcpStream::connect(target).await.ok()?;
+                        let req = "POST /v1/chat/completions HTTP/1.1\r\nhost: origin\r\nx-overhead-short: 1\r\nconnection: close\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}";
+                        s.write_all(req.as_bytes()).await.ok()?;
+                        let mut got = Vec::new();
+                        tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut got))
+                            .await
+                            .ok()?
+                            .ok()?;
+                        let events = memchr::memmem::find_iter(&got, b"\"t\":").count();
+                        (got.starts_with(b"HTTP/1.1 200") && events == SHORT_EVENTS).then_some(())
+                    }
+                    .await;
+                    match ok {
+                        Some(()) => counts.short.fetch_add(1, Relaxed),
+                        None => counts.errors.fetch_add(1, Relaxed),
+                    };
+                });
+            }
+        }));
+    }
+    // The origin's lateness each second it was over 20 ms: a stall that the origin's own
+    // sends share is a pause of the load process, not of the proxy.
+    let origin_late: Arc<Mutex<std::collections::BTreeMap<u64, u64>>> = Arc::default();
+    {
+        let (late, record, stop) = (
+            Arc::clone(&origin.late),
+            Arc::clone(&origin_late),
+            Arc::clone(&stop),
+        );
+        tasks.push(tokio::spawn(async move {
+            let stopped = stop.notified();
+            tokio::pin!(stopped);
+            let mut tick = tokio::time::interval(Duration::from_secs(1));
+            loop {
+                tokio::select! {
+                    _ = &mut stopped => return,
+                    _ = tick.tick() => {}
+                }
+                let worst_ms = {
+                    let mut h = late.lock().unwrap();
+                    let worst = h.max() / 1000;
+                    h.reset();
+                    worst
+                };
+                if worst_ms > 20 {
+                    let sec = soak_start.elapsed().as_secs();
+                    record.lock().unwrap().insert(sec, worst_ms);
+                }
+            }
+        }));
+    }
+    let scrape_errors = Arc::new(AtomicU64::new(0));
+    if let Some((at, paths)) = proxy.scrape.clone() {
+        tasks.push(tokio::spawn(scraper(
+            at,
+            paths,
+            Arc::clone(&stop),
+            Arc::clone(&scrape_errors),
+        )));
+    }
+    println!("soak: {streams} streams ({EVENTS} events at 20 ms each, then the next), {rate} short requests/s, access log on, /metrics and /stats scraped every second, for {length:?}");
+    println!(
+        "{:>6} | {:>9} | {:>16} | {:>14} | {:>6} | {:>6}",
+        "minute", "RSS MiB", "streams finished", "short finished", "errors", "stalls"
+    );
+    let started = Instant::now();
+    let mut samples: Vec<(f64, f64)> = Vec::new();
+    let mut minute = 0u64;
+    while started.elapsed() < length {
+        let next = Duration::from_secs(60 * (minute + 1)).min(length);
+        tokio::time::sleep(next.saturating_sub(started.elapsed())).await;
+        minute += 1;
+        let rss = rss_kib(&proxy.pids) as f64 / 1024.0;
+        samples.push((started.elapsed().as_secs_f64() / 60.0, rss));
+        println!(
+            "{:>6} | {rss:>9.1} | {:>16} | {:>14} | {:>6} | {:>6}",
+            minute,
+            counts.streams.load(Relaxed),
+            counts.short.load(Relaxed),
+            counts.errors.load(Relaxed) + scrape_errors.load(Relaxed),
+            counts.stalls.load(Relaxed),
+        );
+    }
+    ending.store(true, Relaxed);
+    stop.notify_waiters();
+    for t in tasks {
+        t.abort();
+    }
+    // Every stream the clients dropped ends at the proxy: in flight back to 0.
+    let mut in_flight = None;
+    if let Some(admin) = admin {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let v = admin_get(admin, "/stats").await.and_then(|b| {
+                let v: serde_json::Value = serde_json::from_slice(&b).ok()?;
+                v["upstreams"][0]["in_flight"].as_u64()
+            });
+            in_flight = v;
+            if v == Some(0) || Instant::now() > deadline {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    // The slope after warm-up: the first fifth of the run (at most 5 minutes) left out.
+    let warm = (samples.len() / 5).clamp(1, 5);
+    let fit = &samples[warm.min(samples.len().saturating_sub(2))..];
+    let n = fit.len() as f64;
+    let (mx, my) = (
+        fit.iter().map(|p| p.0).sum::<f64>() / n,
+        fit.iter().map(|p| p.1).sum::<f64>() / n,
+    );
+    let sxy: f64 = fit.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+    let sxx: f64 = fit.iter().map(|p| (p.0 - mx).powi(2)).sum();
+    println!(
+        "RSS slope after minute {warm}: {:.3} MiB/min over {} samples; errors {}; stalls {}; in flight at the end {}",
+        if sxx > 0.0 { sxy / sxx } else { f64::NAN },
+        fit.len(),
+        counts.errors.load(Relaxed) + scrape_errors.load(Relaxed),
+        counts.stalls.load(Relaxed),
+        in_flight.map_or("unknown".into(), |v| v.to_string()),
+    );
+    let late = origin_late.lock().unwrap();
+    for (sec, (n, longest)) in counts.stalled_at.lock().unwrap().iter() {
+        // The origin's worst lateness in the second before, the same, or the next.
+        let origin = (sec.saturating_sub(1)..=sec + 1)
+            .filter_map(|s| late.get(&s))
+            .max()
+            .map_or("on time".to_string(), |ms| format!("up to {ms} ms late"));
+        println!("    stalls in second {sec}: {n}, the longest gap {longest} ms; the origin's sends {origin}");
+    }
+    for (sec, ms) in late.iter() {
+        println!("    the origin sent up to {ms} ms late in second {sec}");
+    }
+    origin.stop.notify_waiters();
+    Ok(())
+}
+
+/// A GET to tokentap's admin API: the body of a 200.
+async fn admin_get(at: SocketAddr, path: &str) -> Option<Vec<u8>> {
+    let mut s = TcpStream::connect(at).await.ok()?;
+    let req = format!("GET {path} HTTP/1.1\r\nhost: {at}\r\nconnection: close\r\n\r\n");
+    s.write_all(req.as_bytes()).await.ok()?;
+    let mut got = Vec::new();
+    s.read_to_end(&mut got).await.ok()?;
+    let end = got.windows(4).position(|w| w == b"\r\n\r\n")?;
+    got.starts_with(b"HTTP/1.1 200")
+        .then(|| got[end + 4..].to_vec())
+}
+
+/// The short scenario's client: one keep-alive connection, one request after another as
+/// fast as the replies come; each reply's time from the request's write to its last byte
+/// (reconnecting, not counted as an error, when the server closes between replies).
+async fn short_client(
+    target: SocketAddr,
+    tally: Arc<Mutex<Tally>>,
+    measuring: Arc<std::sync::atomic::AtomicBool>,
+    stop: Arc<tokio::sync::Notify>,
+) {
+    let body = br#"{"model":"m","stream":true,"max_tokens":16,"messages":[{"role":"user","content":"hi"}]}"#;
+    let path =
+        std::env::var("TOKENTAP_OVERHEAD_PATH").unwrap_or_else(|_| "/v1/chat/completions".into());
+    let req = format!("POST {path} HTTP/1.1\r\nhost: origin\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n", body.len());
+    let mut wire = req.into_bytes();
+    wire.extend_from_slice(body);
+    let stopped = stop.notified();
+    tokio::pin!(stopped);
+    let mut buf = vec![0u8; 16 * 1024];
+    'connect: loop {
+        let Ok(mut s) = TcpStream::connect(target).await else {
+            tally.lock().unwrap().errors += 1;
+            return;
+        };
+        let _ = s.set_nodelay(true);
+        loop {
+            let sent = Instant::now();
+            if s.write_all(&wire).await.is_err() {
+                continue 'connect;
+            }
+            let mut got: Vec<u8> = Vec::new();
+            let mut first = None;
+            loop {
+                let n = tokio::select! {
+                    r = s.read(&mut buf) => r.unwrap_or(0),
+                    _ = &mut stopped => return,
+                };
+                if n == 0 {
+                    if got.is_empty() {
+                        continue 'connect;
+                    }
+                    tally.lock().unwrap().errors += 1;
+                    continue 'connect;
+                }
+                first.get_or_insert_with(Instant::now);
+                got.extend_from_slice(&buf[..n]);
+                if got.ends_with(b"\r\n0\r\n\r\n") {
+                    break;
+                }
+                // A reply that is not chunked (a proxy's error) is an error, not a wait.
+                let head = memchr::memmem::find(&got, b"\r\n\r\n").map(|h| &got[..h]);
+                if head.is_some_and(|h| memchr::memmem::find(h, b"chunked").is_none()) {
+                    tally.lock().unwrap().errors += 1;
+                    continue 'connect;
+                }
+            }
+            let done = Instant::now();
+            let events = memchr::memmem::find_iter(&got, b"\"t\":").count() as u64;
+            let ok = got.starts_with(b"HTTP/1.1 200") && events == SHORT_EVENTS as u64;
+            let mut t = tally.lock().unwrap();
+            if !ok {
+                t.errors += 1;
+                continue;
+            }
+            if let Some(f) = first {
+                if t.ttft.len() < 100_000 {
+                    t.ttft.push(f.duration_since(sent).as_micros() as u64);
+                }
+            }
+            if measuring.load(Relaxed) {
+                let us = done.duration_since(sent).as_micros().max(1) as u64;
+                let _ = t.lat.record(us);
+                let _ = t.app_lat.record(us);
+                t.events += events;
+                t.requests += 1;
+            }
+        }
     }
 }
 

@@ -169,7 +169,12 @@ impl BackgroundService for SloControl {
                 .iter()
                 .filter_map(|u| {
                     let adaptive = u.slo.clone()?;
-                    Some((Arc::clone(&u.meter), Arc::clone(&u.limiter), adaptive))
+                    Some((
+                        Arc::clone(&u.meter),
+                        Arc::clone(&u.limiter),
+                        adaptive,
+                        u.fleet.clone(),
+                    ))
                 })
                 .collect()
         };

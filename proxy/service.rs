@@ -306,7 +306,7 @@ impl ProxyHttp for TokenTap {
             .shared
             .router
             .choose(req.uri.path(), &req.headers, |u| {
-                upstreams[u].limiter.has_headroom()
+                upstreams[u].has_headroom()
             })
             .ok_or_else(|| Error::explain(HTTPStatus(404), "no route matches"))?;
         ctx.choice = Some(choice);

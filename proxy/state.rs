@@ -201,6 +201,12 @@ impl Upstream {
         }
     }
 
+    /// Whether a request arriving now would get a slot without waiting: locally, and (with
+    /// `[cluster]`) in the fleet as this replica last heard. `spill` asks it.
+    pub fn has_headroom(&self) -> bool {
+        self.limiter.has_headroom() && self.fleet.as_ref().is_none_or(|f| f.has_room())
+    }
+
     /// This upstream as `u` configures it now: the same meter and limiter (its in-flight
     /// requests and queue carry over; a lower cap admits nothing new until in-flight is
     /// under it), and the same adaptive cap when it keeps an SLO, retuned.
@@ -241,7 +247,10 @@ impl Upstream {
             backend,
             // Held leases stay with the fleet part that took them.
             fleet: match (&self.fleet, fleet(u, cluster)) {
-                (Some(kept), Some(_)) => Some(Arc::clone(kept)),
+                (Some(kept), Some(_)) => {
+                    kept.set_adaptive(u.slo.is_some());
+                    Some(Arc::clone(kept))
+                }
                 (_, next) => {
                     if next.is_none() {
                         // Uncapped (or out of the cluster): no share holds it back.
@@ -257,7 +266,9 @@ impl Upstream {
 /// The fleet part of an upstream with a cap, when there is a cluster.
 fn fleet(u: &config::Upstream, cluster: Option<&Arc<Cluster>>) -> Option<Arc<Fleet>> {
     let capped = u.max_concurrency.is_some() || u.slo.is_some();
-    cluster.filter(|_| capped).map(|c| Fleet::new(c, &u.name))
+    let fleet = cluster.filter(|_| capped).map(|c| Fleet::new(c, &u.name))?;
+    fleet.set_adaptive(u.slo.is_some());
+    Some(fleet)
 }
 
 fn backend(u: &config::Upstream) -> Option<Arc<Backend>> {

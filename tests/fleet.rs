@@ -3,7 +3,8 @@
 //! over them: the simulator's batch stays ≤ 16 (and reaches 12). Redis killed mid-run:
 //! serving goes on at each replica's share, the batch ≤ 16 + 3; Redis back: ≤ 16 again
 //! within `lease_secs`. A replica killed with SIGKILL while holding slots: they are free
-//! within `lease_secs`.
+//! within `lease_secs`. An adaptive cap is one limit for the fleet, moved by one leader
+//! from every replica's evidence.
 //!
 //! Needs `redis-server` (`apt-get install redis-server`); without it the tests say so and
 //! pass, except in CI (`CI=true`), where they fail.
@@ -90,14 +91,25 @@ async fn sim() -> Sim {
 }
 
 fn replica(dir: &Scratch, name: &str, redis: u16, sim: SocketAddr) -> Tokentap {
+    replica_with(dir, name, redis, sim, "max_concurrency = 16\n")
+}
+
+/// A replica whose upstream `sim` is capped by `cap` (its TOML lines).
+fn replica_with(dir: &Scratch, name: &str, redis: u16, sim: SocketAddr, cap: &str) -> Tokentap {
     let (listen, proxy, admin) = listen_section();
     let sub = dir.path(name);
     std::fs::create_dir_all(&sub).unwrap();
     let cfg = format!(
         "{listen}[cluster]\nredis_url = \"redis://127.0.0.1:{redis}\"\nlease_secs = {LEASE_SECS}\n\
-         [[upstream]]\nname = \"sim\"\nurl = \"http://{sim}\"\nmax_concurrency = 16\nqueue_timeout_ms = 60000\n"
+         [[upstream]]\nname = \"sim\"\nurl = \"http://{sim}\"\nqueue_timeout_ms = 60000\n{cap}"
     );
     Tokentap::start(&sub, &cfg, proxy, admin, &[])
+}
+
+async fn upstream_stats(admin: SocketAddr) -> serde_json::Value {
+    let s = send(admin, "GET", "/stats", b"", &[]).await.unwrap();
+    let s: serde_json::Value = serde_json::from_slice(&s.body).unwrap();
+    s["upstreams"][0].clone()
 }
 
 /// `clients` closed-loop clients on each replica for `secs`.
@@ -282,14 +294,9 @@ async fn sixteen_for_the_fleet_through_three_replicas_and_redis_going_away() {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_killed_replica_s_slots_are_free_within_the_lease() {
-    if redis_missing() {
-        return;
-    }
-    let _one = ONE_AT_A_TIME.lock().await;
-    let redis = Redis::start(free_addr().port()).unwrap();
-    let sim = Sim::start(SimArgs {
+/// A simulator whose replies run 2,000 tokens (40 s): slots held for the whole test.
+async fn long_sim() -> Sim {
+    Sim::start(SimArgs {
         listen: "127.0.0.1:0".parse().unwrap(),
         tpot_curve: "1:20,128:20".parse::<Curve>().unwrap(),
         ttft_ms: 10.0,
@@ -297,39 +304,49 @@ async fn a_killed_replica_s_slots_are_free_within_the_lease() {
         ..SimArgs::defaults()
     })
     .await
+    .unwrap()
+}
+
+/// `n` clients on `tap` streaming 40 s replies, once its first upstream has all `n` in
+/// flight; the load runs until the handle is aborted (or 30 s).
+async fn hold_slots(tap: &Tokentap, n: usize) -> tokio::task::JoinHandle<PhaseReport> {
+    let target = LoadArgs {
+        max_tokens: 2000,
+        ..LoadArgs::for_url(format!("http://{}", tap.proxy))
+    }
+    .target()
     .unwrap();
+    let load = tokio::spawn(async move {
+        load::phase(
+            &target,
+            Mode::Closed { concurrency: n },
+            Duration::ZERO,
+            Duration::from_secs(30),
+            false,
+        )
+        .await
+    });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while upstream_stats(tap.admin).await["in_flight"] != n as u64 {
+        assert!(Instant::now() < deadline, "never held {n} slots");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    load
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_replica_s_slots_are_free_within_the_lease() {
+    if redis_missing() {
+        return;
+    }
+    let _one = ONE_AT_A_TIME.lock().await;
+    let redis = Redis::start(free_addr().port()).unwrap();
+    let sim = long_sim().await;
     let dir = Scratch::new("fleet-kill");
     let a = replica(&dir, "a", redis.port, sim.addr);
     let b = replica(&dir, "b", redis.port, sim.addr);
     // a takes all 16 slots with 40 s streams.
-    let a_load = {
-        let target = LoadArgs {
-            max_tokens: 2000,
-            ..LoadArgs::for_url(format!("http://{}", a.proxy))
-        }
-        .target()
-        .unwrap();
-        tokio::spawn(async move {
-            load::phase(
-                &target,
-                Mode::Closed { concurrency: 16 },
-                Duration::ZERO,
-                Duration::from_secs(30),
-                false,
-            )
-            .await
-        })
-    };
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let s = send(a.admin, "GET", "/stats", b"", &[]).await.unwrap();
-        let s: serde_json::Value = serde_json::from_slice(&s.body).unwrap();
-        if s["upstreams"][0]["in_flight"] == 16 {
-            break;
-        }
-        assert!(Instant::now() < deadline, "a never held 16: {s}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let a_load = hold_slots(&a, 16).await;
     a.signal(Signal::SIGKILL);
     let killed = Instant::now();
     a_load.abort();
@@ -387,4 +404,211 @@ async fn without_redis_from_the_start_it_serves_on_a_share_that_does_not_grow() 
         "{}",
         tap.stderr()
     );
+}
+
+/// An adaptive cap across three replicas: one leader moves one limit from the evidence of
+/// all three (their gaps merged, their concurrencies summed), the others take it. The
+/// simulator's TPOT rises from 20 ms alone to 40 ms at 128; p90 ≤ 30 ms holds at a batch
+/// of about 55. Steered each on its own evidence, a replica would see a third of the batch
+/// and put the crossing at about 18.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adaptive_cap_is_one_limit_for_the_fleet() {
+    if redis_missing() {
+        return;
+    }
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut redis = Redis::start(free_addr().port()).unwrap();
+    let sim = Sim::start(SimArgs {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        tpot_curve: "1:20,128:40".parse::<Curve>().unwrap(),
+        ttft_ms: 10.0,
+        max_batch: Some(128),
+        max_tokens: 30,
+        ..SimArgs::defaults()
+    })
+    .await
+    .unwrap();
+    let dir = Scratch::new("fleet-slo");
+    let cap = "max_concurrency = 128\n[upstream.slo]\ntpot_ms = 30\npercentile = 90\nmin_concurrency = 8\n";
+    let taps: Vec<Tokentap> = ["a", "b", "c"]
+        .iter()
+        .map(|n| replica_with(&dir, n, redis.port, sim.addr, cap))
+        .collect();
+    let running = tokio::spawn(load_all(taps.iter().map(|t| t.proxy).collect(), 32, 42.0));
+
+    // Converged: one leader, the same limit everywhere, the batch where the SLO holds.
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    peak_from_now(sim.addr).await;
+    let all: Vec<&Tokentap> = taps.iter().collect();
+    let mut seen = Vec::new();
+    for _ in 0..5 {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let (roles, limits) = controllers(&all).await;
+        let hi = one_leader_one_limit(&roles, &limits);
+        seen.push(hi);
+    }
+    let peak = peak_batch(sim.addr).await;
+    let limit = *seen.iter().max().unwrap();
+    eprintln!("the fleet's limit {seen:?}, the simulator's peak batch {peak}");
+    assert!(
+        (35..=80).contains(&limit),
+        "the fleet's limit was {seen:?}: each replica steering alone?"
+    );
+    assert!(
+        peak >= 30 && peak <= limit + 2,
+        "the simulator's peak batch {peak} against the fleet's limit {seen:?}"
+    );
+
+    // Redis away: each replica steers alone on its own evidence scaled by the replicas
+    // seen (a third of the batch stands for all of it), so none collapses to a third.
+    redis.kill();
+    tokio::time::sleep(Duration::from_secs(LEASE_SECS + 1)).await;
+    for t in &taps {
+        let u = upstream_stats(t.admin).await;
+        assert_eq!(u["slo"]["controller"], "degraded", "{u:#}");
+        let alone = u["limit"].as_u64().unwrap();
+        eprintln!("steering alone at {alone}");
+        assert!(
+            alone * 3 >= limit * 2 && alone * 2 <= limit * 3,
+            "alone at {alone}, the fleet's limit was {limit}"
+        );
+    }
+
+    // Redis back: one leader again (each replica rejoins at its keeper's next period, a
+    // follower takes the leader's limit at its next tick: polled, up to the lease and 3 s).
+    // Then the leader killed: another takes over within the leader key's 3 s, from the
+    // fleet's limit.
+    let _redis = Redis::start(redis.port).unwrap();
+    let (roles, limits) = converging(&all, Duration::from_secs(LEASE_SECS + 3)).await;
+    one_leader_one_limit(&roles, &limits);
+    let leader = roles.iter().position(|r| r == "fleet_leader").unwrap();
+    taps[leader].signal(Signal::SIGKILL);
+    // Within the leader key's 3 s and a tick: polled, up to 6 s.
+    let survivors: Vec<&Tokentap> = (0..3).filter(|&i| i != leader).map(|i| &taps[i]).collect();
+    let (roles, limits) = converging(&survivors, Duration::from_secs(6)).await;
+    one_leader_one_limit(&roles, &limits);
+
+    let reports: Vec<PhaseReport> = running
+        .await
+        .unwrap()
+        .into_iter()
+        .enumerate()
+        .filter(|(i, _)| *i != leader)
+        .map(|(_, r)| r)
+        .collect();
+    only_429s(&reports);
+    // Every replica got its part: the queue at each replica's head takes its turn.
+    let done: Vec<u64> = reports.iter().map(|r| r.requests).collect();
+    let mean = done.iter().sum::<u64>() as f64 / done.len() as f64;
+    assert!(
+        done.iter().all(|&d| d as f64 >= 0.6 * mean),
+        "requests per replica {done:?}"
+    );
+    eprintln!("requests per replica {done:?}");
+    for r in &reports {
+        eprintln!("TPOT {:?}", r.tpot_ms);
+        let p50 = r.tpot_ms.p50.unwrap();
+        assert!(
+            p50 <= 30.0,
+            "TPOT p50 {p50} ms over the whole run, with the SLO at 30 p90"
+        );
+    }
+}
+
+/// Exactly one leader, the others following, all at one limit (a follower takes the
+/// leader's at its own next tick: one step apart at most). The highest limit.
+fn one_leader_one_limit(roles: &[String], limits: &[u64]) -> u64 {
+    assert!(
+        converged(roles, limits),
+        "roles {roles:?}, limits {limits:?}"
+    );
+    *limits.iter().max().unwrap()
+}
+
+/// The replicas' controllers, polled until they have converged or `within` has passed.
+async fn converging(taps: &[&Tokentap], within: Duration) -> (Vec<String>, Vec<u64>) {
+    let deadline = Instant::now() + within;
+    loop {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let (roles, limits) = controllers(taps).await;
+        if converged(&roles, &limits) || Instant::now() > deadline {
+            return (roles, limits);
+        }
+    }
+}
+
+fn converged(roles: &[String], limits: &[u64]) -> bool {
+    let leaders = roles.iter().filter(|r| *r == "fleet_leader").count();
+    let followers = roles.iter().filter(|r| *r == "fleet_follower").count();
+    let (lo, hi) = (*limits.iter().min().unwrap(), *limits.iter().max().unwrap());
+    (leaders, followers) == (1, roles.len() - 1) && hi - lo <= (hi / 4).max(2)
+}
+
+/// Each replica's `slo.controller` and limit.
+async fn controllers(taps: &[&Tokentap]) -> (Vec<String>, Vec<u64>) {
+    let mut roles = Vec::new();
+    let mut limits = Vec::new();
+    for t in taps {
+        let u = upstream_stats(t.admin).await;
+        roles.push(u["slo"]["controller"].as_str().unwrap().to_owned());
+        limits.push(u["limit"].as_u64().unwrap());
+    }
+    (roles, limits)
+}
+
+/// `spill` sees the fleet: with every slot of `x` held by another replica, a request on
+/// this one goes to `y` at once instead of queueing for `x` (this replica learns the
+/// fleet's count at each renewal, every `lease_secs / 3`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spill_sees_slots_held_by_other_replicas() {
+    if redis_missing() {
+        return;
+    }
+    let _one = ONE_AT_A_TIME.lock().await;
+    let redis = Redis::start(free_addr().port()).unwrap();
+    let sim = long_sim().await;
+    let dir = Scratch::new("fleet-spill");
+    let start = |name: &str| {
+        let (listen, proxy, admin) = listen_section();
+        let sub = dir.path(name);
+        std::fs::create_dir_all(&sub).unwrap();
+        let s = sim.addr;
+        let cfg = format!(
+            "{listen}[cluster]\nredis_url = \"redis://127.0.0.1:{}\"\nlease_secs = {LEASE_SECS}\n\
+             [[upstream]]\nname = \"x\"\nurl = \"http://{s}\"\nmax_concurrency = 4\nqueue_timeout_ms = 20000\n\
+             [[upstream]]\nname = \"y\"\nurl = \"http://{s}\"\n\
+             [[route]]\nspill = true\nsplit = {{ x = 100, y = 1 }}\n",
+            redis.port
+        );
+        Tokentap::start(&sub, &cfg, proxy, admin, &[])
+    };
+    let a = start("a");
+    let b = start("b");
+    // a holds all four of x's slots with 40 s streams.
+    let a_load = hold_slots(&a, 4).await;
+    // b's next renewal counts them.
+    tokio::time::sleep(Duration::from_secs(LEASE_SECS / 3) + Duration::from_millis(500)).await;
+    let asked = Instant::now();
+    for _ in 0..5 {
+        let resp = send(
+            b.proxy,
+            "POST",
+            "/v1/chat/completions",
+            br#"{"stream":true,"max_tokens":2,"messages":[{"role":"user","content":"hi"}]}"#,
+            &[],
+        )
+        .await
+        .unwrap();
+        assert_eq!(resp.status, 200);
+    }
+    let took = asked.elapsed();
+    let s = send(b.admin, "GET", "/stats", b"", &[]).await.unwrap();
+    let s: serde_json::Value = serde_json::from_slice(&s.body).unwrap();
+    let requests = |i: usize| s["upstreams"][i]["requests_total"].as_u64().unwrap();
+    assert_eq!((requests(0), requests(1)), (0, 5), "{s:#}");
+    assert!(
+        took < Duration::from_secs(3),
+        "5 short requests took {took:?}"
+    );
+    a_load.abort();
 }

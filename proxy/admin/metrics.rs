@@ -196,6 +196,10 @@ fn upstream(x: &mut Exposition, report: &UpstreamReport) {
             &up,
             slo.slo_bounded_system_tps,
         );
+        if slo.controller != "local" {
+            let leads = slo.controller == "fleet_leader";
+            x.add("tokentap_slo_fleet_leader", &up, f64::from(u8::from(leads)));
+        }
     }
     if let Some(b) = &report.backend {
         x.opt("tokentap_backend_running_requests", &up, b.running);

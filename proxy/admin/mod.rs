@@ -78,6 +78,8 @@ pub struct SloStats {
     /// The SLO percentile of per-token gaps over the last controller tick.
     pub current_tpot_ms: Option<f64>,
     pub slo_bounded_system_tps: Option<f64>,
+    /// Who moves the limit: `local`, `fleet_leader`, `fleet_follower` or `degraded`.
+    pub controller: &'static str,
 }
 
 /// Client connections against `server.max_connections`.
@@ -152,6 +154,7 @@ fn report(shared: &Shared, i: usize, u: &Upstream, now: crate::meter::Nanos) -> 
                 met: current.map(|c| c <= slo.tpot_ms),
                 current_tpot_ms: current,
                 slo_bounded_system_tps: u.meter.slo_bounded_system_tps(slo.tpot_ms, slo.percentile),
+                controller: a.role().label(),
             }
         }),
         arms: arms(shared, i),

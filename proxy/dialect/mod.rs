@@ -87,8 +87,12 @@ pub enum Framing {
 impl Framing {
     /// The framing a `Content-Type` announces, if tokentap reads it.
     pub fn from_content_type(content_type: &[u8]) -> Option<Framing> {
-        let ct = content_type.to_ascii_lowercase();
-        let has = |needle: &[u8]| memchr::memmem::find(&ct, needle).is_some();
+        // Without a lowercased copy: this runs on every response.
+        let has = |needle: &[u8]| {
+            content_type
+                .windows(needle.len())
+                .any(|w| w.eq_ignore_ascii_case(needle))
+        };
         if has(b"text/event-stream") {
             Some(Framing::Sse)
         } else if has(b"ndjson") || has(b"jsonl") || has(b"json-seq") {

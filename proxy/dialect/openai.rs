@@ -21,106 +21,240 @@ use crate::sse::Event;
 
 /// A scan of the bytes for the common chunk, without a JSON parse.
 mod fast {
+    use std::ops::Not;
     use std::sync::LazyLock;
 
-    use memchr::memmem::Finder;
+    use aho_corasick::{packed, AhoCorasick, MatchKind};
 
     use super::Facts;
 
-    /// The byte patterns the scan looks for, each searcher built once.
-    struct Patterns {
-        choices: Finder<'static>,
-        usage: Finder<'static>,
-        error: Finder<'static>,
-        tool_calls: Finder<'static>,
-        index: Finder<'static>,
-        finish_reason: Finder<'static>,
-        token_keys: [Finder<'static>; 5],
+    /// The keys the scan reads, in the order of [`KEYS`].
+    #[derive(Clone, Copy, PartialEq)]
+    enum Key {
+        Choices,
+        Usage,
+        Error,
+        ToolCalls,
+        Message,
+        Index,
+        FinishReason,
+        Delta,
+        /// A string of the delta that carries a token when it is not empty.
+        DeltaText,
+        /// The choice's text (completions), a token when it is not empty.
+        ChoiceText,
     }
 
-    static P: LazyLock<Patterns> = LazyLock::new(|| Patterns {
-        choices: Finder::new(b"\"choices\":["),
-        usage: Finder::new(b"\"usage\":{"),
-        error: Finder::new(b"\"error\""),
-        tool_calls: Finder::new(b"\"tool_calls\""),
-        index: Finder::new(b"\"index\":"),
-        finish_reason: Finder::new(b"\"finish_reason\":"),
-        token_keys: [
-            Finder::new(b"\"content\":\""),
-            Finder::new(b"\"reasoning_content\":\""),
-            Finder::new(b"\"reasoning\":\""),
-            Finder::new(b"\"refusal\":\""),
-            Finder::new(b"\"text\":\""),
-        ],
+    const KEYS: [(&str, Key); 13] = [
+        ("\"choices\"", Key::Choices),
+        ("\"usage\"", Key::Usage),
+        ("\"error\"", Key::Error),
+        ("\"tool_calls\"", Key::ToolCalls),
+        ("\"message\"", Key::Message),
+        ("\"index\"", Key::Index),
+        ("\"finish_reason\"", Key::FinishReason),
+        ("\"delta\"", Key::Delta),
+        ("\"content\"", Key::DeltaText),
+        ("\"reasoning_content\"", Key::DeltaText),
+        ("\"reasoning\"", Key::DeltaText),
+        ("\"refusal\"", Key::DeltaText),
+        ("\"text\"", Key::ChoiceText),
+    ];
+
+    /// Every key in one pass: a vectorised multi-pattern search (Teddy) where the CPU has
+    /// one, else an automaton. No key is a prefix of another, and none can start inside
+    /// another's match.
+    enum Search {
+        Packed(packed::Searcher),
+        Automaton(AhoCorasick),
+    }
+
+    /// `None` only should the automaton refuse the keys (it does not): every chunk is parsed.
+    static SEARCH: LazyLock<Option<Search>> = LazyLock::new(|| {
+        let mut packed = packed::Config::new()
+            .match_kind(packed::MatchKind::LeftmostFirst)
+            .builder();
+        packed.extend(KEYS.map(|(k, _)| k));
+        match packed.build() {
+            Some(s) => Some(Search::Packed(s)),
+            None => automaton().map(Search::Automaton),
+        }
     });
 
-    /// Whether `"key":"` is followed by at least one character of the string.
-    fn non_empty_string(data: &[u8], key: &Finder<'_>) -> bool {
-        let mut from = 0;
-        while let Some(i) = key.find(&data[from..]) {
-            let after = from + i + key.needle().len();
-            if data.get(after).is_some_and(|&b| b != b'"') {
-                return true;
-            }
-            from = after;
-        }
-        false
+    fn automaton() -> Option<AhoCorasick> {
+        AhoCorasick::builder()
+            .match_kind(MatchKind::LeftmostFirst)
+            .build(KEYS.map(|(k, _)| k))
+            .ok()
     }
 
-    /// The facts of an ordinary streamed chunk — one choice, a content/reasoning/refusal/
-    /// text delta or none, an optional finish reason, no usage, tool calls or error — read
-    /// straight from the bytes. Anything else (or anything doubtful) is `None`, and the
-    /// caller parses the chunk as JSON.
-    ///
-    /// Sound because an unescaped `"` cannot occur inside a JSON string: a byte pattern
-    /// such as `"content":"` can only be a key followed by a string value.
+    /// The automaton's answer (where the CPU has Teddy, the one `event` does not use).
+    #[cfg(test)]
+    pub fn event_by_automaton(data: &[u8]) -> Option<Facts> {
+        event_by(data, &Search::Automaton(automaton()?))
+    }
+
+    /// The facts of an ordinary streamed chunk, or `None` (see [`scan`]).
     pub fn event(data: &[u8]) -> Option<Facts> {
-        let p = &*P;
+        event_by(data, SEARCH.as_ref()?)
+    }
+
+    fn event_by(data: &[u8], search: &Search) -> Option<Facts> {
         let data = data.trim_ascii();
         if data.first() != Some(&b'{') || data.last() != Some(&b'}') {
             return None;
         }
-        // The patterns are compact JSON: a chunk with whitespace around any colon (found
-        // by the `dialects` fuzz target: `"choices":[` compact, `"content": "x"` not) goes
-        // to the parser, which reads any spacing.
-        let spaced = memchr::memchr_iter(b':', data).any(|i| {
-            data.get(i + 1).is_some_and(u8::is_ascii_whitespace)
-                || i.checked_sub(1)
-                    .and_then(|j| data.get(j))
-                    .is_some_and(u8::is_ascii_whitespace)
-        });
-        if spaced {
-            return None;
+        match search {
+            Search::Packed(s) => scan(data, s.find_iter(data)),
+            Search::Automaton(a) => scan(data, a.find_iter(data)),
         }
-        // Shapes the scan does not handle go to the parser.
-        let one_choice = p.index.find_iter(data).take(2).count() == 1;
-        if !one_choice
-            || p.choices.find(data).is_none()
-            || p.usage.find(data).is_some()
-            || p.error.find(data).is_some()
-            || p.tool_calls.find(data).is_some()
-        {
-            return None;
-        }
-        let tokens = p.token_keys.iter().any(|k| non_empty_string(data, k));
-        let finished = match p.finish_reason.find(data) {
-            Some(i) => {
-                let v = data[i + p.finish_reason.needle().len()..].trim_ascii_start();
-                if v.starts_with(b"null") {
-                    false
-                } else if v.starts_with(b"\"") {
-                    true
-                } else {
-                    return None;
-                }
+    }
+
+    /// The facts of an ordinary streamed chunk — one choice, a content/reasoning/refusal
+    /// delta or a completion's text, an optional finish reason, no usage, tool calls,
+    /// message or error — read from where its keys are. Anything else (or anything
+    /// doubtful) is `None`, and the caller parses the chunk as JSON.
+    ///
+    /// Sound because an unescaped `"` cannot occur inside a JSON string: `"content"`
+    /// followed by `:` can only be a key, and followed by anything else only a value. Where
+    /// a key is, is checked: `choices` with no bracket before it (the top level), each of the
+    /// choice's own members with no bracket since the member before it (or the choice's `{`,
+    /// or the end of its delta), and the delta walked to its end (flat: strings and scalars). A key read with
+    /// whitespace after it or after its colon goes to the parser.
+    fn scan(data: &[u8], keys: impl Iterator<Item = aho_corasick::Match>) -> Option<Facts> {
+        // How far the choice's own members are read (none before `choices`), and the
+        // delta's span.
+        let mut level: Option<usize> = None;
+        let mut delta: Option<(usize, usize)> = None;
+        let (mut indexes, mut finish, mut tokens) = (0, None, false);
+        for m in keys {
+            let key = KEYS[m.pattern().as_usize()].1;
+            if matches!(key, Key::Error | Key::ToolCalls | Key::Message) {
+                return None;
             }
-            None => false,
-        };
+            let value = m.end() + 1;
+            match data.get(m.end()) {
+                Some(b':') => {}
+                Some(b) if b.is_ascii_whitespace() => return None,
+                // A string value that reads like a key.
+                _ => continue,
+            }
+            let first = *data.get(value)?;
+            if first.is_ascii_whitespace() {
+                return None;
+            }
+            let in_delta = delta.is_some_and(|(from, to)| (from..to).contains(&m.start()));
+            // One of the choice's own members: nothing opened or closed since the last.
+            let of_choice =
+                || level.is_some_and(|at| at <= m.start() && flat(&data[at..m.start()]));
+            match key {
+                Key::Choices if level.is_none() && flat(&data[1..m.start()]) => {
+                    if data.get(value..value + 2) != Some(b"[{") {
+                        return None;
+                    }
+                    level = Some(value + 2);
+                }
+                Key::Usage if first == b'{' => return None,
+                Key::Usage => {}
+                Key::DeltaText if in_delta => tokens |= non_empty_string(&data[value..]),
+                Key::ChoiceText | Key::FinishReason if in_delta => {}
+                Key::Index if of_choice() => {
+                    indexes += 1;
+                    level = Some(value);
+                }
+                Key::Delta if delta.is_none() && first == b'{' && of_choice() => {
+                    let end = flat_object_end(data, value)?;
+                    delta = Some((value, end));
+                    level = Some(end);
+                }
+                Key::ChoiceText if of_choice() => {
+                    tokens |= non_empty_string(&data[value..]);
+                    level = Some(value);
+                }
+                Key::FinishReason if finish.is_none() && of_choice() => {
+                    finish = Some(match first {
+                        b'n' if data[value..].starts_with(b"null") => false,
+                        b'"' => true,
+                        _ => return None,
+                    });
+                    level = Some(value);
+                }
+                // Not the delta's, nor the choice's: the parser does not count it either.
+                Key::DeltaText if !of_choice() => {}
+                _ => return None,
+            }
+        }
+        if level.is_none() || indexes != 1 {
+            return None;
+        }
         Some(Facts {
             tokens: u32::from(tokens),
-            finished,
+            finished: finish == Some(true),
             ..Facts::default()
         })
+    }
+
+    /// Whether `span` opens or closes nothing (a reduction the compiler vectorises).
+    fn flat(span: &[u8]) -> bool {
+        span.iter()
+            .fold(false, |any, &b| {
+                any | matches!(b, b'{' | b'}' | b'[' | b']')
+            })
+            .not()
+    }
+
+    /// Whether `value` is a string with at least one character.
+    fn non_empty_string(value: &[u8]) -> bool {
+        value.first() == Some(&b'"') && value.get(1).is_some_and(|&b| b != b'"')
+    }
+
+    /// The end of the string starting at `at` (just past its closing quote).
+    fn string_end(data: &[u8], at: usize) -> Option<usize> {
+        let mut i = at + 1;
+        loop {
+            i += memchr::memchr2(b'"', b'\\', data.get(i..)?)?;
+            if data[i] == b'"' {
+                return Some(i + 1);
+            }
+            i += 2;
+        }
+    }
+
+    /// The end of the object starting at `at` (just past its `}`) when its members are
+    /// compact strings and scalars only; `None` for anything nested or spaced.
+    fn flat_object_end(data: &[u8], at: usize) -> Option<usize> {
+        let mut i = at + 1;
+        if data.get(i) == Some(&b'}') {
+            return Some(i + 1);
+        }
+        loop {
+            if data.get(i) != Some(&b'"') {
+                return None;
+            }
+            i = string_end(data, i)?;
+            if data.get(i) != Some(&b':') {
+                return None;
+            }
+            i += 1;
+            if data.get(i) == Some(&b'"') {
+                i = string_end(data, i)?;
+            } else {
+                let scalar = data
+                    .get(i..)?
+                    .iter()
+                    .take_while(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'+'))
+                    .count();
+                if scalar == 0 {
+                    return None;
+                }
+                i += scalar;
+            }
+            match data.get(i) {
+                Some(b',') => i += 1,
+                Some(b'}') => return Some(i + 1),
+                _ => return None,
+            }
+        }
     }
 }
 
@@ -373,9 +507,17 @@ mod tests {
             r#"{"id":"x","choices":[ {"index": 0, "delta": {"content": "Hel"}, "finish_reason": null}], "usage": null}"#,
             r#"{"choices":[{"index":0,"delta":{"content" :"Hel"},"finish_reason":null}]}"#,
             r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{}"}}]}}]}"#,
+            // Text with colons and spaces stays on the fast path; values that read like keys.
+            r#"{"choices":[{"index":0,"delta":{"content":"Note: a \"text\": b"},"finish_reason":null}]}"#,
+            r#"{"object":"text","choices":[{"index":0,"delta":{"content":"content"},"finish_reason":"content"}]}"#,
+            r#"{"choices":[{"index":0,"message":{"content":"not a delta"},"finish_reason":"stop"}]}"#,
         ];
         let mut answered = 0;
         for c in chunks {
+            assert_eq!(
+                fast::event(c.as_bytes()),
+                fast::event_by_automaton(c.as_bytes())
+            );
             let parsed = serde_json::from_slice::<Chunk>(c.as_bytes())
                 .map(|c| c.facts())
                 .expect("valid JSON");
@@ -385,9 +527,78 @@ mod tests {
             }
             assert_eq!(facts(c), parsed, "{c}");
         }
+        // Shapes the parser refuses, the scan leaves to it.
+        for c in [
+            r#"{"choices":{"index":0,"delta":{"content":"x"}}}"#,
+            r#"{"choices":[{"index":0,"delta":{"content":"x"},"finish_reason":null,"finish_reason":"stop"}]}"#,
+        ] {
+            assert_eq!(fast::event(c.as_bytes()), None, "{c}");
+        }
         assert!(
-            answered >= 5,
+            answered >= 8,
             "the fast path takes the common chunks ({answered})"
+        );
+    }
+
+    /// Mutated chunks (keys, quotes, escapes, spacing and brackets inserted, bytes cut):
+    /// wherever the scan answers and the parser reads the chunk, they agree.
+    #[test]
+    fn fast_path_agrees_with_the_parser_on_mutated_chunks() {
+        use rand::{rngs::StdRng, Rng, SeedableRng};
+        let seeds = [
+            r#"{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"Hi"},"logprobs":null,"finish_reason":null}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":"stop"}],"usage":null}"#,
+            r#"{"choices":[{"index":0,"text":"w","finish_reason":null}]}"#,
+        ];
+        let pieces: [&[u8]; 22] = [
+            b"\"",
+            b":",
+            b" ",
+            b",",
+            b"{",
+            b"}",
+            b"[",
+            b"]",
+            b"\\",
+            b"null",
+            b"0",
+            b"\"content\"",
+            b"\"content\":\"x\"",
+            b"\"index\":1",
+            b"\"usage\":{}",
+            b"\"text\"",
+            b"\"refusal\":\"\"",
+            b"\"finish_reason\":\"stop\"",
+            b"\"choices\":[]",
+            b"\"reasoning\":\"r\"",
+            b"\"message\":{}",
+            b"\n",
+        ];
+        let mut rng = StdRng::seed_from_u64(18);
+        let (mut compared, mut answered) = (0, 0);
+        for _ in 0..20_000 {
+            let mut c = seeds[rng.gen_range(0..seeds.len())].as_bytes().to_vec();
+            for _ in 0..rng.gen_range(1..4) {
+                let at = rng.gen_range(0..=c.len());
+                if rng.gen_bool(0.7) {
+                    let p = pieces[rng.gen_range(0..pieces.len())];
+                    c.splice(at..at, p.iter().copied());
+                } else {
+                    let to = (at + rng.gen_range(1..4)).min(c.len());
+                    c.drain(at..to);
+                }
+            }
+            let fast = fast::event(&c);
+            assert_eq!(fast, fast::event_by_automaton(&c));
+            answered += usize::from(fast.is_some());
+            if let (Some(f), Ok(chunk)) = (fast, serde_json::from_slice::<Chunk>(&c)) {
+                compared += 1;
+                assert_eq!(f, chunk.facts(), "{}", String::from_utf8_lossy(&c));
+            }
+        }
+        assert!(
+            compared > 2_000 && answered > compared,
+            "{compared} {answered}"
         );
     }
 

@@ -91,6 +91,15 @@ impl Controller {
         self.drain_to = None;
     }
 
+    /// Another replica leads the fleet's controller: the limit is its, within this SLO's
+    /// bounds. Its history is not this one's, so nothing is kept to judge by: should this
+    /// replica lead next, it starts from the fleet's limit with a fresh fit.
+    pub fn follow(&mut self, limit: u64) {
+        self.limit = limit.clamp(self.slo.min_concurrency.max(1), self.slo.max_concurrency);
+        self.history.clear();
+        self.drain_to = None;
+    }
+
     /// The concurrency at which the fitted line meets 95% of the SLO, if the recent ticks
     /// spread wide enough to fit one with a rising slope.
     pub fn target(&self) -> Option<f64> {

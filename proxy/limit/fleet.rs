@@ -12,6 +12,9 @@
 //! Each replica keeps its own FIFO queue (the local [`Limiter`], set to the fleet limit);
 //! the request at its head waits for a fleet slot, asking again every 20 ms, in turn.
 //!
+//! An adaptive cap is one limit for the fleet, moved by one replica from every replica's
+//! evidence ([`control`]).
+//!
 //! Redis unreachable: each replica holds a local share, the limit ÷ the replicas seen in
 //! the last minute (at least 1), says so once in the log and in
 //! `tokentap_cluster_degraded`, and rejoins when Redis answers again. The share starts at
@@ -29,18 +32,32 @@ use redis::aio::ConnectionManager;
 
 use super::{Limiter, Permit, Rejected};
 
+mod control;
+use control::Control;
+pub use control::Steer;
+
 /// How often the request at the head of the queue asks again for a fleet slot.
 const RETRY: Duration = Duration::from_millis(20);
 /// The longest one Redis call may take before the fleet counts as unreachable (a Redis
 /// that is down fails at once; this is for one that hangs).
 const CALL_TIMEOUT: Duration = Duration::from_secs(1);
-
+/// How long `spill` trusts that the fleet was full without hearing it again (slots free on
+/// other replicas without this one knowing); after that, requests try, and a refused one
+/// says so again.
+const FULL_FOR: Duration = Duration::from_secs(2);
 const ACQUIRE: &str = r"
 if redis.replicate_commands then redis.replicate_commands() end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-if redis.call('ZCARD', KEYS[1]) < tonumber(ARGV[1]) then
+local limit = tonumber(ARGV[1])
+if KEYS[2] then
+  local fleet = tonumber(redis.call('GET', KEYS[2]) or '')
+  if fleet and fleet < limit then
+    limit = fleet
+  end
+end
+if redis.call('ZCARD', KEYS[1]) < limit then
   redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[3])
   return 1
 end
@@ -51,10 +68,11 @@ const RENEW: &str = r"
 if redis.replicate_commands then redis.replicate_commands() end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 for i = 2, #ARGV do
   redis.call('ZADD', KEYS[1], now + tonumber(ARGV[1]), ARGV[i])
 end
-return #ARGV - 1
+return redis.call('ZCARD', KEYS[1])
 ";
 
 const ALIVE: &str = r"
@@ -86,9 +104,12 @@ pub struct Cluster {
     /// reloads that rename or uncap an upstream.
     fleets: Mutex<Vec<std::sync::Weak<Fleet>>>,
     connecting: tokio::sync::Mutex<()>,
+    started: Instant,
     acquire: redis::Script,
     renew: redis::Script,
     alive: redis::Script,
+    report: redis::Script,
+    set_limit: redis::Script,
 }
 
 /// One capped upstream's part of the fleet.
@@ -99,6 +120,20 @@ pub struct Fleet {
     held: Mutex<HashSet<u64>>,
     /// The request whose turn it is to ask Redis (FIFO: tokio's mutex is fair).
     turn: tokio::sync::Mutex<()>,
+    /// Under an adaptive cap, admitted against the fleet's one limit (`limit_key`).
+    adaptive: AtomicBool,
+    /// The limit in force (for a renewal's `full`).
+    limit: AtomicU64,
+    /// The fleet held every slot when last asked (a refused lease, or a renewal's count):
+    /// `spill` then looks elsewhere, for at most [`FULL_FOR`] unless told again. Cleared by
+    /// a lease taken or a renewal that counts room.
+    full: AtomicBool,
+    /// When `full` was last set, ms since the cluster's start.
+    full_at: AtomicU64,
+    evidence_key: String,
+    leader_key: String,
+    limit_key: String,
+    control: Mutex<Control>,
 }
 
 /// A lease being taken: dropped before it was (the request's future dropped mid-call, a
@@ -158,10 +193,17 @@ impl Cluster {
             next_lease: AtomicU64::new(0),
             fleets: Mutex::new(Vec::new()),
             connecting: tokio::sync::Mutex::new(()),
+            started: Instant::now(),
             acquire: redis::Script::new(ACQUIRE),
             renew: redis::Script::new(RENEW),
             alive: redis::Script::new(ALIVE),
+            report: redis::Script::new(control::REPORT),
+            set_limit: redis::Script::new(control::SET_LIMIT),
         }))
+    }
+
+    fn since_start(&self) -> u64 {
+        millis(self.started.elapsed())
     }
 
     pub fn degraded(&self) -> bool {
@@ -262,6 +304,9 @@ impl Cluster {
             }
             let fleets = fleets();
             let parts: Vec<(&Fleet, &Limiter)> = fleets.iter().map(|(f, l)| (&**f, &**l)).collect();
+            for (f, l) in &parts {
+                f.limit.store(l.limit().unwrap_or(u64::MAX), Relaxed);
+            }
             match self.renew_all().await {
                 Ok(replicas) => {
                     self.replicas.store(replicas.max(1), Relaxed);
@@ -308,15 +353,14 @@ impl Cluster {
                 .iter()
                 .copied()
                 .collect();
-            if held.is_empty() {
-                continue;
-            }
+            // Holding none, it still learns whether the fleet has room (for `spill`).
             let mut call = self.renew.key(&fleet.key);
             call.arg(self.lease_ms());
             for &id in &held {
                 call.arg(self.member(id));
             }
-            let _: u64 = timed(call.invoke_async(&mut conn)).await?;
+            let leases: u64 = timed(call.invoke_async(&mut conn)).await?;
+            fleet.set_full(leases >= fleet.limit.load(Relaxed));
             // A lease freed while the renewal was on its way was added back by it.
             let freed: Vec<String> = {
                 let now = fleet.held.lock().unwrap_or_else(PoisonError::into_inner);
@@ -339,12 +383,16 @@ impl Cluster {
     }
 
     fn lease_ms(&self) -> u64 {
-        u64::try_from(self.lease.as_millis()).unwrap_or(u64::MAX)
+        millis(self.lease)
     }
 
     fn member(&self, id: u64) -> String {
         format!("{}:{id}", self.replica)
     }
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 /// A Redis call with [`CALL_TIMEOUT`].
@@ -367,6 +415,14 @@ impl Fleet {
             key: format!("tokentap:{upstream}:leases"),
             held: Mutex::new(HashSet::new()),
             turn: tokio::sync::Mutex::new(()),
+            adaptive: AtomicBool::new(false),
+            full: AtomicBool::new(false),
+            full_at: AtomicU64::new(0),
+            limit: AtomicU64::new(u64::MAX),
+            evidence_key: format!("tokentap:{upstream}:evidence"),
+            leader_key: format!("tokentap:{upstream}:leader"),
+            limit_key: format!("tokentap:{upstream}:limit"),
+            control: Mutex::new(Control::default()),
         });
         cluster
             .fleets
@@ -391,6 +447,10 @@ impl Fleet {
             // found Redis away, or a reload made it): it takes one now.
             if limiter.share().is_none() {
                 c.degrade("unreachable", &[(self, limiter)], false);
+            }
+            // A permit taken under the whole limit before the share was set is not a slot
+            // of the share: it queues again under it.
+            if !permit.under_share() {
                 return self.share(limiter, permit, id, deadline).await;
             }
             return Ok(self.held(id, permit));
@@ -420,15 +480,15 @@ impl Fleet {
         };
         loop {
             let limit = limiter.limit().unwrap_or(u64::MAX);
-            let got: anyhow::Result<u64> = timed(
-                c.acquire
-                    .key(&self.key)
-                    .arg(limit)
-                    .arg(c.lease_ms())
-                    .arg(c.member(id))
-                    .invoke_async(&mut conn),
-            )
-            .await;
+            self.limit.store(limit, Relaxed);
+            let mut call = c.acquire.key(&self.key);
+            if self.adaptive.load(Relaxed) {
+                // The fleet's limit as it is now, when its leader has set one.
+                call.key(&self.limit_key);
+            }
+            call.arg(limit).arg(c.lease_ms()).arg(c.member(id));
+            let got: anyhow::Result<u64> = timed(call.invoke_async(&mut conn)).await;
+            self.set_full(matches!(got, Ok(0)));
             match got {
                 Ok(1) => {
                     pending.armed = false;
@@ -452,6 +512,27 @@ impl Fleet {
                 }
             }
         }
+    }
+
+    /// Whether a request here would find a fleet slot, as far as this replica last heard
+    /// (degraded: its share decides, locally).
+    pub fn has_room(&self) -> bool {
+        let c = &self.cluster;
+        c.degraded()
+            || !self.full.load(Relaxed)
+            || c.since_start() > self.full_at.load(Relaxed) + millis(FULL_FOR)
+    }
+
+    fn set_full(&self, full: bool) {
+        if full {
+            self.full_at.store(self.cluster.since_start(), Relaxed);
+        }
+        self.full.store(full, Relaxed);
+    }
+
+    /// Whether the upstream holds an adaptive cap (its limit is then the fleet's one).
+    pub fn set_adaptive(&self, adaptive: bool) {
+        self.adaptive.store(adaptive, Relaxed);
     }
 
     /// Redis is away: the request gives back the local slot it took under the whole
@@ -515,5 +596,65 @@ impl Fleet {
             .unwrap_or_else(PoisonError::into_inner)
             .remove(&id);
         self.forget(id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limit::LimitConfig;
+
+    /// Requests that took a local slot under the whole limit before Redis was found away
+    /// queue again under the share: the share admits one, not every request that was
+    /// already on its way.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn slots_taken_before_the_share_queue_again_under_it() {
+        // Nothing listens here: Redis is away from the start.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let cluster =
+            Cluster::new(&format!("redis://127.0.0.1:{port}"), Duration::from_secs(3)).unwrap();
+        let fleet = Fleet::new(&cluster, "u");
+        let limiter = Limiter::new(
+            LimitConfig {
+                initial: Some(16),
+                max_queue: 10,
+                queue_timeout: Duration::from_secs(30),
+            },
+            metrics::Histogram::noop(),
+        );
+        let mut permits: Vec<Permit> = (0..3).map(|_| limiter.try_acquire().unwrap()).collect();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let slot = |permit: Permit| {
+            let (fleet, limiter) = (Arc::clone(&fleet), Arc::clone(&limiter));
+            tokio::spawn(async move { fleet.slot(&limiter, permit, deadline).await })
+        };
+        // The first finds Redis away and sets the share; the other two arrive after it.
+        let mut tasks = vec![slot(permits.remove(0))];
+        let settled = Instant::now() + Duration::from_secs(10);
+        while !cluster.degraded() {
+            assert!(Instant::now() < settled, "Redis never found away");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        tasks.extend(permits.into_iter().map(slot));
+        loop {
+            let s = limiter.stats();
+            let done = tasks.iter().filter(|t| t.is_finished()).count() as u64;
+            // Settled: every request holds a slot (finished) or waits for one.
+            if s.queued + done == 3 && s.in_flight == done {
+                assert_eq!((s.in_flight, s.queued), (1, 2), "the share is 1");
+                break;
+            }
+            assert!(Instant::now() < settled, "never settled: {s:?}");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(cluster.degraded());
+        assert_eq!(limiter.share(), Some(1));
+        for t in tasks {
+            t.abort();
+        }
     }
 }

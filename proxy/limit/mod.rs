@@ -52,7 +52,8 @@ pub struct Limiter {
     limit: AtomicU64,
     state: Mutex<State>,
     rejected: [AtomicU64; 2],
-    /// A request had to queue (or was refused) since the controller last looked.
+    /// A request had to queue (or was refused) for the limit, not a share, since the
+    /// controller last looked.
     binding: AtomicBool,
     waits: metrics::Histogram,
     /// A cap under the limit: this replica's share while its fleet's Redis is away
@@ -70,7 +71,8 @@ struct State {
 
 struct Waiter {
     id: u64,
-    grant: oneshot::Sender<()>,
+    /// Sent whether the slot was granted under a share.
+    grant: oneshot::Sender<bool>,
 }
 
 /// What `/stats` shows of a limiter.
@@ -142,7 +144,7 @@ impl Limiter {
         let mut st = self.lock();
         if st.queue.is_empty() && st.in_flight < self.effective() {
             st.in_flight += 1;
-            return Some(Permit(Arc::clone(self)));
+            return Some(self.permit(self.share().is_some()));
         }
         None
     }
@@ -154,9 +156,13 @@ impl Limiter {
             let mut st = self.lock();
             if st.queue.is_empty() && st.in_flight < self.effective() {
                 st.in_flight += 1;
-                return Ok(Permit(Arc::clone(self)));
+                return Ok(self.permit(self.share().is_some()));
             }
-            self.binding.store(true, Relaxed);
+            // The limit binds, not a share under it: a replica rejoining its fleet still
+            // queues on its share for a period, which says nothing about the fleet's limit.
+            if st.in_flight >= self.limit.load(Relaxed) {
+                self.binding.store(true, Relaxed);
+            }
             if st.queue.len() >= st.max_queue {
                 self.reject(Rejected::QueueFull);
                 return Err(Rejected::QueueFull);
@@ -176,8 +182,8 @@ impl Limiter {
         let granted = tokio::time::timeout(queue_timeout, rx).await;
         guard.done = true;
         self.waits.record(started.elapsed().as_secs_f64());
-        if matches!(granted, Ok(Ok(()))) {
-            return Ok(Permit(Arc::clone(self)));
+        if let Ok(Ok(shared)) = granted {
+            return Ok(self.permit(shared));
         }
         let mut st = self.lock();
         match st.queue.iter().position(|w| w.id == id) {
@@ -188,7 +194,7 @@ impl Limiter {
                 Err(Rejected::QueueTimeout)
             }
             // Granted in the same instant the wait ran out: the slot is ours.
-            None => Ok(Permit(Arc::clone(self))),
+            None => Ok(self.permit(self.share().is_some())),
         }
     }
 
@@ -243,9 +249,16 @@ impl Limiter {
         let limit = self.effective();
         while st.in_flight < limit {
             let Some(w) = st.queue.pop_front() else { break };
-            if w.grant.send(()).is_ok() {
+            if w.grant.send(self.share().is_some()).is_ok() {
                 st.in_flight += 1;
             }
+        }
+    }
+
+    fn permit(self: &Arc<Self>, shared: bool) -> Permit {
+        Permit {
+            limiter: Arc::clone(self),
+            shared,
         }
     }
 
@@ -281,11 +294,22 @@ impl Drop for QueueGuard<'_> {
 }
 
 /// A concurrency slot; dropping it frees the slot.
-pub struct Permit(Arc<Limiter>);
+pub struct Permit {
+    limiter: Arc<Limiter>,
+    /// Granted while a share was in force (else under the whole limit).
+    shared: bool,
+}
+
+impl Permit {
+    /// Whether the slot was granted under this replica's share, not the whole limit.
+    pub fn under_share(&self) -> bool {
+        self.shared
+    }
+}
 
 impl Drop for Permit {
     fn drop(&mut self) {
-        self.0.release();
+        self.limiter.release();
     }
 }
 
@@ -335,6 +359,41 @@ mod tests {
         assert_eq!(l.stats().rejected_queue_full, 1);
         assert!(l.take_binding());
         assert!(!l.take_binding());
+    }
+
+    /// The controller hears of queueing the limit caused, not queueing on a share under it
+    /// (a replica whose fleet's Redis is away, or that has just rejoined).
+    #[tokio::test(start_paused = true)]
+    async fn queueing_on_a_share_does_not_say_the_limit_binds() {
+        let l = limiter(4, 10, 100);
+        l.set_share(Some(1));
+        let a = l.acquire().await.unwrap();
+        assert_eq!(l.acquire().await.err(), Some(Rejected::QueueTimeout));
+        assert!(!l.take_binding());
+        l.set_share(None);
+        let _more: Vec<Permit> = [(); 3].map(|_| l.try_acquire().unwrap()).into();
+        assert_eq!(l.acquire().await.err(), Some(Rejected::QueueTimeout));
+        assert!(l.take_binding());
+        drop(a);
+    }
+
+    /// A permit says whether a share was in force when it was granted, whether at once or
+    /// from the queue.
+    #[tokio::test(start_paused = true)]
+    async fn a_permit_knows_whether_a_share_admitted_it() {
+        let l = limiter(4, 10, 60_000);
+        let whole = l.try_acquire().unwrap();
+        assert!(!whole.under_share());
+        l.set_share(Some(2));
+        let shared = l.acquire().await.unwrap();
+        assert!(shared.under_share());
+        let l2 = Arc::clone(&l);
+        let waiter = tokio::spawn(async move { l2.acquire().await.unwrap().under_share() });
+        tokio::task::yield_now().await;
+        assert_eq!(l.stats().queued, 1);
+        drop(whole);
+        assert!(waiter.await.unwrap());
+        drop(shared);
     }
 
     #[tokio::test(start_paused = true)]

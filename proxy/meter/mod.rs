@@ -21,7 +21,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 pub use stats::{CurvePoint, MeterStats, Percentiles, TokensPerEvent};
-pub use window::ControlSample;
+pub use window::{ControlSample, Gaps};
 use window::{Shard, Sums, Windows};
 
 /// The curve bucket (0 for 1, 1 for 2, 2 for 3–4, …; labelled `1 << bucket`) of a mean

@@ -29,14 +29,33 @@ pub const SLOTS: usize = 20;
 /// Histogram range: 1 µs to one hour, two significant figures (1% resolution).
 const HIST_MAX_US: u64 = 3_600_000_000;
 
-/// A request's token events inside one slot.
+/// A request's token events inside one slot: 20 bytes, as every open stream holds
+/// [`SLOTS`] of them. The slot is counted from the record's first one, and the times are
+/// microseconds into the slot (a slot is at most 3600 s / [`SLOTS`]).
 #[derive(Clone, Copy, Default)]
 struct Segment {
-    epoch: u64,
-    first: Nanos,
-    last: Nanos,
-    tokens: u64,
+    /// The slot's epoch less the record's `epoch0`.
+    epoch: u32,
+    first_us: u32,
+    last_us: u32,
+    tokens: u32,
     events: u32,
+}
+
+impl Segment {
+    /// Its first and last event, in nanoseconds.
+    fn span(&self, epoch0: u64, slot_ns: Nanos) -> (Nanos, Nanos) {
+        let start = (epoch0 + u64::from(self.epoch)) * slot_ns;
+        (
+            start + u64::from(self.first_us) * 1000,
+            start + u64::from(self.last_us) * 1000,
+        )
+    }
+}
+
+/// Microseconds from the start of its slot to `now`.
+fn into_slot_us(now: Nanos, slot_ns: Nanos) -> u32 {
+    ((now % slot_ns) / 1000).try_into().unwrap_or(u32::MAX)
 }
 
 /// A request in flight, or finished but still inside the window.
@@ -45,6 +64,8 @@ struct Record {
     first: Option<Nanos>,
     last: Nanos,
     finished_at: Option<Nanos>,
+    /// The epoch its segments count from: the slot it began in.
+    epoch0: u64,
     segments: [Segment; SLOTS],
     /// Its tokens by the curve bucket they arrived in, so an exact count that replaces
     /// them is spread over the same buckets.
@@ -68,12 +89,96 @@ struct Totals {
 }
 
 /// One controller tick's evidence.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ControlSample {
     /// The asked percentile of per-token gaps, ms; `None` without gaps.
     pub tpot_ms: Option<f64>,
     /// Time-weighted mean in flight.
     pub concurrency: f64,
+    /// The tick's per-token gaps, to be merged with other replicas' (`[cluster]`).
+    pub gaps: Gaps,
+}
+
+/// Per-token gaps as (µs, count) pairs at the meter's resolution (2 significant digits):
+/// a histogram that travels, and merges exactly with others.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Gaps(Vec<(u64, u64)>);
+
+impl Gaps {
+    fn of(h: &Histogram<u32>) -> Gaps {
+        Gaps(
+            h.iter_recorded()
+                .map(|v| {
+                    (
+                        h.median_equivalent(v.value_iterated_to()),
+                        u64::from(v.count_at_value()),
+                    )
+                })
+                .collect(),
+        )
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The gaps of `parts` together.
+    pub fn merged<'a>(parts: impl IntoIterator<Item = &'a Gaps>) -> Gaps {
+        let mut h = histogram();
+        for part in parts {
+            for &(v, n) in &part.0 {
+                let _ = h.record_n(
+                    v.clamp(1, HIST_MAX_US),
+                    u32::try_from(n).unwrap_or(u32::MAX),
+                );
+            }
+        }
+        Gaps::of(&h)
+    }
+
+    /// The `percentile` (0–100) of the gaps, ms.
+    pub fn percentile_ms(&self, percentile: f64) -> Option<f64> {
+        let total: u64 = self.0.iter().map(|p| p.1).sum();
+        if total == 0 {
+            return None;
+        }
+        // The hdrhistogram rule: the lowest value with at least q·n at or below it.
+        let want = ((percentile / 100.0).clamp(0.0, 1.0) * total as f64)
+            .ceil()
+            .max(1.0) as u64;
+        let mut seen = 0;
+        self.0
+            .iter()
+            .find(|&&(_, n)| {
+                seen += n;
+                seen >= want
+            })
+            .map(|&(v, _)| v as f64 / 1e3)
+    }
+
+    /// `µs:count` pairs, comma-separated.
+    pub fn encode(&self) -> String {
+        let mut s = String::with_capacity(self.0.len() * 10);
+        for (i, (v, n)) in self.0.iter().enumerate() {
+            use std::fmt::Write;
+            let _ = write!(s, "{}{v}:{n}", if i > 0 { "," } else { "" });
+        }
+        s
+    }
+
+    /// What [`Gaps::encode`] wrote; `None` for anything else.
+    pub fn decode(s: &str) -> Option<Gaps> {
+        if s.is_empty() {
+            return Some(Gaps::default());
+        }
+        s.split(',')
+            .map(|pair| {
+                let (v, n) = pair.split_once(':')?;
+                Some((v.parse().ok()?, n.parse().ok()?))
+            })
+            .collect::<Option<Vec<_>>>()
+            .map(Gaps)
+    }
 }
 
 fn histogram() -> Histogram<u32> {
@@ -239,6 +344,7 @@ impl Shard {
             first: None,
             last: now,
             finished_at: None,
+            epoch0: now / self.slot_ns,
             segments: [Segment::default(); SLOTS],
             by_bucket: [0; CURVE_BUCKETS],
         })
@@ -265,18 +371,20 @@ impl Shard {
         }
         rec.last = now;
         let seg = &mut rec.segments[(epoch % SLOTS as u64) as usize];
-        if seg.epoch != epoch || seg.events == 0 {
+        let rel = u32::try_from(epoch.saturating_sub(rec.epoch0)).unwrap_or(u32::MAX);
+        let at = into_slot_us(now, self.slot_ns);
+        if seg.epoch != rel || seg.events == 0 {
             *seg = Segment {
-                epoch,
-                first: now,
-                last: now,
+                epoch: rel,
+                first_us: at,
+                last_us: at,
                 tokens: 0,
                 events: 0,
             };
         }
-        seg.last = now;
-        seg.tokens += u64::from(n);
-        seg.events += 1;
+        seg.last_us = at;
+        seg.tokens = seg.tokens.saturating_add(n);
+        seg.events = seg.events.saturating_add(1);
 
         let _ = self.tokens_per_event.record(u64::from(n));
         self.running += u64::from(n);
@@ -338,12 +446,13 @@ impl Shard {
             bucket.tokens = (bucket.tokens + scaled).saturating_sub(u64::from(counted));
         }
         for seg in rec.segments.iter_mut().filter(|s| s.events > 0) {
-            let scaled = (seg.tokens as f64 * ratio).round() as u64;
-            let slot = &mut self.ring[(seg.epoch % SLOTS as u64) as usize];
-            if slot.epoch == seg.epoch {
-                slot.tokens = (slot.tokens + scaled).saturating_sub(seg.tokens);
+            let scaled = (f64::from(seg.tokens) * ratio).round() as u64;
+            let epoch = rec.epoch0 + u64::from(seg.epoch);
+            let slot = &mut self.ring[(epoch % SLOTS as u64) as usize];
+            if slot.epoch == epoch {
+                slot.tokens = (slot.tokens + scaled).saturating_sub(u64::from(seg.tokens));
             }
-            seg.tokens = scaled;
+            seg.tokens = u32::try_from(scaled).unwrap_or(u32::MAX);
         }
     }
 
@@ -640,6 +749,7 @@ impl Windows {
             } else {
                 0.0
             },
+            gaps: Gaps::of(gaps),
         };
         self.control_busy = 0;
         self.control_since = now;
@@ -751,15 +861,16 @@ fn sparse(b: &CurveBucket, t: &curve::Time) -> bool {
 /// had at least two events there.
 fn window_tpot(rec: &Record, span: Span) -> Option<f64> {
     let (mut first, mut last, mut tokens, mut events) = (u64::MAX, 0, 0u64, 0u32);
-    for s in rec
-        .segments
-        .iter()
-        .filter(|s| s.events > 0 && s.epoch >= span.oldest && s.epoch <= span.newest)
-    {
-        first = first.min(s.first);
-        last = last.max(s.last);
-        tokens += s.tokens;
-        events += s.events;
+    for s in rec.segments.iter().filter(|s| s.events > 0) {
+        let epoch = rec.epoch0 + u64::from(s.epoch);
+        if epoch < span.oldest || epoch > span.newest {
+            continue;
+        }
+        let (f, l) = s.span(rec.epoch0, span.slot_ns);
+        first = first.min(f);
+        last = last.max(l);
+        tokens += u64::from(s.tokens);
+        events = events.saturating_add(s.events);
     }
     (events >= 2 && tokens >= 2 && last > first).then(|| ms(last - first) / (tokens - 1) as f64)
 }
@@ -789,5 +900,44 @@ fn hist_percentiles(h: &Histogram<u32>) -> Percentiles {
         p50: q(0.5),
         p90: q(0.9),
         p99: q(0.99),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn recorded(values: impl IntoIterator<Item = u64>) -> Histogram<u32> {
+        let mut h = histogram();
+        for v in values {
+            h.record(v).unwrap();
+        }
+        h
+    }
+
+    #[test]
+    fn gaps_merged_give_the_percentiles_of_the_whole() {
+        let a: Vec<u64> = (0..500).map(|i| 18_000 + i * 13).collect();
+        let b: Vec<u64> = (0..300).map(|i| 25_000 + i * 71).collect();
+        let whole = recorded(a.iter().chain(&b).copied());
+        let merged = Gaps::merged([&Gaps::of(&recorded(a)), &Gaps::of(&recorded(b))]);
+        for p in [1.0, 50.0, 90.0, 99.0, 99.9] {
+            assert_eq!(
+                merged.percentile_ms(p),
+                Some(quantile_us(&whole, p / 100.0) / 1e3),
+                "p{p}"
+            );
+        }
+        assert_eq!(Gaps::default().percentile_ms(90.0), None);
+    }
+
+    #[test]
+    fn gaps_travel_as_text_and_refuse_garbage() {
+        let g = Gaps::of(&recorded([20_000, 20_000, 31_000, 2_000_000]));
+        assert_eq!(Gaps::decode(&g.encode()), Some(g.clone()));
+        assert_eq!(Gaps::decode(""), Some(Gaps::default()));
+        for bad in ["1:2,", "x:1", "1:-1", "1", "1:2:3"] {
+            assert_eq!(Gaps::decode(bad), None, "{bad}");
+        }
     }
 }

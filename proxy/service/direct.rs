@@ -182,6 +182,23 @@ struct Open {
     keep_alive: bool,
 }
 
+/// A request made ready to stream, with its upstream and whether its body was read whole;
+/// or answered already, with the connection's fate and the failure if one.
+enum Prepared {
+    Open(Open, Choice, bool),
+    Done(After, Option<Failure>),
+}
+
+/// What becomes of the client connection after a request that ended with `result`.
+fn ended(result: Result<After>, read_whole: bool) -> After {
+    match result {
+        Ok(after) => after,
+        // A refused body (malformed, too large, too slow) may have more bytes coming.
+        Err(e) if e.esource() == &ErrorSource::Downstream && !read_whole => After::Linger,
+        Err(_) => After::Close,
+    }
+}
+
 /// How the client gets the response body.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum ToClient {
@@ -290,6 +307,63 @@ impl TokenTap {
         incoming: Box<Incoming>,
         shutdown: bool,
     ) -> (After, Option<Failure>) {
+        // Boxed, and gone before the body streams: routing, admission and opening hold the
+        // request head and answers tokentap may make itself (~1.5 KiB), which an open
+        // stream does not need.
+        let prepared = Box::pin(self.prepare(client, ctx, incoming, shutdown)).await;
+        let (mut open, choice, read_whole) = match prepared {
+            Prepared::Open(open, choice, read_whole) => (open, choice, read_whole),
+            Prepared::Done(after, failure) => return (after, failure),
+        };
+        let shared = Arc::clone(&ctx.shared);
+        let upstream = &shared.upstreams[choice.upstream];
+        let peer = &upstream.peer;
+        let relayed = self
+            .relay(client, ctx, &mut open, peer.options.read_timeout)
+            .await;
+        let failure = relayed
+            .as_ref()
+            .err()
+            .map(|e| failure::of(e, &upstream.config.name));
+        let result = relayed.map(|()| {
+            if open.relay.reusable {
+                let idle = upstream.config.idle_timeout;
+                match open.up {
+                    Io::Tcp(tcp) => {
+                        let now = std::time::Instant::now();
+                        let addr = upstream.config.addr;
+                        self.transport.pool.release(addr, tcp, now, idle);
+                    }
+                    Io::Pingora(tls) => {
+                        let hash = peer.reuse_hash();
+                        self.transport
+                            .connector
+                            .release_stream(tls, hash, Some(idle));
+                    }
+                }
+            }
+            if !open.watch || !open.leftover.is_empty() {
+                After::Linger
+            } else if open.keep_alive {
+                After::KeepAlive
+            } else {
+                After::Close
+            }
+        });
+        self.finish(ctx, result.as_ref().err().map(|e| &**e));
+        (ended(result, read_whole), failure)
+    }
+
+    /// Routes and admits the request and opens its exchange with the upstream, up to the
+    /// response header; or answers it (no route, rejected, failed before any byte reached
+    /// the client) and says what becomes of the connection.
+    async fn prepare(
+        &self,
+        client: &mut Io,
+        ctx: &mut Ctx,
+        incoming: Box<Incoming>,
+        shutdown: bool,
+    ) -> Prepared {
         let Incoming {
             checked, ahead, t0, ..
         } = *incoming;
@@ -335,7 +409,7 @@ impl TokenTap {
             let out = json_response(404, &body, &id, keep);
             ctx.status = 404;
             ctx.bytes_out += request::answer(client, &out, limits.client_write_timeout).await;
-            return (after, None);
+            return Prepared::Done(after, None);
         };
         ctx.choice = Some(choice);
         let upstream = &shared.upstreams[choice.upstream];
@@ -351,9 +425,11 @@ impl TokenTap {
             // The local slot, then (with [cluster]) the fleet's: both within the queue's
             // timeout.
             let deadline = queued + upstream.config.queue_timeout;
+            // Boxed: taking a fleet slot (Redis calls) is a large future, and inline it would
+            // make every request's state, streaming or not, ~5 KiB larger.
             let slot = |permit: Permit| async move {
                 match &upstream.fleet {
-                    Some(fleet) => fleet.slot(limiter, permit, deadline).await,
+                    Some(fleet) => Box::pin(fleet.slot(limiter, permit, deadline)).await,
                     None => Ok(Slot::local(permit)),
                 }
             };
@@ -387,14 +463,12 @@ impl TokenTap {
                     let (keep, after) = answered(&leftover, watch);
                     ctx.status = 429;
                     ctx.bytes_out += reject(client, ctx, choice, why, keep).await;
-                    return (after, None);
+                    return Prepared::Done(after, None);
                 }
                 Err(gone) => {
                     self.finish(ctx, Some(&gone));
-                    return (
-                        After::Close,
-                        Some(failure::of(&gone, &upstream.config.name)),
-                    );
+                    let failure = failure::of(&gone, &upstream.config.name);
+                    return Prepared::Done(After::Close, Some(failure));
                 }
             }
         }
@@ -405,78 +479,33 @@ impl TokenTap {
             body: bytes,
             rest,
         };
-        // Boxed: setting up is a large future needed only until the response header; kept
-        // inline, every open stream would hold its space.
-        let opened = Box::pin(self.open(client, ctx, outgoing, leftover, watch, shutdown));
-        let opened = opened.await;
+        let opened = self.open(client, ctx, outgoing, leftover, watch, shutdown);
+        let e = match opened.await {
+            Ok(open) => return Prepared::Open(open, choice, read_whole),
+            Err(e) => e,
+        };
+        // Nothing reached the client yet: answer.
         let mut failure = None;
-        if let Err(e) = &opened {
-            // Nothing reached the client yet: answer.
-            let cwt = limits.client_write_timeout;
-            if let Some(mistake) = e.root_cause().downcast_ref::<ClientError>() {
-                // A client's mistake is answered as such; it is not a failure.
-                ctx.status = mistake.status();
-                ctx.bytes_out += request::refuse(client, *mistake, cwt).await;
-            } else {
-                let f = failure::of(e, &upstream.config.name);
-                if !f.client {
-                    ctx.status = f.status;
-                    ctx.bytes_out += answer_failure(client, ctx, choice, &f, cwt).await;
-                } // else gone: nobody to answer
-                failure = Some(f);
-            }
+        let cwt = limits.client_write_timeout;
+        if let Some(mistake) = e.root_cause().downcast_ref::<ClientError>() {
+            // A client's mistake is answered as such; it is not a failure.
+            ctx.status = mistake.status();
+            ctx.bytes_out += request::refuse(client, *mistake, cwt).await;
+        } else {
+            let f = failure::of(&e, &upstream.config.name);
+            if !f.client {
+                ctx.status = f.status;
+                ctx.bytes_out += answer_failure(client, ctx, choice, &f, cwt).await;
+            } // else gone: nobody to answer
+            failure = Some(f);
         }
-        let result = match opened {
-            Ok(mut open) => {
-                let upstream = &shared.upstreams[choice.upstream];
-                let peer = &upstream.peer;
-                let relayed = self
-                    .relay(client, ctx, &mut open, peer.options.read_timeout)
-                    .await;
-                if let Err(e) = &relayed {
-                    failure = Some(failure::of(e, &upstream.config.name));
-                }
-                relayed.map(|()| {
-                    if open.relay.reusable {
-                        let idle = upstream.config.idle_timeout;
-                        match open.up {
-                            Io::Tcp(tcp) => {
-                                let now = std::time::Instant::now();
-                                let addr = upstream.config.addr;
-                                self.transport.pool.release(addr, tcp, now, idle);
-                            }
-                            Io::Pingora(tls) => {
-                                let hash = peer.reuse_hash();
-                                self.transport
-                                    .connector
-                                    .release_stream(tls, hash, Some(idle));
-                            }
-                        }
-                    }
-                    if !open.watch || !open.leftover.is_empty() {
-                        After::Linger
-                    } else if open.keep_alive {
-                        After::KeepAlive
-                    } else {
-                        After::Close
-                    }
-                })
-            }
-            Err(e) => Err(e),
-        };
-        self.finish(ctx, result.as_ref().err().map(|e| &**e));
-        let after = match result {
-            Ok(after) => after,
-            // A refused body (malformed, too large, too slow) may have more bytes coming.
-            Err(e) if e.esource() == &ErrorSource::Downstream && !read_whole => After::Linger,
-            Err(_) => After::Close,
-        };
-        (after, failure)
+        self.finish(ctx, Some(&e));
+        Prepared::Done(ended(Err(e), read_whole), failure)
     }
 
     /// Everything up to the response body: the upstream request (usage injected), the
     /// connection, the rest of the request body, the response header. Nothing reaches the
-    /// client here (`serve` answers an error); after, an error cuts the connection, as
+    /// client here (`prepare` answers an error); after, an error cuts the connection, as
     /// pingora-proxy does.
     async fn open(
         &self,
@@ -524,8 +553,7 @@ impl TokenTap {
             (BodyKind::Chunked, _) => UpBody::Chunked,
         };
         let id = ctx.request_id.is_ours().then(|| ctx.request_id.as_str());
-        let up_req = upstream_request(&req, &upstream.config.host_header, id, up_body)?;
-        drop(req);
+        let up_req = upstream_request(req, &upstream.config.host_header, id, up_body)?;
         let Some(mut wire) = http_req_header_to_wire(&up_req) else {
             return Error::e_explain(InvalidHTTPHeader, "request target");
         };
@@ -823,7 +851,7 @@ impl TokenTap {
 fn route(shared: &Shared, req: &RequestHeader) -> Option<Choice> {
     let upstreams = &shared.upstreams;
     shared.router.choose(req.uri.path(), &req.headers, |u| {
-        upstreams[u].limiter.has_headroom()
+        upstreams[u].has_headroom()
     })
 }
 
@@ -888,12 +916,11 @@ async fn answer_failure(
 /// The request as the upstream gets it (with tokentap's request `id` when the client sent
 /// none).
 fn upstream_request(
-    client: &RequestHeader,
+    mut req: RequestHeader,
     host: &str,
     id: Option<&str>,
     body: UpBody,
 ) -> Result<RequestHeader> {
-    let mut req = client.clone();
     for name in h1::hop_by_hop(&req.headers, &[]) {
         req.remove_header(&name);
     }

@@ -61,52 +61,68 @@ impl Front {
         shutdown: ShutdownWatch,
     ) {
         loop {
-            // Per request: a reload changes the limits of the requests that follow.
-            let limits = self.tap.live.load().config.limits;
-            let (mut read, head_len, req) = match read_head(&mut client, &shutdown, &limits).await {
-                Ok(Some(head)) => head,
-                Ok(None) => return,
-                Err(e) => return refuse(client, e, &limits).await,
-            };
-            let t0 = self.tap.now();
-            let checked = match request::check(req, limits.max_request_body_bytes) {
-                Ok(checked) => checked,
-                Err(e) => return refuse(client, e, &limits).await,
-            };
-            if checked.upgrade {
-                match Box::pin(self.hand_over(client, read, &shutdown)).await {
-                    Some(reused) => client = reused,
-                    None => return,
+            // Boxed, as is serving it: reading and checking a request is ~2 KiB of state
+            // needed until it is served, and inline every open stream would keep its room.
+            let next = Box::pin(self.next_request(&mut client, peer, &shutdown)).await;
+            let incoming = match next {
+                Next::Serve(incoming) => incoming,
+                Next::Upgrade(read) => {
+                    match Box::pin(self.hand_over(client, read, &shutdown)).await {
+                        Some(reused) => client = reused,
+                        None => return,
+                    }
+                    continue;
                 }
-                continue;
-            }
-            // The body is read ahead before the upstream is chosen and a slot taken: a
-            // client trickling its body holds no slot, and a split's spill sees the slots
-            // free when the request is ready to go.
-            let after_head = read.split_off(head_len);
-            drop(read);
-            let ahead = request::read_ahead(&mut client, after_head, &checked, &limits);
-            let ahead = match ahead.await {
-                Ok(Some(ahead)) => ahead,
-                Ok(None) => return,
-                Err(e) => return refuse(client, e, &limits).await,
+                Next::Refuse(e, limits) => return Box::pin(refuse(client, e, &limits)).await,
+                Next::Closed => return,
             };
-            let incoming = Box::new(Incoming {
-                checked,
-                ahead,
-                t0,
-                peer,
-            });
             let shutting_down = *shutdown.borrow();
-            // Boxed, as pingora-proxy's path is: inline, every connection's task held room
-            // for a request's state, idle or not (valgrind massif).
             let serve = self.tap.serve(&mut client, incoming, shutting_down);
             match Box::pin(serve).await {
                 After::KeepAlive => {}
                 After::Close => return,
-                After::Linger => return linger(client).await,
+                After::Linger => return Box::pin(linger(client)).await,
             }
         }
+    }
+
+    /// The connection's next request, read and checked, its body read ahead: before the
+    /// upstream is chosen and a slot taken, so a client trickling its body holds no slot,
+    /// and a split's spill sees the slots free when the request is ready to go.
+    async fn next_request(
+        &self,
+        client: &mut Io,
+        peer: Option<SocketAddr>,
+        shutdown: &ShutdownWatch,
+    ) -> Next {
+        // Per request: a reload changes the limits of the requests that follow.
+        let limits = self.tap.live.load().config.limits;
+        let (mut read, head_len, req) = match read_head(client, shutdown, &limits).await {
+            Ok(Some(head)) => head,
+            Ok(None) => return Next::Closed,
+            Err(e) => return Next::Refuse(e, limits),
+        };
+        let t0 = self.tap.now();
+        let checked = match request::check(req, limits.max_request_body_bytes) {
+            Ok(checked) => checked,
+            Err(e) => return Next::Refuse(e, limits),
+        };
+        if checked.upgrade {
+            return Next::Upgrade(read);
+        }
+        let after_head = read.split_off(head_len);
+        drop(read);
+        let ahead = match request::read_ahead(client, after_head, &checked, &limits).await {
+            Ok(Some(ahead)) => ahead,
+            Ok(None) => return Next::Closed,
+            Err(e) => return Next::Refuse(e, limits),
+        };
+        Next::Serve(Box::new(Incoming {
+            checked,
+            ahead,
+            t0,
+            peer,
+        }))
     }
 
     /// The client connection as requests are read from it: with `listen.tls_cert`, after
@@ -119,6 +135,8 @@ impl Front {
         };
         let limit = shared.config.limits.request_head_timeout;
         let stream = pingora::protocols::l4::stream::Stream::from(tcp);
+        // A ~7 KiB future: the caller boxes this one, so that it does not size every
+        // connection's task, TLS or not, for the connection's whole life.
         let handshake = pingora::protocols::tls::server::handshake(&tls.acceptor, stream);
         match tokio::time::timeout(limit, handshake).await {
             Ok(Ok(tls)) => Some(Io::Pingora(Box::new(tls))),
@@ -143,6 +161,17 @@ impl Front {
         let reused = self.proxy.process_new_http(session, shutdown).await?;
         Some(Io::Pingora(reused.consume().0))
     }
+}
+
+/// What a connection does next.
+enum Next {
+    Serve(Box<Incoming>),
+    /// An upgrade, handed to pingora-proxy with the bytes read so far.
+    Upgrade(BytesMut),
+    /// A client's mistake, answered within the limits in force when it was read.
+    Refuse(ClientError, Limits),
+    /// Closed, failed, idled out or shutting down before a request.
+    Closed,
 }
 
 /// Answers a client's mistake and closes.
@@ -338,7 +367,13 @@ impl Service for FrontService {
                     // On a random worker with `work_stealing = false` (tokio::spawn would put
                     // every connection on the accept loop's thread), as pingora's listener.
                     pingora_runtime::current_handle().spawn(async move {
-                        if let Some(client) = front.secure(tcp, peer).await {
+                        let client = if front.tap.live.load().config.listen.tls.is_some() {
+                            // Boxed: the handshake's state is needed only until it is done.
+                            Box::pin(front.secure(tcp, peer)).await
+                        } else {
+                            Some(Io::Tcp(tcp))
+                        };
+                        if let Some(client) = client {
                             front.connection(client, Some(peer), shutdown).await;
                         }
                         drop(open);

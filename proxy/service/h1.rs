@@ -23,6 +23,10 @@ pub(super) enum Head<T> {
     Invalid,
 }
 
+/// Fields a forwarded head may gain: its header maps are made this much larger than the
+/// head read, so that adding them does not grow (reallocate) the maps.
+const ADDED: usize = 3;
+
 /// Parses a request head (HTTP/1.0 or 1.1).
 pub(super) fn request(buf: &[u8]) -> Head<RequestHeader> {
     let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
@@ -39,8 +43,10 @@ pub(super) fn request(buf: &[u8]) -> Head<RequestHeader> {
     if path.is_empty() || !path.bytes().all(|b| b.is_ascii_graphic()) {
         return Head::Invalid;
     }
-    let Ok(mut header) = RequestHeader::build(method, path.as_bytes(), Some(req.headers.len()))
-    else {
+    // Room for the fields the upstream request may gain (its id, `Host` for an HTTP/1.0
+    // client without one, a length or chunked; an old length is removed first).
+    let room = req.headers.len() + ADDED;
+    let Ok(mut header) = RequestHeader::build(method, path.as_bytes(), Some(room)) else {
         return Head::Invalid;
     };
     header.set_version(match version {
@@ -70,7 +76,8 @@ pub(super) fn response(buf: &[u8]) -> Head<ResponseHeader> {
     let (Some(code), Some(version)) = (resp.code, resp.version) else {
         return Head::Invalid;
     };
-    let Ok(mut header) = ResponseHeader::build(code, Some(resp.headers.len())) else {
+    // Room for the fields the client's response may gain (`Date`, `Connection`, chunked).
+    let Ok(mut header) = ResponseHeader::build(code, Some(resp.headers.len() + ADDED)) else {
         return Head::Invalid;
     };
     header.set_version(match version {

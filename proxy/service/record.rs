@@ -1,6 +1,7 @@
 //! What is written about a request when it ends: its id (the client's `x-request-id`, or
 //! one tokentap makes), the failure line when it failed, and the access-log line.
 
+use std::io::Write as _;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::OnceLock;
@@ -46,8 +47,13 @@ impl RequestId {
                 static PREFIX: OnceLock<u64> = OnceLock::new();
                 let prefix = PREFIX.get_or_init(rand::random);
                 let n = NEXT.fetch_add(1, Relaxed);
+                // Written on the stack and allocated once (format! grows a String as it goes).
+                let mut buf = [0u8; 36];
+                let mut w = &mut buf[..];
+                let _ = write!(w, "tt-{prefix:016x}-{n:x}");
+                let len = 36 - w.len();
                 RequestId {
-                    id: format!("tt-{prefix:016x}-{n:x}").into(),
+                    id: std::str::from_utf8(&buf[..len]).unwrap_or_default().into(),
                     ours: true,
                 }
             }

@@ -150,10 +150,31 @@ async fn peak_from_now(sim: SocketAddr) {
     assert_eq!(r.status, 200);
 }
 
-async fn peak_batch(sim: SocketAddr) -> u64 {
+async fn sim_stats(sim: SocketAddr) -> serde_json::Value {
     let r = send(sim, "GET", "/sim/stats", b"", &[]).await.unwrap();
-    let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
-    v["peak_batch"].as_u64().unwrap()
+    serde_json::from_slice(&r.body).unwrap()
+}
+
+/// The simulator's peak batch once it has served `completed` requests, while the clients
+/// still wait. Not after the load ends: its clients all leave at once, and the simulator
+/// still decodes an abandoned request for a step after its slot went to the next in line.
+async fn peak_while_serving(sim: SocketAddr, completed: u64) -> u64 {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let s = sim_stats(sim).await;
+        if s["completed"].as_u64().unwrap() >= completed {
+            return s["peak_batch"].as_u64().unwrap();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "fewer than {completed} served: {s}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn peak_batch(sim: SocketAddr) -> u64 {
+    sim_stats(sim).await["peak_batch"].as_u64().unwrap()
 }
 
 fn only_429s(reports: &[PhaseReport]) {
@@ -183,20 +204,14 @@ async fn sixteen_for_the_fleet_through_three_replicas_and_redis_going_away() {
         .collect();
 
     // 96 clients, 32 on each replica.
-    let reports = load_all(taps.iter().map(|t| t.proxy).collect(), 32, 6.0).await;
-    only_429s(&reports);
-    let stats: serde_json::Value = serde_json::from_slice(
-        &send(sim.addr, "GET", "/sim/stats", b"", &[])
-            .await
-            .unwrap()
-            .body,
-    )
-    .unwrap();
-    let peak = stats["peak_batch"].as_u64().unwrap();
+    let load = tokio::spawn(load_all(taps.iter().map(|t| t.proxy).collect(), 32, 6.0));
+    let peak = peak_while_serving(sim.addr, 50).await;
     assert!(
         (12..=16).contains(&peak),
-        "the simulator's peak batch was {peak}: {stats}"
+        "the simulator's peak batch was {peak}"
     );
+    let reports = load.await.unwrap();
+    only_429s(&reports);
     let done: u64 = reports.iter().map(|r| r.requests).sum();
     assert!(done > 50, "{done} requests");
 
@@ -382,22 +397,32 @@ async fn without_redis_from_the_start_it_serves_on_a_share_that_does_not_grow() 
     }
     .target()
     .unwrap();
-    let report = load::phase(
-        &target,
-        Mode::Closed { concurrency: 8 },
-        Duration::ZERO,
-        Duration::from_secs(3),
-        false,
-    )
-    .await;
+    let load = tokio::spawn(async move {
+        load::phase(
+            &target,
+            Mode::Closed { concurrency: 8 },
+            Duration::ZERO,
+            Duration::from_secs(3),
+            false,
+        )
+        .await
+    });
+    // The fleet's size was never read: the share stays at what it started with (1), so
+    // replicas starting together during an outage cannot add up to more than the limit.
+    let peak = peak_while_serving(sim.addr, 3).await;
+    assert_eq!(
+        peak,
+        1,
+        "the batch reached {peak}: {:#}\n{}",
+        upstream_stats(tap.admin).await,
+        tap.stderr()
+    );
+    let report = load.await.unwrap();
     only_429s(std::slice::from_ref(&report));
     assert!(report.requests > 0, "it served nothing");
     let m = send(tap.admin, "GET", "/metrics", b"", &[]).await.unwrap();
     let text = String::from_utf8_lossy(&m.body).into_owned();
     assert!(text.contains("tokentap_cluster_degraded 1"), "{text}");
-    // The fleet's size was never read: the share stays at what it started with (1), so
-    // replicas starting together during an outage cannot add up to more than the limit.
-    assert_eq!(peak_batch(sim.addr).await, 1);
     assert_eq!(
         tap.stderr().matches("Redis unreachable").count(),
         1,

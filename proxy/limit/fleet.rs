@@ -270,14 +270,13 @@ impl Cluster {
         let grow = grow && self.replicas_known.load(Relaxed);
         for (fleet, limiter) in fleets {
             let fair = self.fair_share(limiter);
-            let share = match limiter.share() {
+            match limiter.share() {
                 // Growing by one a period, to the fair share.
-                Some(s) if grow => (s + 1).min(fair),
-                Some(s) => s,
+                Some(s) if grow => limiter.set_share(Some((s + 1).min(fair))),
+                Some(_) => {}
                 // Starting from what this replica runs, plus one.
-                None => (fleet.held_count() + 1).min(fair),
-            };
-            limiter.set_share(Some(share));
+                None => limiter.start_share((fleet.held_count() + 1).min(fair)),
+            }
         }
     }
 

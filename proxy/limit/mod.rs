@@ -119,6 +119,19 @@ impl Limiter {
         }
     }
 
+    /// Admits at most `share` from now on, unless a share is already in force (two callers
+    /// finding Redis away at once: the first one's share stands).
+    pub fn start_share(&self, share: u64) {
+        if self
+            .share
+            .compare_exchange(u64::MAX, share.max(1), Relaxed, Relaxed)
+            .is_ok()
+        {
+            let mut st = self.lock();
+            self.grant_waiting(&mut st);
+        }
+    }
+
     /// The share in force, if any.
     pub fn share(&self) -> Option<u64> {
         Some(self.share.load(Relaxed)).filter(|&s| s != u64::MAX)

@@ -58,18 +58,40 @@ fn into_slot_us(now: Nanos, slot_ns: Nanos) -> u32 {
     ((now % slot_ns) / 1000).try_into().unwrap_or(u32::MAX)
 }
 
-/// A request in flight, or finished but still inside the window.
+/// A request in flight.
 struct Record {
     t0: Nanos,
     first: Option<Nanos>,
     last: Nanos,
-    finished_at: Option<Nanos>,
     /// The epoch its segments count from: the slot it began in.
     epoch0: u64,
     segments: [Segment; SLOTS],
     /// Its tokens by the curve bucket they arrived in, so an exact count that replaces
     /// them is spread over the same buckets.
     by_bucket: [u32; CURVE_BUCKETS],
+}
+
+/// A finished request still inside the window: what `/stats` reads of it, without the
+/// room an open one keeps (its segments without events, its tokens by curve bucket). At
+/// thousands of short requests a second the window holds tens of thousands of them.
+struct Retired {
+    t0: Nanos,
+    first: Option<Nanos>,
+    finished_at: Nanos,
+    epoch0: u64,
+    segments: Box<[Segment]>,
+}
+
+impl Retired {
+    fn of(rec: Record, finished_at: Nanos) -> Retired {
+        Retired {
+            t0: rec.t0,
+            first: rec.first,
+            finished_at,
+            epoch0: rec.epoch0,
+            segments: rec.segments.into_iter().filter(|s| s.events > 0).collect(),
+        }
+    }
 }
 
 #[derive(Default)]
@@ -296,9 +318,10 @@ pub(super) struct Shard {
     /// The latest time seen: timestamps taken just before the lock may arrive out of order.
     latest: Nanos,
     ring: Vec<Slot>,
+    /// The requests in flight.
     records: Slab<Record>,
-    /// Finished records in finishing order, removed once they leave the window.
-    retired: VecDeque<(usize, Nanos)>,
+    /// Finished requests in finishing order, dropped once they leave the window.
+    retired: VecDeque<Retired>,
     curve: Events,
     /// Per-token gaps since the SLO controller's last read.
     control_gaps: Histogram<u32>,
@@ -343,7 +366,6 @@ impl Shard {
             t0,
             first: None,
             last: now,
-            finished_at: None,
             epoch0: now / self.slot_ns,
             segments: [Segment::default(); SLOTS],
             by_bucket: [0; CURVE_BUCKETS],
@@ -414,10 +436,9 @@ impl Shard {
         if let Some(total) = exact {
             self.correct(key, now, estimated, total);
         }
-        if let Some(rec) = self.records.get_mut(key) {
-            rec.finished_at = Some(now);
+        if let Some(rec) = self.records.try_remove(key) {
+            self.retired.push_back(Retired::of(rec, now));
         }
-        self.retired.push_back((key, now));
         self.purge(now);
     }
 
@@ -464,16 +485,28 @@ impl Shard {
             let _ = sums.itl.add(&slot.itl);
         }
         let window_start = span.start();
-        for (_, rec) in &self.records {
-            if let Some(first) = rec.first.filter(|&f| f >= window_start) {
-                sums.ttft.push(ms(first.saturating_sub(rec.t0)));
+        let mut add = |t0: Nanos, first: Option<Nanos>, end: Option<Nanos>, tpot: Option<f64>| {
+            if let Some(first) = first.filter(|&f| f >= window_start) {
+                sums.ttft.push(ms(first.saturating_sub(t0)));
             }
-            if let Some(end) = rec.finished_at.filter(|&f| f >= window_start) {
-                sums.e2e.push(ms(end.saturating_sub(rec.t0)));
+            if let Some(end) = end.filter(|&f| f >= window_start) {
+                sums.e2e.push(ms(end.saturating_sub(t0)));
             }
-            if let Some(t) = window_tpot(rec, span) {
+            if let Some(t) = tpot {
                 sums.tpot.push(t);
             }
+        };
+        for (_, rec) in &self.records {
+            add(
+                rec.t0,
+                rec.first,
+                None,
+                window_tpot(rec.epoch0, &rec.segments, span),
+            );
+        }
+        for r in &self.retired {
+            let tpot = window_tpot(r.epoch0, &r.segments, span);
+            add(r.t0, r.first, Some(r.finished_at), tpot);
         }
         self.add_curve(sums, Scope::Window(now));
         self.add_tokens_per_event(sums);
@@ -503,7 +536,7 @@ impl Shard {
     /// Records held: in flight, or finished inside the window.
     #[cfg(test)]
     pub(super) fn records_held(&self) -> usize {
-        self.records.len()
+        self.records.len() + self.retired.len()
     }
 
     fn clamp(&mut self, now: Nanos) -> Nanos {
@@ -513,12 +546,12 @@ impl Shard {
 
     fn purge(&mut self, now: Nanos) {
         let window_start = Span::of(now, self.slot_ns).start();
-        while let Some(&(key, at)) = self.retired.front() {
-            if at >= window_start {
-                break;
-            }
+        while self
+            .retired
+            .front()
+            .is_some_and(|r| r.finished_at < window_start)
+        {
             self.retired.pop_front();
-            self.records.try_remove(key);
         }
     }
 }
@@ -859,14 +892,14 @@ fn sparse(b: &CurveBucket, t: &curve::Time) -> bool {
 
 /// A request's TPOT (ms) over its token events inside the window `span`: `None` unless it
 /// had at least two events there.
-fn window_tpot(rec: &Record, span: Span) -> Option<f64> {
+fn window_tpot(epoch0: u64, segments: &[Segment], span: Span) -> Option<f64> {
     let (mut first, mut last, mut tokens, mut events) = (u64::MAX, 0, 0u64, 0u32);
-    for s in rec.segments.iter().filter(|s| s.events > 0) {
-        let epoch = rec.epoch0 + u64::from(s.epoch);
+    for s in segments.iter().filter(|s| s.events > 0) {
+        let epoch = epoch0 + u64::from(s.epoch);
         if epoch < span.oldest || epoch > span.newest {
             continue;
         }
-        let (f, l) = s.span(rec.epoch0, span.slot_ns);
+        let (f, l) = s.span(epoch0, span.slot_ns);
         first = first.min(f);
         last = last.max(l);
         tokens += u64::from(s.tokens);
@@ -939,5 +972,32 @@ mod tests {
         for bad in ["1:2,", "x:1", "1:-1", "1", "1:2:3"] {
             assert_eq!(Gaps::decode(bad), None, "{bad}");
         }
+    }
+
+    /// A finished request leaves the open records at once, and keeps only its segments
+    /// with events (one, for a short reply) until it leaves the window; its figures are
+    /// read from that as from an open one.
+    #[test]
+    fn a_finished_request_keeps_a_small_record_until_it_leaves_the_window() {
+        const MS: Nanos = 1_000_000;
+        let mut shard = Shard::new(Duration::from_secs(10), Duration::from_secs(900));
+        let key = shard.begin(0, 0);
+        for i in 1..=16 {
+            shard.tokens(key, 100 * MS + i * MS, 1, 1);
+        }
+        shard.finish(key, 120 * MS, 16, None);
+        assert_eq!((shard.records.len(), shard.retired.len()), (0, 1));
+        assert_eq!(shard.retired[0].segments.len(), 1);
+        assert!(std::mem::size_of::<Retired>() <= 56);
+        let mut sums = Sums::new();
+        let now = 200 * MS;
+        shard.add_to(&mut sums, now, Span::of(now, shard.slot_ns));
+        assert_eq!(sums.ttft, vec![101.0]);
+        assert_eq!(sums.e2e, vec![120.0]);
+        assert_eq!(sums.tpot, vec![1.0]);
+        // 10 s later it has left the window, and nothing is held.
+        let late = shard.begin(11_000 * MS, 11_000 * MS);
+        shard.finish(late, 11_000 * MS, 0, None);
+        assert_eq!(shard.records_held(), 1);
     }
 }

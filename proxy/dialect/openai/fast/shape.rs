@@ -1,0 +1,472 @@
+//! The shapes of a stream's chunks. A server's chunks repeat a few shapes: the same keys
+//! in the same order, the same values where the facts are read (the choice's index, its
+//! finish reason, `usage`), and only the rest differing: the id, the model, the time, the
+//! delta's text. A chunk the scan read is cut into its literal bytes and those values (its
+//! *holes*); the next chunk of that shape is read by comparing bytes and skipping over
+//! its holes, with no search for keys.
+//!
+//! Exact: a chunk that matches a shape is the scanned one with other strings or numbers
+//! in the holes. The parser ignores a hole's value (its key is not one it reads) or, for a
+//! token text, reads only whether it is empty, which the match reads too. Keys are
+//! compared as bytes; a key with an escape (which could spell a key the parser reads) is
+//! never made a shape.
+
+use std::cell::RefCell;
+
+use super::{string_end, Facts};
+
+/// Keys whose values the parser or the scan reads: kept literal (but a token text).
+const READ: [&[u8]; 18] = [
+    b"choices",
+    b"usage",
+    b"error",
+    b"delta",
+    b"text",
+    b"finish_reason",
+    b"content",
+    b"reasoning_content",
+    b"reasoning",
+    b"refusal",
+    b"tool_calls",
+    b"completion_tokens",
+    b"prompt_tokens",
+    b"function",
+    b"name",
+    b"arguments",
+    b"index",
+    b"message",
+];
+
+/// The delta's strings that carry a token when not empty.
+const DELTA_TEXT: [&[u8]; 4] = [b"content", b"reasoning_content", b"reasoning", b"refusal"];
+
+/// Shapes kept per worker thread, the last matched first.
+const CACHED: usize = 4;
+
+/// Misses in a row after which a chunk is made a shape only now and then (a server whose
+/// every chunk differs in a literal would otherwise pay for a shape per chunk).
+const LEARN_FREELY: u32 = 8;
+const LEARN_EVERY: u32 = 64;
+
+/// Nesting a shape may have.
+const MAX_DEPTH: usize = 8;
+
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Hole {
+    /// A string the parser does not read.
+    Str,
+    /// A number the parser does not read.
+    Num,
+    /// A token text: a string, a token when not empty.
+    Text,
+    /// The end of the chunk.
+    End,
+}
+
+/// A chunk's literal bytes, cut at its holes.
+#[derive(Debug)]
+pub struct Shape {
+    literal: Box<[u8]>,
+    /// Each literal run's end in `literal`, and the hole after it.
+    runs: Box<[(u32, Hole)]>,
+    finished: bool,
+}
+
+struct Cache {
+    shapes: Vec<Shape>,
+    misses: u32,
+}
+
+thread_local! {
+    static CACHE: RefCell<Cache> = const {
+        RefCell::new(Cache {
+            shapes: Vec::new(),
+            misses: 0,
+        })
+    };
+}
+
+/// The facts of chunk `data` (trimmed, an object): from a shape this thread has seen,
+/// else from `scan`, whose chunk then becomes a shape.
+pub fn facts(data: &[u8], scan: impl FnOnce(&[u8]) -> Option<Facts>) -> Option<Facts> {
+    CACHE.with(|cache| {
+        let Ok(mut c) = cache.try_borrow_mut() else {
+            return scan(data);
+        };
+        for i in 0..c.shapes.len() {
+            if let Some(f) = c.shapes[i].read(data) {
+                c.shapes.swap(0, i);
+                c.misses = 0;
+                return Some(f);
+            }
+        }
+        let facts = scan(data)?;
+        c.misses = c.misses.saturating_add(1);
+        if c.misses <= LEARN_FREELY || c.misses % LEARN_EVERY == 0 {
+            if let Some(shape) = Shape::learn(data, facts) {
+                if c.shapes.len() == CACHED {
+                    c.shapes.pop();
+                }
+                c.shapes.insert(0, shape);
+            }
+        }
+        Some(facts)
+    })
+}
+
+// === impl Shape ===
+
+impl Shape {
+    /// The shape of `data`, whose facts the scan found to be `facts`; `None` when it has
+    /// nothing a shape can hold (spaces, escaped keys, deep nesting).
+    pub fn learn(data: &[u8], facts: Facts) -> Option<Shape> {
+        let mut l = Learner {
+            data,
+            at: 0,
+            holes: Vec::new(),
+        };
+        l.value(Place::Top, Role::Literal, 0)?;
+        if l.at != data.len() {
+            return None;
+        }
+        let mut literal = Vec::with_capacity(data.len());
+        let mut runs = Vec::with_capacity(l.holes.len() + 1);
+        let mut from = 0;
+        for (start, end, hole) in l.holes {
+            literal.extend_from_slice(&data[from..start]);
+            runs.push((u32::try_from(literal.len()).ok()?, hole));
+            from = end;
+        }
+        literal.extend_from_slice(&data[from..]);
+        runs.push((u32::try_from(literal.len()).ok()?, Hole::End));
+        let shape = Shape {
+            literal: literal.into(),
+            runs: runs.into(),
+            finished: facts.finished,
+        };
+        // Everything the facts say must come from where the shape reads them.
+        (shape.read(data) == Some(facts)).then_some(shape)
+    }
+
+    /// The facts of `data` if it has this shape.
+    pub fn read(&self, data: &[u8]) -> Option<Facts> {
+        let (mut at, mut from, mut tokens) = (0, 0, false);
+        for &(end, hole) in self.runs.iter() {
+            let run = &self.literal[from..end as usize];
+            if data.get(at..at + run.len())? != run {
+                return None;
+            }
+            at += run.len();
+            from = end as usize;
+            match hole {
+                Hole::End => {
+                    return (at == data.len()).then_some(Facts {
+                        tokens: u32::from(tokens),
+                        finished: self.finished,
+                        ..Facts::default()
+                    })
+                }
+                Hole::Num => at += number_len(&data[at..])?,
+                Hole::Str | Hole::Text => {
+                    if data.get(at) != Some(&b'"') {
+                        return None;
+                    }
+                    let end = string_end(data, at)?;
+                    tokens |= hole == Hole::Text && end - at > 2;
+                    at = end;
+                }
+            }
+        }
+        None
+    }
+}
+
+/// Where an object is, for what its members mean.
+#[derive(Clone, Copy, PartialEq)]
+enum Place {
+    Top,
+    /// The `choices` array.
+    Choices,
+    Choice,
+    Delta,
+    Other,
+}
+
+/// What a value may become.
+#[derive(Clone, Copy, PartialEq)]
+enum Role {
+    Literal,
+    /// The value of a key the parser does not read.
+    Free,
+    Text,
+}
+
+struct Learner<'a> {
+    data: &'a [u8],
+    at: usize,
+    holes: Vec<(usize, usize, Hole)>,
+}
+
+impl Learner<'_> {
+    fn value(&mut self, place: Place, role: Role, depth: usize) -> Option<()> {
+        if depth > MAX_DEPTH {
+            return None;
+        }
+        match *self.data.get(self.at)? {
+            b'{' => self.object(place, depth),
+            b'[' => self.array(place, depth),
+            b'"' => {
+                let start = self.at;
+                self.at = string_end(self.data, start)?;
+                match role {
+                    Role::Free => self.holes.push((start, self.at, Hole::Str)),
+                    Role::Text => self.holes.push((start, self.at, Hole::Text)),
+                    Role::Literal => {}
+                }
+                Some(())
+            }
+            b'-' | b'0'..=b'9' => {
+                let start = self.at;
+                self.at += number_len(&self.data[start..])?;
+                if role == Role::Free {
+                    self.holes.push((start, self.at, Hole::Num));
+                }
+                Some(())
+            }
+            _ => {
+                let word = [&b"null"[..], b"true", b"false"]
+                    .into_iter()
+                    .find(|w| self.data[self.at..].starts_with(w))?;
+                self.at += word.len();
+                Some(())
+            }
+        }
+    }
+
+    fn object(&mut self, place: Place, depth: usize) -> Option<()> {
+        self.at += 1;
+        if self.eat(b'}') {
+            return Some(());
+        }
+        loop {
+            if self.data.get(self.at) != Some(&b'"') {
+                return None;
+            }
+            let start = self.at;
+            self.at = string_end(self.data, start)?;
+            let key = &self.data[start + 1..self.at - 1];
+            if key.contains(&b'\\') || !self.eat(b':') {
+                return None;
+            }
+            let read = READ.contains(&key);
+            let (child, role) = match place {
+                Place::Top if key == b"choices" => (Place::Choices, Role::Literal),
+                Place::Choice if key == b"delta" => (Place::Delta, Role::Literal),
+                Place::Choice if key == b"text" => (Place::Other, Role::Text),
+                Place::Delta if DELTA_TEXT.contains(&key) => (Place::Other, Role::Text),
+                _ if read => (Place::Other, Role::Literal),
+                _ => (Place::Other, Role::Free),
+            };
+            // A text that is not a string (null) stays literal.
+            let role = match role {
+                Role::Text if self.data.get(self.at) != Some(&b'"') => Role::Literal,
+                r => r,
+            };
+            self.value(child, role, depth + 1)?;
+            if self.eat(b'}') {
+                return Some(());
+            }
+            if !self.eat(b',') {
+                return None;
+            }
+        }
+    }
+
+    fn array(&mut self, place: Place, depth: usize) -> Option<()> {
+        self.at += 1;
+        if self.eat(b']') {
+            return Some(());
+        }
+        let element = if place == Place::Choices {
+            Place::Choice
+        } else {
+            Place::Other
+        };
+        loop {
+            self.value(element, Role::Literal, depth + 1)?;
+            if self.eat(b']') {
+                return Some(());
+            }
+            if !self.eat(b',') {
+                return None;
+            }
+        }
+    }
+
+    fn eat(&mut self, b: u8) -> bool {
+        let ate = self.data.get(self.at) == Some(&b);
+        self.at += usize::from(ate);
+        ate
+    }
+}
+
+/// The length of the JSON number `data` starts with (RFC 8259 §6), `None` if it does not
+/// start with one.
+fn number_len(data: &[u8]) -> Option<usize> {
+    let digits = |from: usize| {
+        data[from..]
+            .iter()
+            .take_while(|b| b.is_ascii_digit())
+            .count()
+    };
+    let mut i = usize::from(data.first() == Some(&b'-'));
+    match data.get(i)? {
+        b'0' => i += 1,
+        b'1'..=b'9' => i += digits(i),
+        _ => return None,
+    }
+    if data.get(i) == Some(&b'.') {
+        let n = digits(i + 1);
+        if n == 0 {
+            return None;
+        }
+        i += 1 + n;
+    }
+    if matches!(data.get(i), Some(b'e' | b'E')) {
+        i += 1;
+        if matches!(data.get(i), Some(b'+' | b'-')) {
+            i += 1;
+        }
+        let n = digits(i);
+        if n == 0 {
+            return None;
+        }
+        i += n;
+    }
+    Some(i)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::super::Chunk;
+    use super::super::event_scanned;
+    use super::*;
+
+    const CHUNK: &str = r#"{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1700000000,"model":"m","choices":[{"index":0,"delta":{"content":"Hi"},"logprobs":null,"finish_reason":null}],"t":17}"#;
+
+    fn shape_of(chunk: &str) -> Shape {
+        Shape::learn(chunk.as_bytes(), event_scanned(chunk.as_bytes()).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn a_stream_s_chunks_are_read_from_their_shape() {
+        let shape = shape_of(CHUNK);
+        assert_eq!(shape.runs.len(), 7, "{shape:?}"); // id, object, created, model, text, t, end
+        let token = Some(Facts {
+            tokens: 1,
+            ..Facts::default()
+        });
+        let other = CHUNK
+            .replace("chatcmpl-1", "chatcmpl-22")
+            .replace("\"Hi\"", r#"" the \"end\": {}""#)
+            .replace("17}", "-1.5e3}");
+        assert_eq!(shape.read(other.as_bytes()), token);
+        let empty = CHUNK.replace("\"Hi\"", "\"\"");
+        assert_eq!(shape.read(empty.as_bytes()), Some(Facts::default()));
+        // What the facts are read from is literal: another finish reason, index or usage is
+        // another shape.
+        for changed in [
+            CHUNK.replace("\"finish_reason\":null", "\"finish_reason\":\"stop\""),
+            CHUNK.replace("\"index\":0", "\"index\":1"),
+            CHUNK.replace("\"t\":17", "\"usage\":{}"),
+            CHUNK.replace("\"created\":1700000000", "\"created\":\"x\""),
+            CHUNK.replace("\"Hi\"", "null"),
+            CHUNK.replace("}],", "},{\"index\":1}],"),
+        ] {
+            assert_eq!(shape.read(changed.as_bytes()), None, "{changed}");
+        }
+        // An escaped key could spell one the parser reads: no shape.
+        let escaped = CHUNK.replace("\"t\":", "\"\\u0074\":");
+        assert!(Shape::learn(
+            escaped.as_bytes(),
+            event_scanned(escaped.as_bytes()).unwrap()
+        )
+        .is_none());
+    }
+
+    /// Chunks made from the seeds by rewriting their strings and numbers: wherever a
+    /// seed's shape answers and the parser reads the chunk, both say the same.
+    #[test]
+    fn shapes_agree_with_the_parser_on_rewritten_values() {
+        use rand::{rngs::StdRng, Rng, SeedableRng};
+        let seeds = [
+            CHUNK,
+            r#"{"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":"stop"}],"usage":null}"#,
+            r#"{"id":"c","choices":[{"index":0,"text":"w","finish_reason":null,"stop_reason":null}],"created":3}"#,
+            r#"{"id":"c","choices":[{"index":0,"delta":{"reasoning_content":"r","role":"a"},"finish_reason":null}],"x":[1,"y",{"z":2.5}]}"#,
+        ];
+        let shapes: Vec<Shape> = seeds.iter().map(|s| shape_of(s)).collect();
+        let pieces = [
+            "",
+            "x",
+            "\\\"",
+            "\\\\",
+            "\"",
+            ":",
+            ",",
+            "}",
+            "]",
+            " ",
+            "\\u0041",
+            "0",
+            "-",
+            ".",
+            "e",
+            "\"choices\":[",
+            "\"finish_reason\":\"stop\"",
+        ];
+        let mut rng = StdRng::seed_from_u64(27);
+        let (mut compared, mut hits) = (0, 0);
+        for _ in 0..60_000 {
+            let i = rng.gen_range(0..seeds.len());
+            let mut c = seeds[i].as_bytes().to_vec();
+            for _ in 0..rng.gen_range(1..3) {
+                // Somewhere after a quote, a colon or a digit: inside or at the edge of a value.
+                let marks: Vec<usize> = (0..c.len())
+                    .filter(|&j| matches!(c[j], b'"' | b':' | b'0'..=b'9'))
+                    .collect();
+                let at = marks[rng.gen_range(0..marks.len())] + 1;
+                let to = (at + rng.gen_range(0..3)).min(c.len());
+                let p = pieces[rng.gen_range(0..pieces.len())];
+                c.splice(at..to, p.bytes());
+            }
+            let Some(f) = shapes[i].read(&c) else {
+                continue;
+            };
+            hits += 1;
+            if let Ok(chunk) = serde_json::from_slice::<Chunk>(&c) {
+                compared += 1;
+                assert_eq!(f, chunk.facts(), "{}", String::from_utf8_lossy(&c));
+            }
+            if let Some(scanned) = event_scanned(&c) {
+                assert_eq!(f, scanned, "{}", String::from_utf8_lossy(&c));
+            }
+        }
+        assert!(compared > 2_000 && hits >= compared, "{compared} {hits}");
+    }
+
+    #[test]
+    fn numbers_are_json_numbers() {
+        for (s, n) in [
+            ("0,", Some(1)),
+            ("-12.5e+3}", Some(8)),
+            ("01", Some(1)),
+            ("1.}", None),
+            ("-", None),
+            ("1e", None),
+            ("x", None),
+        ] {
+            assert_eq!(number_len(s.as_bytes()), n, "{s}");
+        }
+    }
+}

@@ -116,6 +116,13 @@ mod fast {
     }
 
     fn scan_by(data: &[u8], search: &Search) -> Option<Facts> {
+        // The parser reads a choice from an array too (serde reads a struct from one, field
+        // by field); the scan reads objects only, so an array in an array goes to the parser.
+        if memchr::memmem::find(data, b",[").is_some()
+            || memchr::memmem::find(data, b"[[").is_some()
+        {
+            return None;
+        }
         match search {
             Search::Packed(s) => scan(data, s.find_iter(data)),
             Search::Automaton(a) => scan(data, a.find_iter(data)),
@@ -144,6 +151,11 @@ mod fast {
             if matches!(key, Key::Error | Key::ToolCalls | Key::Message) {
                 return None;
             }
+            // A key whose quote is escaped is inside a string (`"x\"content":`): the
+            // parser reads another key than the one matched.
+            if m.start() > 0 && data[m.start() - 1] == b'\\' {
+                return None;
+            }
             let value = m.end() + 1;
             match data.get(m.end()) {
                 Some(b':') => {}
@@ -166,7 +178,8 @@ mod fast {
                     }
                     level = Some(value + 2);
                 }
-                Key::Usage if first == b'{' => return None,
+                // The parser reads a usage object, and an array too (field by field).
+                Key::Usage if !data[value..].starts_with(b"null") => return None,
                 Key::Usage => {}
                 Key::DeltaText if in_delta => tokens |= non_empty_string(&data[value..]),
                 Key::ChoiceText | Key::FinishReason if in_delta => {}
@@ -552,6 +565,25 @@ mod tests {
         );
     }
 
+    /// Chunks the scan once read wrong, each as the parser reads it: a choice given as an
+    /// array (serde reads a struct from one), a usage array, keys behind an escaped quote.
+    #[test]
+    fn chunks_the_parser_reads_otherwise_go_to_it() {
+        for c in [
+            r#"{"choices":[{"index":0,"delta":{"content":"a"}},[null,null,"stop"]]}"#,
+            r#"{"choices":[{"index":0,"delta":{"content":"a"}},[null,"hi"]]}"#,
+            r#"{"choices":[{"index":0,"delta":{"content":"a"}}],"usage":[5,7]}"#,
+            r#"{"choices":[{"index":0,"delta":{"x\"content":"a"}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"content":"a"},"x\"finish_reason":"stop"}]}"#,
+        ] {
+            let parsed = serde_json::from_slice::<Chunk>(c.as_bytes())
+                .unwrap()
+                .facts();
+            assert_eq!(fast::event_scanned(c.as_bytes()), None, "{c}");
+            assert_eq!(facts(c), parsed, "{c}");
+        }
+    }
+
     /// Mutated chunks (keys, quotes, escapes, spacing and brackets inserted, bytes cut):
     /// wherever the scan answers and the parser reads the chunk, they agree.
     #[test]
@@ -562,7 +594,11 @@ mod tests {
             r#"{"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":"stop"}],"usage":null}"#,
             r#"{"choices":[{"index":0,"text":"w","finish_reason":null}]}"#,
         ];
-        let pieces: [&[u8]; 22] = [
+        let pieces: [&[u8]; 26] = [
+            b",[null,\"x\"]",
+            b"\"usage\":[1,2]",
+            b"\"x\\\"",
+            b"[[",
             b"\"",
             b":",
             b" ",
@@ -588,7 +624,7 @@ mod tests {
         ];
         let mut rng = StdRng::seed_from_u64(18);
         let (mut compared, mut answered) = (0, 0);
-        for _ in 0..20_000 {
+        for _ in 0..30_000 {
             let mut c = seeds[rng.gen_range(0..seeds.len())].as_bytes().to_vec();
             for _ in 0..rng.gen_range(1..4) {
                 let at = rng.gen_range(0..=c.len());

@@ -65,7 +65,7 @@ enum Hole {
 
 /// A chunk's literal bytes, cut at its holes.
 #[derive(Debug)]
-pub struct Shape {
+struct Shape {
     literal: Box<[u8]>,
     /// Each literal run's end in `literal`, and the hole after it.
     runs: Box<[(u32, Hole)]>,
@@ -119,7 +119,7 @@ pub fn facts(data: &[u8], scan: impl FnOnce(&[u8]) -> Option<Facts>) -> Option<F
 impl Shape {
     /// The shape of `data`, whose facts the scan found to be `facts`; `None` when it has
     /// nothing a shape can hold (spaces, escaped keys, deep nesting).
-    pub fn learn(data: &[u8], facts: Facts) -> Option<Shape> {
+    fn learn(data: &[u8], facts: Facts) -> Option<Shape> {
         let mut l = Learner {
             data,
             at: 0,
@@ -149,7 +149,7 @@ impl Shape {
     }
 
     /// The facts of `data` if it has this shape.
-    pub fn read(&self, data: &[u8]) -> Option<Facts> {
+    fn read(&self, data: &[u8]) -> Option<Facts> {
         let (mut at, mut from, mut tokens) = (0, 0, false);
         for &(end, hole) in self.runs.iter() {
             let run = &self.literal[from..end as usize];
@@ -293,6 +293,10 @@ impl Learner<'_> {
             Place::Other
         };
         loop {
+            // A choice is an object (the scan reads no other).
+            if place == Place::Choices && self.data.get(self.at) != Some(&b'{') {
+                return None;
+            }
             self.value(element, Role::Literal, depth + 1)?;
             if self.eat(b']') {
                 return Some(());

@@ -361,6 +361,7 @@ impl ProxyHttp for TokenTap {
         if let Some(kept) = self.on_body(ctx, now, payload, end_of_stream) {
             *body = (!kept.is_empty()).then_some(kept);
         }
+        Self::fragment_read(ctx);
         Ok(None)
     }
 
@@ -421,6 +422,14 @@ impl TokenTap {
             self.body_end(ctx, now);
         }
         kept
+    }
+
+    /// An upstream fragment has been metered: the events it carried at once are recorded
+    /// (see [`crate::meter::Stream::tokens`]).
+    fn fragment_read(ctx: &mut Ctx) {
+        if let Some(stream) = ctx.stream.as_mut() {
+            stream.flush();
+        }
     }
 
     /// Records how the request ended (`e`: the error that ended it).

@@ -360,6 +360,8 @@ impl UpstreamMeter {
             done: false,
             concurrency_sum: 0,
             events: 0,
+            held: 0,
+            held_n: 0,
             input: None,
             model: None,
         }
@@ -572,6 +574,10 @@ pub struct Stream {
     /// Σ in-flight over its token events, and their number.
     concurrency_sum: u64,
     events: u64,
+    /// Events held back by [`Stream::tokens`]: `held` more of `held_n` tokens each, at
+    /// `last`, to be recorded together by [`Stream::flush`].
+    held: u32,
+    held_n: u32,
     /// Prompt tokens, when the stream reported them.
     input: Option<u64>,
     /// The request's model, counted per model at the end (`metrics.model_label`).
@@ -591,11 +597,40 @@ pub struct Summary {
 // === impl Stream ===
 
 impl Stream {
-    /// A fragment carrying `n` tokens arrived at `now`.
+    /// An event carrying `n` tokens arrived at `now`.
+    ///
+    /// Events that arrive at the same instant as the one before them (those of one upstream
+    /// fragment) and carry as many tokens as each other are held back and recorded
+    /// together by [`Stream::flush`], which the proxy calls once a fragment is read: one
+    /// meter update for a fragment's burst, counting each of its events as its own.
     pub fn tokens(&mut self, now: Nanos, n: u32) {
         if n == 0 || self.done {
             return;
         }
+        let same_instant = self.first.is_some() && now == self.last;
+        if same_instant && (self.held == 0 || n == self.held_n) && self.held < u32::MAX {
+            self.held += 1;
+            self.held_n = n;
+            self.tokens += u64::from(n);
+            return;
+        }
+        self.flush();
+        self.record(now, n, 1);
+        self.tokens += u64::from(n);
+    }
+
+    /// Records the events [`Stream::tokens`] held back (also done when the stream ends).
+    pub fn flush(&mut self) {
+        if self.held > 0 && !self.done {
+            let (n, events) = (self.held_n, self.held);
+            self.held = 0;
+            self.record(self.last, n, events);
+        }
+    }
+
+    /// `events` events of `n` tokens each at `now`, in the shard and the histograms (the
+    /// caller counts their tokens).
+    fn record(&mut self, now: Nanos, n: u32, events: u32) {
         let in_flight = self.meter.in_flight.load(Relaxed);
         let curve_at = match self.meter.backend_running.load(Relaxed) {
             UNKNOWN => in_flight,
@@ -604,9 +639,9 @@ impl Stream {
         let gap = self
             .meter
             .shard(self.shard)
-            .tokens(self.key, now, n, curve_at);
-        self.concurrency_sum += in_flight;
-        self.events += 1;
+            .tokens(self.key, now, n, events, curve_at);
+        self.concurrency_sum += in_flight * u64::from(events);
+        self.events += u64::from(events);
         if gap.is_none() {
             self.first = Some(now);
             self.meter
@@ -615,7 +650,6 @@ impl Stream {
                 .record(secs(now.saturating_sub(self.t0)));
         }
         self.last = now;
-        self.tokens += u64::from(n);
     }
 
     /// The stream reported an exact output-token count (cumulative: the last one wins).
@@ -667,6 +701,7 @@ impl Stream {
         if self.done {
             return;
         }
+        self.flush();
         self.done = true;
         let total = self.output_tokens();
         self.meter
@@ -1069,6 +1104,76 @@ mod tests {
         }
         let st = m.stats(4 * S);
         assert!(close(st.itl_ms.p50, 20.0, 0.01), "{:?}", st.itl_ms);
+    }
+
+    /// Three streams whose fragments carry bursts of events (of 1 and 2 tokens), one of
+    /// them corrected by an exact count; `flush` after every event or only when the
+    /// proxy does (once a fragment is read).
+    fn bursts(m: &Arc<UpstreamMeter>, flush_each: bool) -> Vec<Summary> {
+        let mut streams: Vec<Stream> = (0..3).map(|i| m.begin(i * MS, 2 * i * MS)).collect();
+        let burst = [1, 1, 1, 2, 2, 1, 1];
+        for f in 1..=40u64 {
+            for (i, s) in streams.iter_mut().enumerate() {
+                let now = f * 30 * MS + i as u64 * 7 * MS;
+                let events = &burst[..(f as usize + i) % burst.len() + 1];
+                for &n in events {
+                    s.tokens(now, n);
+                    if flush_each {
+                        s.flush();
+                    }
+                }
+                s.flush();
+            }
+        }
+        streams[1].exact_total(150);
+        let summaries = streams.iter().map(Stream::summary).collect();
+        for (i, s) in streams.into_iter().enumerate() {
+            s.finish(1300 * MS + i as u64 * MS, Outcome::Ok);
+        }
+        summaries
+    }
+
+    #[test]
+    fn a_fragment_s_burst_records_what_its_events_one_at_a_time_would() {
+        // A 1 s window, read once it is full: a young meter's rates divide by its age,
+        // which differs between the two by the microseconds between their making.
+        let (one_by_one, together) = (meter(1), meter(1));
+        assert_eq!(bursts(&one_by_one, true), bursts(&together, false));
+        for now in [1100 * MS, 1250 * MS, 1400 * MS, 5 * S] {
+            let a = serde_json::to_value(one_by_one.stats(now)).unwrap_or_default();
+            let b = serde_json::to_value(together.stats(now)).unwrap_or_default();
+            assert_eq!(a, b);
+        }
+        let (a, b) = (one_by_one.distributions(), together.distributions());
+        assert_eq!(a.itl_us, b.itl_us);
+        assert_eq!(a.itl_sum_us, b.itl_sum_us);
+        assert_eq!(a.tokens_per_event, b.tokens_per_event);
+        // Every event counted as its own.
+        let events: u64 = (1..=40u64)
+            .flat_map(|f| (0..3).map(move |i| (f + i) % 7 + 1))
+            .sum();
+        assert_eq!(b.tokens_per_event.len(), events);
+        let (a, b) = (one_by_one.curve_totals(), together.curve_totals());
+        assert_eq!(a.len(), b.len());
+        for (a, b) in a.iter().zip(&b) {
+            assert_eq!(
+                (a.concurrency, a.tokens, a.seconds, a.gap_sum_us, &a.gaps_us),
+                (b.concurrency, b.tokens, b.seconds, b.gap_sum_us, &b.gaps_us)
+            );
+        }
+        assert_eq!(one_by_one.samples(5 * S), together.samples(5 * S));
+    }
+
+    #[test]
+    fn events_held_back_are_recorded_when_the_stream_ends() {
+        let m = meter(10);
+        let mut s = m.begin(0, 0);
+        s.tokens(10 * MS, 1);
+        s.tokens(10 * MS, 1); // held back: no flush before the end
+        assert_eq!(s.counted_tokens(), 2);
+        s.finish(20 * MS, Outcome::Ok);
+        assert_eq!(m.distributions().tokens_per_event.len(), 2);
+        assert_eq!(m.output_tokens_live(), 2);
     }
 
     #[test]

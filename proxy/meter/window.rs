@@ -372,21 +372,26 @@ impl Shard {
         })
     }
 
-    /// Records `n` tokens of request `key` at `now`, the curve's concurrency being
-    /// `in_flight` (tokentap's, or the backend's own count); returns the gap since its
-    /// previous token event (`None` for its first).
+    /// Records `events` token events of `n` tokens each of request `key`, all at `now`, the
+    /// curve's concurrency being `in_flight` (tokentap's, or the backend's own count).
+    /// Exactly what `events` calls for one event each would record: the first event's gap
+    /// is the time since the request's previous event, the others' gaps are 0. Returns the
+    /// first event's gap (`None` for the request's first event).
     pub(super) fn tokens(
         &mut self,
         key: usize,
         now: Nanos,
         n: u32,
+        events: u32,
         in_flight: u64,
     ) -> Option<Nanos> {
         let now = self.clamp(now);
         let epoch = now / self.slot_ns;
         let rec = self.records.get_mut(key)?;
+        let tokens = n.saturating_mul(events);
+        let all = u64::from(n) * u64::from(events);
         let b = bucket(in_flight);
-        rec.by_bucket[b] = rec.by_bucket[b].saturating_add(n);
+        rec.by_bucket[b] = rec.by_bucket[b].saturating_add(tokens);
         let gap = rec.first.map(|_| now.saturating_sub(rec.last));
         if rec.first.is_none() {
             rec.first = Some(now);
@@ -405,25 +410,33 @@ impl Shard {
             };
         }
         seg.last_us = at;
-        seg.tokens = seg.tokens.saturating_add(n);
-        seg.events = seg.events.saturating_add(1);
+        seg.tokens = seg.tokens.saturating_add(tokens);
+        seg.events = seg.events.saturating_add(events);
 
-        let _ = self.tokens_per_event.record(u64::from(n));
-        self.running += u64::from(n);
+        let _ = self
+            .tokens_per_event
+            .record_n(u64::from(n), u64::from(events));
+        self.running += all;
         let slot = slot_of(&mut self.ring, epoch);
-        slot.tokens += u64::from(n);
+        slot.tokens += all;
         let curve = self.curve.at(now, b);
-        curve.tokens += u64::from(n);
-        if let Some(gap) = gap {
+        curve.tokens += all;
+        // The first event's gap; each later one's is 0, which the histograms hold as their
+        // lowest value (1 µs per token) and which adds nothing to the sum.
+        let gaps = [
+            gap.map(|gap| (gap, n)),
+            Some((0, n.saturating_mul(events - 1))).filter(|&(_, tokens)| tokens > 0),
+        ];
+        for (gap, tokens) in gaps.into_iter().flatten() {
             let per_token_us = gap as f64 / 1e3 / f64::from(n);
             let v = (per_token_us.round() as u64).clamp(1, HIST_MAX_US);
-            let _ = slot.itl.record_n(v, n);
-            let _ = self.control_gaps.record_n(v, n);
+            let _ = slot.itl.record_n(v, tokens);
+            let _ = self.control_gaps.record_n(v, tokens);
             let _ = curve
                 .gaps
                 .get_or_insert_with(histogram64)
-                .record_n(v, u64::from(n));
-            curve.gap_sum_us += per_token_us * f64::from(n);
+                .record_n(v, u64::from(tokens));
+            curve.gap_sum_us += per_token_us * f64::from(tokens);
         }
         gap
     }
@@ -983,7 +996,7 @@ mod tests {
         let mut shard = Shard::new(Duration::from_secs(10), Duration::from_secs(900));
         let key = shard.begin(0, 0);
         for i in 1..=16 {
-            shard.tokens(key, 100 * MS + i * MS, 1, 1);
+            shard.tokens(key, 100 * MS + i * MS, 1, 1, 1);
         }
         shard.finish(key, 120 * MS, 16, None);
         assert_eq!((shard.records.len(), shard.retired.len()), (0, 1));

@@ -1183,6 +1183,7 @@ impl Relay {
                 kept.extend_from_slice(h1::LAST_CHUNK);
             }
         }
+        TokenTap::fragment_read(ctx);
         if mode != ToClient::AsIs {
             ctx.bytes_out += forward(&kept, out, client);
         }

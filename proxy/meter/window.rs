@@ -79,17 +79,39 @@ struct Retired {
     first: Option<Nanos>,
     finished_at: Nanos,
     epoch0: u64,
-    segments: Box<[Segment]>,
+    segments: Segments,
 }
 
 impl Retired {
     fn of(rec: Record, finished_at: Nanos) -> Retired {
+        let mut with_events = rec.segments.into_iter().filter(|s| s.events > 0);
+        let segments = match (with_events.next(), with_events.next()) {
+            (Some(only), None) => Segments::One(only),
+            (None, _) => Segments::Many(Box::default()),
+            (Some(a), Some(b)) => Segments::Many([a, b].into_iter().chain(with_events).collect()),
+        };
         Retired {
             t0: rec.t0,
             first: rec.first,
             finished_at,
             epoch0: rec.epoch0,
-            segments: rec.segments.into_iter().filter(|s| s.events > 0).collect(),
+            segments,
+        }
+    }
+}
+
+/// A retired request's segments with events: a reply shorter than a slot (the short ones
+/// that come by the thousand a second) has one, kept without an allocation of its own.
+enum Segments {
+    One(Segment),
+    Many(Box<[Segment]>),
+}
+
+impl Segments {
+    fn as_slice(&self) -> &[Segment] {
+        match self {
+            Segments::One(one) => std::slice::from_ref(one),
+            Segments::Many(many) => many,
         }
     }
 }
@@ -518,7 +540,7 @@ impl Shard {
             );
         }
         for r in &self.retired {
-            let tpot = window_tpot(r.epoch0, &r.segments, span);
+            let tpot = window_tpot(r.epoch0, r.segments.as_slice(), span);
             add(r.t0, r.first, Some(r.finished_at), tpot);
         }
         self.add_curve(sums, Scope::Window(now));
@@ -1000,8 +1022,9 @@ mod tests {
         }
         shard.finish(key, 120 * MS, 16, None);
         assert_eq!((shard.records.len(), shard.retired.len()), (0, 1));
-        assert_eq!(shard.retired[0].segments.len(), 1);
-        assert!(std::mem::size_of::<Retired>() <= 56);
+        assert_eq!(shard.retired[0].segments.as_slice().len(), 1);
+        assert!(matches!(shard.retired[0].segments, Segments::One(_))); // no allocation
+        assert!(std::mem::size_of::<Retired>() <= 64);
         let mut sums = Sums::new();
         let now = 200 * MS;
         shard.add_to(&mut sums, now, Span::of(now, shard.slot_ns));

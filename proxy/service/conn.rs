@@ -9,8 +9,10 @@
 //!
 //! pingora's pool holds pingora streams, and spawns a task per released connection to watch
 //! it while idle; [`Pool`] holds tokio sockets and watches nothing: a connection is checked
-//! when it is taken (one non-blocking peek), and the upkeep task drops the expired, the
-//! closed and those with bytes waiting every few seconds.
+//! when it is taken, and the upkeep task drops the expired, the closed and those with bytes
+//! waiting every few seconds. The check is a non-blocking peek, except for a connection
+//! released a moment ago (see [`TRUST_READINESS`]), which is taken on its socket's readiness
+//! alone, as nginx takes a cached connection its event loop has not seen close.
 
 use std::collections::VecDeque;
 use std::io;
@@ -22,7 +24,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use dashmap::DashMap;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncRead, AsyncWrite, Interest, ReadBuf};
 use tokio::net::TcpStream;
 
 /// A connection on the direct path.
@@ -94,9 +96,18 @@ pub(crate) struct Pool {
     capacity: usize,
 }
 
+/// A connection released less than this long ago, whose socket the reactor has not seen
+/// readable since its last read (an upstream's close, or bytes out of step, make it so), is
+/// reused without a system call. At many short requests a second this is one socket call of
+/// five per request. A server closes an idle keep-alive connection after seconds, not
+/// milliseconds, and a response that closes says so (`Connection: close`) and is not pooled;
+/// a close the reactor has not polled yet is the race the peek has too, a moment earlier.
+const TRUST_READINESS: Duration = Duration::from_millis(20);
+
 struct Idle {
     tcp: TcpStream,
-    /// When it is too old to reuse.
+    /// When it was released, and when it is too old to reuse.
+    released: Instant,
     expires: Instant,
 }
 
@@ -115,7 +126,7 @@ impl Pool {
         loop {
             let idle = self.idle.get_mut(&addr)?.pop_back()?;
             self.held.fetch_sub(1, Ordering::Relaxed);
-            if now < idle.expires && idle.is_clean() {
+            if now < idle.expires && idle.is_clean_at(now) {
                 return Some(idle.tcp);
             }
         }
@@ -133,6 +144,7 @@ impl Pool {
     ) {
         let idle = Idle {
             tcp,
+            released: now,
             expires: now + idle_for,
         };
         let room = self
@@ -189,11 +201,31 @@ impl Idle {
     /// Still open and silent: an idle HTTP/1.1 connection the upstream closed reads as end
     /// of stream, and one with bytes waiting is out of step with its responses.
     fn is_clean(&self) -> bool {
-        let mut byte = [MaybeUninit::uninit()];
-        match socket2::SockRef::from(&self.tcp).peek(&mut byte) {
-            Err(e) => e.kind() == io::ErrorKind::WouldBlock,
-            Ok(_) => false,
+        clean(self.peek())
+    }
+
+    /// As [`Self::is_clean`] when taken at `now`: a connection released within
+    /// [`TRUST_READINESS`] is peeked only if its socket has been seen readable.
+    fn is_clean_at(&self, now: Instant) -> bool {
+        if now.saturating_duration_since(self.released) >= TRUST_READINESS {
+            return self.is_clean();
         }
+        // Not readable: `WouldBlock` without calling the peek. A peek that finds nothing
+        // clears the readiness it was called on.
+        clean(self.tcp.try_io(Interest::READABLE, || self.peek()))
+    }
+
+    fn peek(&self) -> io::Result<usize> {
+        let mut byte = [MaybeUninit::uninit()];
+        socket2::SockRef::from(&self.tcp).peek(&mut byte)
+    }
+}
+
+/// A peek's answer: nothing to read yet (not end of stream, not bytes out of step).
+fn clean(peeked: io::Result<usize>) -> bool {
+    match peeked {
+        Err(e) => e.kind() == io::ErrorKind::WouldBlock,
+        Ok(_) => false,
     }
 }
 
@@ -269,6 +301,33 @@ mod tests {
         pool.release(up(0), chatty, now, IDLE);
         assert!(pool.take(up(0), now).is_none());
         assert_eq!(pool.len(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_connection_released_a_moment_ago_is_taken_on_its_readiness() {
+        let l = listener().await;
+        let pool = Pool::new(8);
+        let now = Instant::now();
+        // Closed by its upstream, but not seen readable yet (no await since the close):
+        // within the moment it is taken on its readiness, which the reactor has not set;
+        // after it, it is peeked and dropped.
+        let (fresh, theirs) = pair(&l).await;
+        let (old, theirs_old) = pair(&l).await;
+        drop((theirs, theirs_old));
+        pool.release(up(0), fresh, now, IDLE);
+        pool.release(up(1), old, now, IDLE);
+        assert!(pool.take(up(0), now + TRUST_READINESS / 2).is_some());
+        assert!(pool.take(up(1), now + TRUST_READINESS).is_none());
+        // Seen readable (the close reached the reactor): peeked and dropped at once.
+        let (seen, theirs) = pair(&l).await;
+        drop(theirs);
+        seen.readable().await.unwrap();
+        pool.release(up(2), seen, now, IDLE);
+        assert!(pool.take(up(2), now).is_none());
+        // Open and silent: reused either way.
+        let (open, _theirs) = pair(&l).await;
+        pool.release(up(3), open, now, IDLE);
+        assert!(pool.take(up(3), now).is_some());
     }
 
     #[tokio::test]

@@ -445,10 +445,8 @@ impl Shard {
         curve.tokens += all;
         // The first event's gap; each later one's is 0, which the histograms hold as their
         // lowest value (1 µs per token) and which adds nothing to the sum.
-        let gaps = [
-            gap.map(|gap| (gap, n)),
-            Some((0, n.saturating_mul(events - 1))).filter(|&(_, tokens)| tokens > 0),
-        ];
+        let rest = n.saturating_mul(events.saturating_sub(1));
+        let gaps = [gap.map(|gap| (gap, n)), (rest > 0).then_some((0, rest))];
         for (gap, tokens) in gaps.into_iter().flatten() {
             let per_token_us = gap as f64 / 1e3 / f64::from(n);
             let v = (per_token_us.round() as u64).clamp(1, HIST_MAX_US);

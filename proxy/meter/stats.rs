@@ -16,24 +16,34 @@ pub struct Percentiles {
 // === impl Percentiles ===
 
 impl Percentiles {
-    /// Nearest-rank percentiles of `samples` (sorted in place).
+    /// Nearest-rank percentiles of `samples`, which are reordered (not sorted).
+    ///
+    /// Each rank is selected rather than the whole slice sorted: the window can hold
+    /// hundreds of thousands of short requests, and the dashboard's sampler reads them every
+    /// second. p99 is selected first; p90 and p50 then lie in the part before it.
     pub fn of(samples: &mut [f64]) -> Percentiles {
-        samples.sort_unstable_by(f64::total_cmp);
-        Percentiles {
-            p50: nearest_rank(samples, 50.0),
-            p90: nearest_rank(samples, 90.0),
-            p99: nearest_rank(samples, 99.0),
+        let n = samples.len();
+        let mut found = [None; 3];
+        // Each selection leaves every smaller sample before the selected one, so the next,
+        // lower rank is found in that prefix alone.
+        let mut end = n;
+        for (slot, p) in [(2, 99.0), (1, 90.0), (0, 50.0)] {
+            if n == 0 {
+                break;
+            }
+            let k = rank(n, p) - 1;
+            let (_, v, _) = samples[..end].select_nth_unstable_by(k, f64::total_cmp);
+            found[slot] = Some(*v);
+            end = k + 1;
         }
+        let [p50, p90, p99] = found;
+        Percentiles { p50, p90, p99 }
     }
 }
 
-/// The nearest-rank percentile `p` of sorted samples.
-pub fn nearest_rank(sorted: &[f64], p: f64) -> Option<f64> {
-    if sorted.is_empty() {
-        return None;
-    }
-    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
-    Some(sorted[rank.clamp(1, sorted.len()) - 1])
+/// The 1-based nearest rank of percentile `p` among `len` > 0 samples.
+fn rank(len: usize, p: f64) -> usize {
+    (((p / 100.0) * len as f64).ceil() as usize).clamp(1, len)
 }
 
 /// The distribution of tokens per token-bearing fragment.
@@ -119,6 +129,14 @@ pub struct MeterStats {
 mod tests {
     use super::*;
 
+    /// The nearest-rank percentile `p` of sorted samples: the definition `of` selects.
+    fn nearest_rank(sorted: &[f64], p: f64) -> Option<f64> {
+        if sorted.is_empty() {
+            return None;
+        }
+        Some(sorted[rank(sorted.len(), p) - 1])
+    }
+
     #[test]
     fn nearest_rank_percentiles() {
         let mut v: Vec<f64> = (1..=100).map(f64::from).collect();
@@ -126,5 +144,20 @@ mod tests {
         assert_eq!((p.p50, p.p90, p.p99), (Some(50.0), Some(90.0), Some(99.0)));
         assert_eq!(Percentiles::of(&mut []), Percentiles::default());
         assert_eq!(nearest_rank(&[7.0], 99.0), Some(7.0));
+    }
+
+    #[test]
+    fn selected_percentiles_are_the_sorted_ones() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::SmallRng::seed_from_u64(18);
+        for n in (1..=40).chain([99, 100, 101, 1_000, 4_321]) {
+            // Few distinct values, so that ties sit across the selected ranks.
+            let v: Vec<f64> = (0..n).map(|_| f64::from(rng.gen_range(0..12u8))).collect();
+            let mut sorted = v.clone();
+            sorted.sort_unstable_by(f64::total_cmp);
+            let want = [50.0, 90.0, 99.0].map(|p| nearest_rank(&sorted, p));
+            let got = Percentiles::of(&mut v.clone());
+            assert_eq!([got.p50, got.p90, got.p99], want, "{n} samples");
+        }
     }
 }

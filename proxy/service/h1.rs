@@ -186,19 +186,22 @@ pub(super) fn hop_by_hop(
     headers: &http::HeaderMap,
     keep: &[header::HeaderName],
 ) -> Vec<header::HeaderName> {
-    let named = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|t| header::HeaderName::try_from(t.trim()).ok());
-    let fixed = HOP_BY_HOP.map(header::HeaderName::from_static);
-    let mut found: Vec<header::HeaderName> = named
-        .chain(fixed)
-        .filter(|n| !keep.contains(n) && headers.contains_key(n))
+    // One pass over the fields present (a handful), not a hashed lookup of each hop-by-hop
+    // name: this runs twice a request.
+    let connection = headers.get_all(header::CONNECTION);
+    let named = |n: &header::HeaderName| {
+        connection
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .any(|t| t.trim().eq_ignore_ascii_case(n.as_str()))
+    };
+    let mut found: Vec<header::HeaderName> = headers
+        .keys()
+        .filter(|n| (HOP_BY_HOP.contains(&n.as_str()) || named(n)) && !keep.contains(n))
+        .cloned()
         .collect();
     found.sort_unstable_by(|a, b| a.as_str().cmp(b.as_str()));
-    found.dedup();
     found
 }
 
@@ -410,6 +413,50 @@ pub(super) const LAST_CHUNK: &[u8] = b"0\r\n\r\n";
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hop_by_hop_fields_are_the_fixed_ones_and_those_connection_names() {
+        let mut h = http::HeaderMap::new();
+        for (k, v) in [
+            ("host", "a"),
+            (
+                "connection",
+                "keep-alive, X-Private ,Upgrade, bad name, absent",
+            ),
+            ("connection", "x-other"),
+            ("keep-alive", "timeout=5"),
+            ("x-private", "1"),
+            ("x-private", "2"),
+            ("x-other", "3"),
+            ("transfer-encoding", "chunked"),
+            ("te", "trailers"),
+            ("content-type", "text/event-stream"),
+        ] {
+            h.append(
+                header::HeaderName::from_static(k),
+                HeaderValue::from_static(v),
+            );
+        }
+        let names = |v: Vec<header::HeaderName>| -> Vec<String> {
+            v.iter().map(|n| n.as_str().to_owned()).collect()
+        };
+        assert_eq!(
+            names(hop_by_hop(&h, &[header::TRANSFER_ENCODING])),
+            ["connection", "keep-alive", "te", "x-other", "x-private"]
+        );
+        assert_eq!(
+            names(hop_by_hop(&h, &[])),
+            [
+                "connection",
+                "keep-alive",
+                "te",
+                "transfer-encoding",
+                "x-other",
+                "x-private"
+            ]
+        );
+        assert!(hop_by_hop(&http::HeaderMap::new(), &[]).is_empty());
+    }
 
     const BODY: &[u8] =
         b"5;ext=1\r\nhello\r\n18\r\ndata: {\"x\":1}\n\ndata: [DO\r\n0\r\nX-Trailer: 1\r\n\r\nNEXT";

@@ -23,14 +23,14 @@ impl Percentiles {
     /// second. p99 is selected first; p90 and p50 then lie in the part before it.
     pub fn of(samples: &mut [f64]) -> Percentiles {
         let n = samples.len();
+        if n == 0 {
+            return Percentiles::default();
+        }
         let mut found = [None; 3];
         // Each selection leaves every smaller sample before the selected one, so the next,
         // lower rank is found in that prefix alone.
         let mut end = n;
         for (slot, p) in [(2, 99.0), (1, 90.0), (0, 50.0)] {
-            if n == 0 {
-                break;
-            }
             let k = rank(n, p) - 1;
             let (_, v, _) = samples[..end].select_nth_unstable_by(k, f64::total_cmp);
             found[slot] = Some(*v);

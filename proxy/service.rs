@@ -38,6 +38,7 @@ mod front;
 #[cfg(feature = "fuzzing")]
 pub(crate) mod fuzzing;
 mod h1;
+mod head;
 mod record;
 mod request;
 
@@ -373,29 +374,52 @@ impl ProxyHttp for TokenTap {
 // === impl TokenTap: the phases both paths share ===
 
 impl TokenTap {
-    /// Reads the response header: the status, how the body is metered, the upstream's name.
+    /// Reads the response header on pingora's path: [`TokenTap::on_response`] with the
+    /// fields tokentap adds.
     fn on_response_header(&self, resp: &mut ResponseHeader, ctx: &mut Ctx) -> Result<()> {
-        ctx.status = resp.status.as_u16();
-        if let Some(c) = ctx.choice {
-            let name = &ctx.shared.upstreams[c.upstream].config.name;
-            resp.insert_header(UPSTREAM_HEADER, name.as_str())?;
+        let has_id = resp.headers.contains_key(REQUEST_ID_HEADER);
+        for (name, value) in Self::added_fields(ctx, has_id).into_iter().flatten() {
+            resp.insert_header(name, value)?;
         }
-        // The upstream's own request id, if it sends one, is its to keep.
+        let first = |name| resp.headers.get(name).map(http::HeaderValue::as_bytes);
+        self.on_response(
+            ctx,
+            resp.status,
+            first(CONTENT_TYPE),
+            first(CONTENT_ENCODING),
+        );
+        Ok(())
+    }
+
+    /// The fields tokentap adds to a response: the upstream's name, and the request id
+    /// unless the upstream sent its own (`has_id`), which is its to keep.
+    fn added_fields(ctx: &Ctx, has_id: bool) -> [Option<(&'static str, &str)>; 2] {
+        let upstream = ctx.choice.map(|c| {
+            (
+                UPSTREAM_HEADER,
+                ctx.shared.upstreams[c.upstream].config.name.as_str(),
+            )
+        });
         let id = ctx.request_id.as_str();
-        if !id.is_empty() && !resp.headers.contains_key(REQUEST_ID_HEADER) {
-            resp.insert_header(REQUEST_ID_HEADER, id)?;
-        }
-        let encoded = resp
-            .headers
-            .get(CONTENT_ENCODING)
-            .is_some_and(|v| !v.as_bytes().eq_ignore_ascii_case(b"identity"));
-        let framing = resp
-            .headers
-            .get(CONTENT_TYPE)
-            .and_then(|v| Framing::from_content_type(v.as_bytes()));
+        let id = (!id.is_empty() && !has_id).then_some((REQUEST_ID_HEADER, id));
+        [upstream, id]
+    }
+
+    /// Reads the response header: the status, and how the body is metered from its
+    /// `Content-Type` and `Content-Encoding` (their first values).
+    fn on_response(
+        &self,
+        ctx: &mut Ctx,
+        status: http::StatusCode,
+        content_type: Option<&[u8]>,
+        content_encoding: Option<&[u8]>,
+    ) {
+        ctx.status = status.as_u16();
+        let encoded = content_encoding.is_some_and(|v| !v.eq_ignore_ascii_case(b"identity"));
+        let framing = content_type.and_then(Framing::from_content_type);
         let max = ctx.shared.config.max_event_bytes;
         ctx.body = match framing {
-            _ if ctx.dialect.is_none() || !resp.status.is_success() || encoded => Body::Ignore,
+            _ if ctx.dialect.is_none() || !status.is_success() || encoded => Body::Ignore,
             Some(Framing::Sse) => Body::Sse(SseParser::new(max)),
             Some(Framing::Ndjson) => Body::Ndjson(NdjsonParser::new(max)),
             Some(Framing::Json) => Body::Json(Vec::new()),
@@ -407,7 +431,6 @@ impl TokenTap {
         if let Some(seen) = ctx.seen.as_mut() {
             seen.stream = matches!(framing, Some(Framing::Sse | Framing::Ndjson));
         }
-        Ok(())
     }
 
     /// Meters one fragment of the response body (`end`: the body ended normally). With the

@@ -34,8 +34,9 @@ use std::time::Duration;
 
 use bytes::{Buf, BytesMut};
 use http::header;
-use pingora::http::{RequestHeader, ResponseHeader};
+use pingora::http::RequestHeader;
 use pingora::prelude::*;
+use pingora::protocols::http::date::get_cached_date;
 use pingora::protocols::http::v1::client::http_req_header_to_wire;
 use pingora::upstreams::peer::{HttpPeer, Peer};
 use pingora::ErrorSource;
@@ -45,6 +46,7 @@ use tokio::time::{timeout, Instant};
 use super::conn::Io;
 use super::failure::{self, Failure};
 use super::h1::{self, Chunked, Framing, Head};
+use super::head::ResponseHead;
 use super::record::{self, model_of, RequestId, Seen, REQUEST_ID_HEADER};
 use super::request::{
     self, error_body, json_response, Ahead, BodyKind, Checked, ClientError, Rest,
@@ -596,25 +598,24 @@ impl TokenTap {
         };
         let head = Box::pin(read_response_head(&mut up, peer.options.read_timeout));
         let (mut resp, first, bare_lf) = watching(client, &mut watch, &mut leftover, head).await?;
-        let framing = match Framing::of(&resp) {
+        let framing = match resp.framing() {
             _ if head_request => Framing::Empty,
             Some(framing) => framing,
             None => return Err(up_err(InvalidHTTPHeader, "upstream response framing")),
         };
-        let reusable = resp.version == http::Version::HTTP_11
-            && framing != Framing::UntilClose
-            && !h1::has_token(&resp.headers, header::CONNECTION, "close");
-        for name in h1::hop_by_hop(&resp.headers, &[header::TRANSFER_ENCODING]) {
-            resp.remove_header(&name);
-        }
-        self.on_response_header(&mut resp, ctx)?;
+        let reusable =
+            resp.http11 && framing != Framing::UntilClose && !resp.has_token("connection", "close");
+        resp.remove_hop_by_hop("transfer-encoding");
+        let content_type = resp.get("content-type");
+        let content_encoding = resp.get("content-encoding");
+        self.on_response(ctx, resp.status, content_type, content_encoding);
         // A transfer coding under the chunks (`gzip, chunked`): neither read nor rewritten,
         // and forwarded as it came (re-framing it would lose the coding).
-        let coded = framing == Framing::Chunked && !h1::only_chunked(&resp.headers);
+        let coded = framing == Framing::Chunked && !resp.only_chunked();
         if framing == Framing::Chunked {
             // RFC 9112 §6.3: `Transfer-Encoding` overrides a `Content-Length`, which a proxy
             // removes (as pingora does).
-            resp.remove_header(&header::CONTENT_LENGTH);
+            resp.remove("content-length");
             if coded {
                 ctx.ignore_body();
             }
@@ -641,26 +642,29 @@ impl TokenTap {
         };
         match to_client {
             ToClient::AsIs => {}
-            ToClient::Chunked => {
-                resp.remove_header(&header::CONTENT_LENGTH);
-                resp.insert_header(header::TRANSFER_ENCODING, "chunked")?;
-            }
+            ToClient::Chunked => resp.remove("content-length"),
             ToClient::Close => {
-                resp.remove_header(&header::CONTENT_LENGTH);
-                resp.remove_header(&header::TRANSFER_ENCODING);
+                resp.remove("content-length");
+                resp.remove("transfer-encoding");
                 keep_alive = false;
             }
         }
-        resp.set_version(http::Version::HTTP_11);
-        resp.insert_header(
-            header::DATE,
-            pingora::protocols::http::date::get_cached_date(),
-        )?;
         keep_alive &= leftover.is_empty() && watch;
-        let connection = if keep_alive { "keep-alive" } else { "close" };
-        resp.insert_header(header::CONNECTION, connection)?;
+        let connection: &[u8] = if keep_alive { b"keep-alive" } else { b"close" };
+        let date = get_cached_date();
+        let [upstream, id] = Self::added_fields(ctx, resp.contains(REQUEST_ID_HEADER));
+        let chunked = to_client == ToClient::Chunked;
         let mut out = BytesMut::with_capacity(512 + first.len());
-        h1::write_response(&resp, &mut out);
+        resp.write(
+            &mut out,
+            &[
+                upstream.map(|(n, v)| (n, v.as_bytes())),
+                id.map(|(n, v)| (n, v.as_bytes())),
+                chunked.then_some(("Transfer-Encoding", b"chunked")),
+                Some(("Date", date.as_bytes())),
+                Some(("Connection", connection)),
+            ],
+        );
         drop(resp);
 
         let mut relay = Relay {
@@ -1017,7 +1021,7 @@ async fn send_rest(
 async fn read_response_head(
     up: &mut Io,
     read_timeout: Option<Duration>,
-) -> Result<(ResponseHeader, BytesMut, bool)> {
+) -> Result<(ResponseHead, BytesMut, bool)> {
     let mut buf = BytesMut::new();
     loop {
         let read = read_more(up, &mut buf);
@@ -1036,20 +1040,21 @@ async fn read_response_head(
         }
         // Informational responses are skipped (the client gets the final one).
         loop {
-            match h1::response(&buf) {
+            match ResponseHead::parse(&buf) {
                 Head::Complete(resp, _) if resp.status == http::StatusCode::SWITCHING_PROTOCOLS => {
                     return Err(up_err(
                         InvalidHTTPHeader,
                         "101 to a request without Upgrade",
                     ));
                 }
-                Head::Complete(resp, len) => {
+                Head::Complete(mut resp, len) => {
                     let bare_lf = memchr::memchr_iter(b'\n', &buf[..len])
                         .any(|i| i == 0 || buf[i - 1] != b'\r');
-                    buf.advance(len);
                     if !resp.status.is_informational() {
+                        resp.own(&mut buf, len);
                         return Ok((resp, buf, bare_lf));
                     }
+                    buf.advance(len);
                 }
                 Head::Invalid => return Err(up_err(InvalidHTTPHeader, "upstream response header")),
                 Head::Partial if buf.len() > h1::MAX_RESPONSE_HEAD => {

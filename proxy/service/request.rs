@@ -8,7 +8,7 @@ use std::io;
 use std::time::Duration;
 
 use bytes::{Buf, BufMut, BytesMut};
-use http::header;
+use http::header::{self, HeaderValue};
 use pingora::http::RequestHeader;
 use tokio::io::AsyncWriteExt;
 
@@ -119,12 +119,22 @@ pub(super) fn check(req: RequestHeader, max_body: u64) -> Result<Checked, Client
         if length {
             return Err(ClientError::AmbiguousLength);
         }
-        if !http11 || !h1::only_chunked(h) {
+        if !http11
+            || !h1::only_chunked(
+                h.get_all(header::TRANSFER_ENCODING)
+                    .iter()
+                    .map(HeaderValue::as_bytes),
+            )
+        {
             return Err(ClientError::UnsupportedCoding);
         }
         BodyKind::Chunked
     } else if length {
-        match h1::content_length(h) {
+        match h1::content_length(
+            h.get_all(header::CONTENT_LENGTH)
+                .iter()
+                .map(HeaderValue::as_bytes),
+        ) {
             Some(0) => BodyKind::Length(0),
             Some(n) => BodyKind::Length(n),
             None => return Err(ClientError::BadLength),

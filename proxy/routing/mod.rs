@@ -8,6 +8,18 @@ use http::HeaderMap;
 
 use crate::config::Route;
 
+/// A request's header fields as routing reads them: the first value of a field, by a
+/// lowercase name (pingora's header map, or tokentap's own head).
+pub trait Fields {
+    fn first(&self, name: &str) -> Option<&[u8]>;
+}
+
+impl Fields for HeaderMap {
+    fn first(&self, name: &str) -> Option<&[u8]> {
+        self.get(name).map(http::HeaderValue::as_bytes)
+    }
+}
+
 /// The routes of one config, with their round-robin state.
 pub struct Router {
     routes: Vec<(Route, Mutex<SmoothWrr>)>,
@@ -40,7 +52,7 @@ impl Router {
     pub fn choose(
         &self,
         path: &str,
-        headers: &HeaderMap,
+        headers: &(impl Fields + ?Sized),
         headroom: impl Fn(usize) -> bool,
     ) -> Option<Choice> {
         let (route, (r, wrr)) = self
@@ -48,11 +60,7 @@ impl Router {
             .iter()
             .enumerate()
             .find(|(_, (r, _))| matches(r, path, headers))?;
-        let key = r
-            .sticky
-            .as_ref()
-            .and_then(|h| headers.get(h))
-            .map(|v| v.as_bytes());
+        let key = r.sticky.as_ref().and_then(|h| headers.first(h.as_str()));
         let arm = match key {
             Some(key) => sticky_arm(key, &r.split),
             None => wrr.lock().unwrap_or_else(PoisonError::into_inner).pick(),
@@ -72,12 +80,12 @@ impl Router {
     }
 }
 
-fn matches(route: &Route, path: &str, headers: &HeaderMap) -> bool {
+fn matches(route: &Route, path: &str, headers: &(impl Fields + ?Sized)) -> bool {
     path.starts_with(&route.path_prefix)
         && route.headers.iter().all(|(name, want)| {
             headers
-                .get(name)
-                .is_some_and(|v| v.as_bytes() == want.as_bytes())
+                .first(name.as_str())
+                .is_some_and(|v| v == want.as_bytes())
         })
 }
 

@@ -26,18 +26,15 @@
 
 use std::cell::RefCell;
 use std::future::{poll_fn, Future};
-use std::io;
+use std::io::{self, Write as _};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
 use bytes::{Buf, BytesMut};
-use http::header;
-use pingora::http::RequestHeader;
 use pingora::prelude::*;
 use pingora::protocols::http::date::get_cached_date;
-use pingora::protocols::http::v1::client::http_req_header_to_wire;
 use pingora::upstreams::peer::{HttpPeer, Peer};
 use pingora::ErrorSource;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
@@ -46,12 +43,12 @@ use tokio::time::{timeout, Instant};
 use super::conn::Io;
 use super::failure::{self, Failure};
 use super::h1::{self, Chunked, Framing, Head};
-use super::head::ResponseHead;
+use super::head::{RequestHead, ResponseHead};
 use super::record::{self, model_of, RequestId, Seen, REQUEST_ID_HEADER};
 use super::request::{
     self, error_body, json_response, Ahead, BodyKind, Checked, ClientError, Rest,
 };
-use super::{Ctx, TokenTap, HOST, UPSTREAM_HEADER};
+use super::{Ctx, TokenTap, UPSTREAM_HEADER};
 use crate::config::Limits;
 use crate::dialect::Dialect;
 use crate::estimate::Estimate;
@@ -148,7 +145,7 @@ pub(super) struct Incoming {
 
 /// What goes upstream: the client's head and body as read so far.
 struct Outgoing {
-    req: RequestHeader,
+    req: RequestHead,
     kind: BodyKind,
     body: BytesMut,
     rest: Rest,
@@ -236,7 +233,7 @@ impl TokenTap {
     ) -> After {
         let mut ctx = self.new_ctx();
         let req = &incoming.checked.req;
-        ctx.request_id = RequestId::of(&req.headers);
+        ctx.request_id = RequestId::of(&req.fields);
         if self.live.access.on() {
             ctx.seen = Some(Box::new(Seen {
                 method: req.method.as_str().to_owned(),
@@ -380,9 +377,7 @@ impl TokenTap {
         let shared = Arc::clone(&ctx.shared);
         let limits = shared.config.limits;
         let read_whole = matches!(rest, Rest::Done);
-        let keep_alive = !shutdown
-            && req.version == http::Version::HTTP_11
-            && !h1::has_token(&req.headers, header::CONNECTION, "close");
+        let keep_alive = !shutdown && req.http11 && !req.fields.has_token("connection", "close");
         // An answer tokentap makes itself keeps the connection only when the request was
         // read whole and nothing came after it; the answer's `Connection`, and what follows.
         let answered = |leftover: &BytesMut, watch: bool| {
@@ -527,10 +522,9 @@ impl TokenTap {
         let choice = ctx
             .choice
             .ok_or_else(|| Error::explain(InternalError, "no upstream chosen"))?;
-        let http10 = req.version == http::Version::HTTP_10;
+        let http10 = !req.http11;
         let head_request = req.method == http::Method::HEAD;
-        let mut keep_alive =
-            !shutdown && !http10 && !h1::has_token(&req.headers, header::CONNECTION, "close");
+        let mut keep_alive = !shutdown && !http10 && !req.fields.has_token("connection", "close");
         let mut body = body.freeze();
         let read_whole = matches!(rest, Rest::Done);
         let shared = Arc::clone(&ctx.shared);
@@ -555,11 +549,8 @@ impl TokenTap {
             (BodyKind::Chunked, _) => UpBody::Chunked,
         };
         let id = ctx.request_id.is_ours().then(|| ctx.request_id.as_str());
-        let up_req = upstream_request(req, &upstream.config.host_header, id, up_body)?;
-        let Some(mut wire) = http_req_header_to_wire(&up_req) else {
-            return Error::e_explain(InvalidHTTPHeader, "request target");
-        };
-        drop(up_req);
+        let mut wire = BytesMut::with_capacity(512 + body.len());
+        upstream_request(req, &upstream.config.host_header, id, up_body, &mut wire);
         if up_body == UpBody::Chunked {
             h1::put_chunk(&mut wire, &body);
         } else {
@@ -603,11 +594,12 @@ impl TokenTap {
             Some(framing) => framing,
             None => return Err(up_err(InvalidHTTPHeader, "upstream response framing")),
         };
-        let reusable =
-            resp.http11 && framing != Framing::UntilClose && !resp.has_token("connection", "close");
-        resp.remove_hop_by_hop("transfer-encoding");
-        let content_type = resp.get("content-type");
-        let content_encoding = resp.get("content-encoding");
+        let reusable = resp.http11
+            && framing != Framing::UntilClose
+            && !resp.fields.has_token("connection", "close");
+        resp.fields.remove_hop_by_hop("transfer-encoding");
+        let content_type = resp.fields.get("content-type");
+        let content_encoding = resp.fields.get("content-encoding");
         self.on_response(ctx, resp.status, content_type, content_encoding);
         // A transfer coding under the chunks (`gzip, chunked`): neither read nor rewritten,
         // and forwarded as it came (re-framing it would lose the coding).
@@ -615,7 +607,7 @@ impl TokenTap {
         if framing == Framing::Chunked {
             // RFC 9112 §6.3: `Transfer-Encoding` overrides a `Content-Length`, which a proxy
             // removes (as pingora does).
-            resp.remove("content-length");
+            resp.fields.remove("content-length");
             if coded {
                 ctx.ignore_body();
             }
@@ -642,17 +634,17 @@ impl TokenTap {
         };
         match to_client {
             ToClient::AsIs => {}
-            ToClient::Chunked => resp.remove("content-length"),
+            ToClient::Chunked => resp.fields.remove("content-length"),
             ToClient::Close => {
-                resp.remove("content-length");
-                resp.remove("transfer-encoding");
+                resp.fields.remove("content-length");
+                resp.fields.remove("transfer-encoding");
                 keep_alive = false;
             }
         }
         keep_alive &= leftover.is_empty() && watch;
         let connection: &[u8] = if keep_alive { b"keep-alive" } else { b"close" };
         let date = get_cached_date();
-        let [upstream, id] = Self::added_fields(ctx, resp.contains(REQUEST_ID_HEADER));
+        let [upstream, id] = Self::added_fields(ctx, resp.fields.contains(REQUEST_ID_HEADER));
         let chunked = to_client == ToClient::Chunked;
         let mut out = BytesMut::with_capacity(512 + first.len());
         resp.write(
@@ -852,11 +844,11 @@ impl TokenTap {
 }
 
 /// The upstream of a request, if a route matches.
-fn route(shared: &Shared, req: &RequestHeader) -> Option<Choice> {
+fn route(shared: &Shared, req: &RequestHead) -> Option<Choice> {
     let upstreams = &shared.upstreams;
-    shared.router.choose(req.uri.path(), &req.headers, |u| {
-        upstreams[u].has_headroom()
-    })
+    shared
+        .router
+        .choose(req.uri.path(), &req.fields, |u| upstreams[u].has_headroom())
 }
 
 /// Answers 429 with `Retry-After` and an OpenAI-style error body; the bytes written.
@@ -917,30 +909,39 @@ async fn answer_failure(
     request::answer(client, &out, limit).await
 }
 
-/// The request as the upstream gets it (with tokentap's request `id` when the client sent
-/// none).
+/// Appends the request as the upstream gets it (with tokentap's request `id` when the
+/// client sent none): HTTP/1.1, without hop-by-hop fields and `Expect` (the body is on its
+/// way already), its `Host` the upstream's, its body framed by tokentap.
 fn upstream_request(
-    mut req: RequestHeader,
+    mut req: RequestHead,
     host: &str,
     id: Option<&str>,
     body: UpBody,
-) -> Result<RequestHeader> {
-    for name in h1::hop_by_hop(&req.headers, &[]) {
-        req.remove_header(&name);
-    }
-    req.remove_header(&header::EXPECT); // the body is on its way already
-    req.remove_header(&header::CONTENT_LENGTH);
-    req.set_version(http::Version::HTTP_11);
-    req.insert_header(HOST, host)?;
-    if let Some(id) = id {
-        req.insert_header(REQUEST_ID_HEADER, id)?;
-    }
-    match body {
-        UpBody::None => {}
-        UpBody::Length(n) => req.insert_header(header::CONTENT_LENGTH, n.to_string())?,
-        UpBody::Chunked => req.insert_header(header::TRANSFER_ENCODING, "chunked")?,
-    }
-    Ok(req)
+    out: &mut BytesMut,
+) {
+    let h = &mut req.fields;
+    h.remove_hop_by_hop("");
+    h.remove("expect");
+    h.remove("content-length");
+    let mut digits = [0u8; 20];
+    let framing: Option<(&str, &[u8])> = match body {
+        UpBody::None => None,
+        UpBody::Length(n) => {
+            let mut w = &mut digits[..];
+            let _ = write!(w, "{n}"); // a u64 has at most 20 digits
+            let len = 20 - w.len();
+            Some(("Content-Length", &digits[..len]))
+        }
+        UpBody::Chunked => Some(("Transfer-Encoding", b"chunked")),
+    };
+    req.write(
+        out,
+        &[
+            Some(("Host", host.as_bytes())),
+            id.map(|id| (REQUEST_ID_HEADER, id.as_bytes())),
+            framing,
+        ],
+    );
 }
 
 /// Writes to the upstream within its write timeout.

@@ -16,7 +16,6 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::BytesMut;
 use pingora::apps::HttpServerApp;
-use pingora::http::RequestHeader;
 use pingora::protocols::http::ServerSession;
 use pingora::proxy::HttpProxy;
 use pingora::server::{ListenFds, ShutdownWatch};
@@ -26,7 +25,8 @@ use tokio::time::Instant;
 
 use super::conn::Io;
 use super::direct::{discard, read_more_upto, After, Incoming};
-use super::h1::{self, Head};
+use super::h1::Head;
+use super::head::RequestHead;
 use super::request::{self, ClientError};
 use super::TokenTap;
 use super::Transport;
@@ -97,7 +97,7 @@ impl Front {
     ) -> Next {
         // Per request: a reload changes the limits of the requests that follow.
         let limits = self.tap.live.load().config.limits;
-        let (mut read, head_len, req) = match read_head(client, shutdown, &limits).await {
+        let (after_head, req) = match read_head(client, shutdown, &limits).await {
             Ok(Some(head)) => head,
             Ok(None) => return Next::Closed,
             Err(e) => return Next::Refuse(e, limits),
@@ -108,10 +108,11 @@ impl Front {
             Err(e) => return Next::Refuse(e, limits),
         };
         if checked.upgrade {
+            // pingora-proxy reads the head again, from the bytes as they came.
+            let mut read = BytesMut::from(&checked.req.bytes()[..]);
+            read.extend_from_slice(&after_head);
             return Next::Upgrade(read);
         }
-        let after_head = read.split_off(head_len);
-        drop(read);
         let ahead = match request::read_ahead(client, after_head, &checked, &limits).await {
             Ok(Some(ahead)) => ahead,
             Ok(None) => return Next::Closed,
@@ -180,15 +181,15 @@ async fn refuse(mut client: Io, e: ClientError, limits: &Limits) {
     linger(client).await;
 }
 
-/// Reads a request head: the bytes read (the head and any body bytes after it), the head's
-/// length, and the head parsed. `Ok(None)` when the connection closed, failed or idled out
+/// Reads a request head: the bytes read after it (body bytes, or a pipelined request), and
+/// the head. `Ok(None)` when the connection closed, failed or idled out
 /// before a head began, or the server is shutting down. Once its first byte is in, the whole
 /// head must arrive within `request_head_timeout` and fit `max_request_head_bytes`.
 async fn read_head(
     client: &mut Io,
     shutdown: &ShutdownWatch,
     limits: &Limits,
-) -> Result<Option<(BytesMut, usize, RequestHeader)>, ClientError> {
+) -> Result<Option<(BytesMut, RequestHead)>, ClientError> {
     let max = limits.max_request_head_bytes;
     let mut read = BytesMut::new();
     let mut stop = shutdown.clone();
@@ -220,9 +221,12 @@ async fn read_head(
             }
             continue;
         }
-        match h1::request(&read) {
+        match RequestHead::parse(&read) {
             Head::Complete(_, len) if len > max => return Err(ClientError::HeadTooLarge),
-            Head::Complete(req, len) => return Ok(Some((read, len, req))),
+            Head::Complete(mut req, len) => match req.own(&mut read, len) {
+                true => return Ok(Some((read, req))),
+                false => return Err(ClientError::BadHead),
+            },
             Head::Partial if read.len() <= max => {}
             Head::Partial => return Err(ClientError::HeadTooLarge),
             Head::Invalid => return Err(ClientError::BadHead),

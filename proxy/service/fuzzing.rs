@@ -2,15 +2,15 @@
 //! each function panics where an invariant breaks.
 
 use super::h1::{self, Chunked, Head};
-use super::head::ResponseHead;
+use super::head::{RequestHead, ResponseHead};
 use super::request;
 
 /// A request head: parsing never panics, a head found is found again in exactly its own
 /// bytes, and its checks never panic.
 pub fn request_head(data: &[u8]) {
-    if let Head::Complete(req, len) = h1::request(data) {
+    if let Head::Complete(req, len) = RequestHead::read(&mut bytes::BytesMut::from(data)) {
         assert!(len <= data.len());
-        match h1::request(&data[..len]) {
+        match RequestHead::read(&mut bytes::BytesMut::from(&data[..len])) {
             Head::Complete(again, l) => {
                 assert_eq!(l, len);
                 assert_eq!(again.raw_path(), req.raw_path());
@@ -30,9 +30,10 @@ pub fn response_head(data: &[u8]) {
         let mut buf = bytes::BytesMut::from(data);
         resp.own(&mut buf, len);
         let _ = resp.framing();
-        resp.remove_hop_by_hop("");
+        resp.fields.remove_hop_by_hop("");
         let kept: Vec<(Vec<u8>, Vec<u8>)> = resp
-            .fields()
+            .fields
+            .iter()
             .map(|(n, v)| (n.to_vec(), v.to_vec()))
             .collect();
         let mut out = bytes::BytesMut::new();
@@ -43,7 +44,8 @@ pub fn response_head(data: &[u8]) {
                 again.own(&mut out, l);
                 let dated = |(n, _): &(Vec<u8>, Vec<u8>)| !n.eq_ignore_ascii_case(b"date");
                 let again: Vec<_> = again
-                    .fields()
+                    .fields
+                    .iter()
                     .map(|(n, v)| (n.to_vec(), v.to_vec()))
                     .filter(dated)
                     .collect();

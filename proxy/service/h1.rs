@@ -4,9 +4,7 @@
 //! that finds the payload and the body's end in place, so the body itself is forwarded as
 //! it came.
 
-use bytes::{BufMut, Bytes, BytesMut};
-use http::header::{self, HeaderValue};
-use pingora::http::RequestHeader;
+use bytes::{BufMut, BytesMut};
 
 /// The largest response head read (pingora's limit).
 pub(super) const MAX_RESPONSE_HEAD: usize = 1024 * 1024;
@@ -21,53 +19,6 @@ pub(super) enum Head<T> {
     Partial,
     /// Not a head tokentap reads itself (malformed, too many fields, an odd version).
     Invalid,
-}
-
-/// Fields a forwarded head may gain: its header maps are made this much larger than the
-/// head read, so that adding them does not grow (reallocate) the maps.
-const ADDED: usize = 3;
-
-/// Parses a request head (HTTP/1.0 or 1.1).
-pub(super) fn request(buf: &[u8]) -> Head<RequestHeader> {
-    let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
-    let mut req = httparse::Request::new(&mut fields);
-    let len = match req.parse(buf) {
-        Ok(httparse::Status::Complete(len)) => len,
-        Ok(httparse::Status::Partial) => return Head::Partial,
-        Err(_) => return Head::Invalid,
-    };
-    let (Some(method), Some(path), Some(version)) = (req.method, req.path, req.version) else {
-        return Head::Invalid;
-    };
-    // RFC 9112 §3.2: the target is visible ASCII; pingora would percent-encode the rest.
-    if path.is_empty() || !path.bytes().all(|b| b.is_ascii_graphic()) {
-        return Head::Invalid;
-    }
-    // Room for the fields the upstream request may gain (its id, `Host` for an HTTP/1.0
-    // client without one, a length or chunked; an old length is removed first).
-    let room = req.headers.len() + ADDED;
-    let Ok(mut header) = RequestHeader::build(method, path.as_bytes(), Some(room)) else {
-        return Head::Invalid;
-    };
-    header.set_version(match version {
-        1 => http::Version::HTTP_11,
-        _ => http::Version::HTTP_10,
-    });
-    if !copy_fields(req.headers, |n, v| header.append_header(n, v).map(drop)) {
-        return Head::Invalid;
-    }
-    Head::Complete(header, len)
-}
-
-/// Appends parsed fields to a pingora header, names in their case; false if one is refused.
-fn copy_fields(
-    fields: &[httparse::Header<'_>],
-    mut append: impl FnMut(Bytes, HeaderValue) -> pingora::Result<()>,
-) -> bool {
-    fields.iter().all(|f| {
-        let name = Bytes::copy_from_slice(f.name.as_bytes());
-        append(name, pingora::http::header_value_from_slice(f.value)).is_ok()
-    })
 }
 
 /// The `Content-Length`, when it is well formed: one number, or the same number repeated
@@ -104,16 +55,6 @@ pub(super) fn only_chunked<'a>(values: impl IntoIterator<Item = &'a [u8]>) -> bo
         && codings.next().is_none()
 }
 
-/// Whether a comma-separated header holds `token` (case-insensitive).
-pub(super) fn has_token(headers: &http::HeaderMap, name: header::HeaderName, token: &str) -> bool {
-    headers
-        .get_all(name)
-        .iter()
-        .filter_map(|v: &HeaderValue| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .any(|t| t.trim().eq_ignore_ascii_case(token))
-}
-
 /// Hop-by-hop fields (RFC 9110 §7.6.1, and the obsolete ones proxies still meet): never
 /// forwarded, in either direction, with the fields `Connection` names.
 pub(super) const HOP_BY_HOP: [&str; 10] = [
@@ -128,31 +69,6 @@ pub(super) const HOP_BY_HOP: [&str; 10] = [
     "upgrade",
     "http2-settings",
 ];
-
-/// The hop-by-hop fields present in `headers`, with those `Connection` names, except
-/// `keep` (framing a caller still reads): the fields a proxy removes.
-pub(super) fn hop_by_hop(
-    headers: &http::HeaderMap,
-    keep: &[header::HeaderName],
-) -> Vec<header::HeaderName> {
-    // One pass over the fields present (a handful), not a hashed lookup of each hop-by-hop
-    // name: this runs twice a request.
-    let connection = headers.get_all(header::CONNECTION);
-    let named = |n: &header::HeaderName| {
-        connection
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(','))
-            .any(|t| t.trim().eq_ignore_ascii_case(n.as_str()))
-    };
-    let mut found: Vec<header::HeaderName> = headers
-        .keys()
-        .filter(|n| (HOP_BY_HOP.contains(&n.as_str()) || named(n)) && !keep.contains(n))
-        .cloned()
-        .collect();
-    found.sort_unstable_by(|a, b| a.as_str().cmp(b.as_str()));
-    found
-}
 
 /// How a response body ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -369,50 +285,6 @@ pub(super) const LAST_CHUNK: &[u8] = b"0\r\n\r\n";
 mod tests {
     use super::*;
 
-    #[test]
-    fn hop_by_hop_fields_are_the_fixed_ones_and_those_connection_names() {
-        let mut h = http::HeaderMap::new();
-        for (k, v) in [
-            ("host", "a"),
-            (
-                "connection",
-                "keep-alive, X-Private ,Upgrade, bad name, absent",
-            ),
-            ("connection", "x-other"),
-            ("keep-alive", "timeout=5"),
-            ("x-private", "1"),
-            ("x-private", "2"),
-            ("x-other", "3"),
-            ("transfer-encoding", "chunked"),
-            ("te", "trailers"),
-            ("content-type", "text/event-stream"),
-        ] {
-            h.append(
-                header::HeaderName::from_static(k),
-                HeaderValue::from_static(v),
-            );
-        }
-        let names = |v: Vec<header::HeaderName>| -> Vec<String> {
-            v.iter().map(|n| n.as_str().to_owned()).collect()
-        };
-        assert_eq!(
-            names(hop_by_hop(&h, &[header::TRANSFER_ENCODING])),
-            ["connection", "keep-alive", "te", "x-other", "x-private"]
-        );
-        assert_eq!(
-            names(hop_by_hop(&h, &[])),
-            [
-                "connection",
-                "keep-alive",
-                "te",
-                "transfer-encoding",
-                "x-other",
-                "x-private"
-            ]
-        );
-        assert!(hop_by_hop(&http::HeaderMap::new(), &[]).is_empty());
-    }
-
     const BODY: &[u8] =
         b"5;ext=1\r\nhello\r\n18\r\ndata: {\"x\":1}\n\ndata: [DO\r\n0\r\nX-Trailer: 1\r\n\r\nNEXT";
 
@@ -496,30 +368,5 @@ mod tests {
             "bare LF line ends are read"
         );
         assert!(c.done());
-    }
-
-    #[test]
-    fn heads_keep_field_case_and_order() {
-        let raw = b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nX-Mixed-Case: 1\r\nContent-Length: 2\r\n\r\n{}";
-        let Head::Complete(req, len) = request(raw) else {
-            panic!("not parsed")
-        };
-        assert_eq!(len, raw.len() - 2);
-        assert_eq!(req.raw_path(), b"/v1/chat/completions");
-        let mut wire = BytesMut::new();
-        req.header_to_h1_wire(&mut wire);
-        assert_eq!(
-            &wire[..],
-            b"Host: a\r\nX-Mixed-Case: 1\r\nContent-Length: 2\r\n"
-        );
-        assert!(matches!(request(&raw[..20]), Head::Partial));
-        let Head::Complete(old, _) = request(b"GET / HTTP/1.0\r\n\r\n") else {
-            panic!("HTTP/1.0 not parsed")
-        };
-        assert_eq!(old.version, http::Version::HTTP_10);
-        assert!(matches!(
-            request(b"GET /\x01 HTTP/1.1\r\n\r\n"),
-            Head::Invalid
-        ));
     }
 }

@@ -14,35 +14,186 @@
 use std::mem::MaybeUninit;
 
 use bytes::{BufMut, Bytes, BytesMut};
-use http::StatusCode;
+use http::uri::PathAndQuery;
+use http::{Method, StatusCode, Uri};
+use pingora::http::RequestHeader;
 
 use super::h1::{self, Framing, Head, HOP_BY_HOP, MAX_HEADERS};
 
-/// One field of the head: where its name and value are in the head's bytes.
+/// One field of a head: where its name and value are in the head's bytes.
 #[derive(Clone, Copy)]
 struct Field {
     name: (u32, u32),
     value: (u32, u32),
-    /// Removed: not written to the client.
+    /// Removed: not forwarded.
     removed: bool,
+}
+
+/// A head's fields, found by offset in its bytes.
+pub(super) struct Fields {
+    bytes: Bytes,
+    list: Vec<Field>,
 }
 
 /// A response head read from the upstream.
 pub(super) struct ResponseHead {
-    bytes: Bytes,
     pub(super) status: StatusCode,
     /// HTTP/1.1 (else 1.0).
     pub(super) http11: bool,
     /// The reason phrase when it is not the status's canonical one.
     reason: Option<Box<str>>,
-    fields: Vec<Field>,
+    pub(super) fields: Fields,
+}
+
+/// A request head read from the client.
+pub(super) struct RequestHead {
+    pub(super) method: Method,
+    /// The target as the upstream gets it (without a fragment); until the head owns its
+    /// bytes, where the target is in them.
+    target: Bytes,
+    target_at: (u32, u32),
+    /// The target parsed, for its path.
+    pub(super) uri: Uri,
+    /// HTTP/1.1 (else 1.0).
+    pub(super) http11: bool,
+    pub(super) fields: Fields,
+}
+
+// === impl Fields ===
+
+impl Fields {
+    /// The fields httparse found in `buf` (its names and values are slices of it).
+    fn of(buf: &[u8], headers: &[httparse::Header<'_>]) -> Fields {
+        let base = buf.as_ptr() as usize;
+        let at = |s: &[u8]| ((s.as_ptr() as usize - base) as u32, s.len() as u32);
+        let list = headers
+            .iter()
+            .map(|f| Field {
+                name: at(f.name.as_bytes()),
+                value: at(f.value),
+                removed: false,
+            })
+            .collect();
+        Fields {
+            bytes: Bytes::new(),
+            list,
+        }
+    }
+
+    fn slice(&self, (at, len): (u32, u32)) -> &[u8] {
+        &self.bytes[at as usize..][..len as usize]
+    }
+
+    /// The fields present (not removed), name and value.
+    pub(super) fn iter(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
+        self.list
+            .iter()
+            .filter(|f| !f.removed)
+            .map(|f| (self.slice(f.name), self.slice(f.value)))
+    }
+
+    /// The values of the fields named `name` (case-insensitive).
+    pub(super) fn get_all<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a [u8]> + 'a {
+        self.iter()
+            .filter(move |(n, _)| n.eq_ignore_ascii_case(name.as_bytes()))
+            .map(|(_, v)| v)
+    }
+
+    /// The first value of the field named `name`.
+    pub(super) fn get(&self, name: &str) -> Option<&[u8]> {
+        self.iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name.as_bytes()))
+            .map(|(_, v)| v)
+    }
+
+    pub(super) fn contains(&self, name: &str) -> bool {
+        self.get(name).is_some()
+    }
+
+    /// Whether a comma-separated field holds `token` (case-insensitive).
+    pub(super) fn has_token(&self, name: &str, token: &str) -> bool {
+        self.get_all(name)
+            .flat_map(|v| v.split(|&b| b == b','))
+            .any(|t| t.trim_ascii().eq_ignore_ascii_case(token.as_bytes()))
+    }
+
+    /// Removes every field named `name`.
+    pub(super) fn remove(&mut self, name: &str) {
+        let Self { bytes, list } = self;
+        for f in list.iter_mut() {
+            let (at, len) = f.name;
+            if bytes[at as usize..][..len as usize].eq_ignore_ascii_case(name.as_bytes()) {
+                f.removed = true;
+            }
+        }
+    }
+
+    /// Removes the hop-by-hop fields (RFC 9110 §7.6.1, and those `Connection` names) but
+    /// `keep`.
+    pub(super) fn remove_hop_by_hop(&mut self, keep: &str) {
+        for i in 0..self.list.len() {
+            let name = self.slice(self.list[i].name);
+            // `Connection` as it came, though it is itself removed on the way.
+            let named = || {
+                self.list
+                    .iter()
+                    .filter(|f| self.slice(f.name).eq_ignore_ascii_case(b"connection"))
+                    .flat_map(|f| self.slice(f.value).split(|&b| b == b','))
+                    .any(|t| t.trim_ascii().eq_ignore_ascii_case(name))
+            };
+            let hop = !name.eq_ignore_ascii_case(keep.as_bytes())
+                && (HOP_BY_HOP
+                    .iter()
+                    .any(|h| name.eq_ignore_ascii_case(h.as_bytes()))
+                    || named());
+            self.list[i].removed |= hop;
+        }
+    }
+
+    /// Appends the fields but those removed, and those in `set` (`None`s skipped), then
+    /// the head's empty line. A field set takes the place of the first field of its name,
+    /// the others of that name dropped, as pingora's `insert_header` did; one the head
+    /// did not have comes last. Names are written as given, and compared without case.
+    fn write(&self, out: &mut BytesMut, set: &[Option<(&str, &[u8])>]) {
+        debug_assert!(set.len() <= 64, "the fields written are tracked in a u64");
+        let mut written = 0u64;
+        let find = |name: &[u8]| {
+            set.iter().enumerate().find_map(|(i, s)| match s {
+                Some((n, v)) if name.eq_ignore_ascii_case(n.as_bytes()) => Some((i, *n, *v)),
+                _ => None,
+            })
+        };
+        for f in self.list.iter().filter(|f| !f.removed) {
+            let name = self.slice(f.name);
+            match find(name) {
+                None => put_field(out, name, self.slice(f.value)),
+                Some((i, _, _)) if written & (1 << i) != 0 => {}
+                Some((i, name, value)) => {
+                    written |= 1 << i;
+                    put_field(out, name.as_bytes(), value);
+                }
+            }
+        }
+        for (i, s) in set.iter().enumerate() {
+            if let (Some((name, value)), 0) = (s, written & (1 << i)) {
+                put_field(out, name.as_bytes(), value);
+            }
+        }
+        out.put_slice(b"\r\n");
+    }
+}
+
+impl crate::routing::Fields for Fields {
+    fn first(&self, name: &str) -> Option<&[u8]> {
+        self.get(name)
+    }
 }
 
 // === impl ResponseHead ===
 
 impl ResponseHead {
     /// Parses a response head at the start of `buf`, as leniently as pingora's client reads
-    /// what upstreams send.
+    /// what upstreams send. A head found is not usable until it [owns](Self::own) its bytes.
     pub(super) fn parse(buf: &[u8]) -> Head<ResponseHead> {
         let mut fields = [const { MaybeUninit::uninit() }; MAX_HEADERS];
         let mut resp = httparse::Response::new(&mut []);
@@ -65,102 +216,19 @@ impl ResponseHead {
             .reason
             .filter(|&r| Some(r) != status.canonical_reason())
             .map(Box::from);
-        let base = buf.as_ptr() as usize;
-        // httparse's names and values are slices of `buf`: their offsets locate them.
-        let at = |s: &[u8]| ((s.as_ptr() as usize - base) as u32, s.len() as u32);
-        let fields = resp
-            .headers
-            .iter()
-            .map(|f| Field {
-                name: at(f.name.as_bytes()),
-                value: at(f.value),
-                removed: false,
-            })
-            .collect();
-        Head::Complete(
-            ResponseHead {
-                bytes: Bytes::new(),
-                status,
-                http11: version == 1,
-                reason,
-                fields,
-            },
-            len,
-        )
+        let head = ResponseHead {
+            status,
+            http11: version == 1,
+            reason,
+            fields: Fields::of(buf, resp.headers),
+        };
+        Head::Complete(head, len)
     }
 
     /// Takes the head's bytes, the `len` that [`parse`](Self::parse) found at the start of
     /// the buffer it parsed (the buffer keeps what follows).
     pub(super) fn own(&mut self, buf: &mut BytesMut, len: usize) {
-        self.bytes = buf.split_to(len).freeze();
-    }
-
-    fn slice(&self, (at, len): (u32, u32)) -> &[u8] {
-        &self.bytes[at as usize..][..len as usize]
-    }
-
-    /// The fields present (not removed), name and value.
-    pub(super) fn fields(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
-        self.fields
-            .iter()
-            .filter(|f| !f.removed)
-            .map(|f| (self.slice(f.name), self.slice(f.value)))
-    }
-
-    /// The values of the fields named `name` (case-insensitive).
-    pub(super) fn get_all<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a [u8]> + 'a {
-        self.fields()
-            .filter(move |(n, _)| n.eq_ignore_ascii_case(name.as_bytes()))
-            .map(|(_, v)| v)
-    }
-
-    /// The first value of the field named `name`.
-    pub(super) fn get<'a>(&'a self, name: &'a str) -> Option<&'a [u8]> {
-        self.get_all(name).next()
-    }
-
-    pub(super) fn contains(&self, name: &str) -> bool {
-        self.get(name).is_some()
-    }
-
-    /// Whether a comma-separated field holds `token` (case-insensitive).
-    pub(super) fn has_token(&self, name: &str, token: &str) -> bool {
-        self.get_all(name)
-            .flat_map(|v| v.split(|&b| b == b','))
-            .any(|t| t.trim_ascii().eq_ignore_ascii_case(token.as_bytes()))
-    }
-
-    /// Removes every field named `name`.
-    pub(super) fn remove(&mut self, name: &str) {
-        let Self { bytes, fields, .. } = self;
-        for f in fields.iter_mut() {
-            let (at, len) = f.name;
-            if bytes[at as usize..][..len as usize].eq_ignore_ascii_case(name.as_bytes()) {
-                f.removed = true;
-            }
-        }
-    }
-
-    /// Removes the hop-by-hop fields (RFC 9110 §7.6.1, and those `Connection` names) but
-    /// `keep`.
-    pub(super) fn remove_hop_by_hop(&mut self, keep: &str) {
-        for i in 0..self.fields.len() {
-            let name = self.slice(self.fields[i].name);
-            // `Connection` as the upstream sent it, though it is itself removed on the way.
-            let named = || {
-                self.fields
-                    .iter()
-                    .filter(|f| self.slice(f.name).eq_ignore_ascii_case(b"connection"))
-                    .flat_map(|f| self.slice(f.value).split(|&b| b == b','))
-                    .any(|t| t.trim_ascii().eq_ignore_ascii_case(name))
-            };
-            let hop = !name.eq_ignore_ascii_case(keep.as_bytes())
-                && (HOP_BY_HOP
-                    .iter()
-                    .any(|h| name.eq_ignore_ascii_case(h.as_bytes()))
-                    || named());
-            self.fields[i].removed |= hop;
-        }
+        self.fields.bytes = buf.split_to(len).freeze();
     }
 
     /// How the body ends, or `None` when that cannot be trusted (a transfer coding other
@@ -170,8 +238,9 @@ impl ResponseHead {
         if status == 204 || status == 304 {
             return Some(Framing::Empty);
         }
-        if self.contains("transfer-encoding") {
-            let last = self
+        let h = &self.fields;
+        if h.contains("transfer-encoding") {
+            let last = h
                 .get_all("transfer-encoding")
                 .flat_map(|v| v.split(|&b| b == b','))
                 .map(<[u8]>::trim_ascii)
@@ -182,22 +251,19 @@ impl ResponseHead {
                 _ => None,
             };
         }
-        if self.contains("content-length") {
-            return h1::content_length(self.get_all("content-length")).map(Framing::Length);
+        if h.contains("content-length") {
+            return h1::content_length(h.get_all("content-length")).map(Framing::Length);
         }
         Some(Framing::UntilClose)
     }
 
     /// Whether `Transfer-Encoding` names `chunked` once and nothing else.
     pub(super) fn only_chunked(&self) -> bool {
-        h1::only_chunked(self.get_all("transfer-encoding"))
+        h1::only_chunked(self.fields.get_all("transfer-encoding"))
     }
 
     /// Appends the head as the client gets it: HTTP/1.1, the upstream's fields but those
-    /// removed, and the fields in `set` (`None`s skipped). A field set takes the place of
-    /// the upstream's first field of its name, the others of that name dropped, as
-    /// pingora's `insert_header` did; one the upstream did not send comes after the
-    /// upstream's. Names are written as given, and compared without case.
+    /// removed, and the fields in `set` (see [`Fields::write`]).
     pub(super) fn write(&self, out: &mut BytesMut, set: &[Option<(&str, &[u8])>]) {
         out.put_slice(b"HTTP/1.1 ");
         out.put_slice(self.status.as_str().as_bytes());
@@ -207,31 +273,108 @@ impl ResponseHead {
             out.put_slice(reason.as_bytes());
         }
         out.put_slice(b"\r\n");
-        debug_assert!(set.len() <= 64, "the fields written are tracked in a u64");
-        let mut written = 0u64;
-        let find = |name: &[u8]| {
-            set.iter().enumerate().find_map(|(i, s)| match s {
-                Some((n, v)) if name.eq_ignore_ascii_case(n.as_bytes()) => Some((i, *n, *v)),
-                _ => None,
-            })
+        self.fields.write(out, set);
+    }
+}
+
+// === impl RequestHead ===
+
+impl RequestHead {
+    /// Parses a request head (HTTP/1.0 or 1.1) at the start of `buf`, strictly. A head found
+    /// is not usable until it [owns](Self::own) its bytes.
+    pub(super) fn parse(buf: &[u8]) -> Head<RequestHead> {
+        let mut fields = [const { MaybeUninit::uninit() }; MAX_HEADERS];
+        let mut req = httparse::Request::new(&mut []);
+        let len = match req.parse_with_uninit_headers(buf, &mut fields) {
+            Ok(httparse::Status::Complete(len)) => len,
+            Ok(httparse::Status::Partial) => return Head::Partial,
+            Err(_) => return Head::Invalid,
         };
-        for f in self.fields.iter().filter(|f| !f.removed) {
-            let name = self.slice(f.name);
-            match find(name) {
-                None => put_field(out, name, self.slice(f.value)),
-                Some((i, _, _)) if written & (1 << i) != 0 => {}
-                Some((i, name, value)) => {
-                    written |= 1 << i;
-                    put_field(out, name.as_bytes(), value);
-                }
-            }
+        let (Some(method), Some(path), Some(version)) = (req.method, req.path, req.version) else {
+            return Head::Invalid;
+        };
+        // RFC 9112 §3.2: the target is visible ASCII; pingora would percent-encode the rest.
+        if path.is_empty() || !path.bytes().all(|b| b.is_ascii_graphic()) {
+            return Head::Invalid;
         }
-        for (i, s) in set.iter().enumerate() {
-            if let (Some((name, value)), 0) = (s, written & (1 << i)) {
-                put_field(out, name.as_bytes(), value);
-            }
+        let Ok(method) = Method::from_bytes(method.as_bytes()) else {
+            return Head::Invalid;
+        };
+        let at = (path.as_ptr() as usize - buf.as_ptr() as usize) as u32;
+        let head = RequestHead {
+            method,
+            target: Bytes::new(),
+            target_at: (at, path.len() as u32),
+            uri: Uri::default(),
+            http11: version == 1,
+            fields: Fields::of(buf, req.headers),
+        };
+        Head::Complete(head, len)
+    }
+
+    /// A whole head at the start of `buf`, parsed and taken from it (`buf` keeps what
+    /// follows); invalid also when its target is not a URI.
+    #[cfg(any(test, feature = "fuzzing"))]
+    pub(super) fn read(buf: &mut BytesMut) -> Head<RequestHead> {
+        match RequestHead::parse(buf) {
+            Head::Complete(mut head, len) => match head.own(buf, len) {
+                true => Head::Complete(head, len),
+                false => Head::Invalid,
+            },
+            Head::Invalid => Head::Invalid,
+            Head::Partial => Head::Partial,
         }
-        out.put_slice(b"\r\n");
+    }
+
+    /// Takes the head's bytes, the `len` that [`parse`](Self::parse) found at the start of
+    /// the buffer it parsed (the buffer keeps what follows), and reads its target: false
+    /// when that is not a URI.
+    pub(super) fn own(&mut self, buf: &mut BytesMut, len: usize) -> bool {
+        let bytes = buf.split_to(len).freeze();
+        let (at, n) = self.target_at;
+        let raw = bytes.slice(at as usize..(at + n) as usize);
+        self.fields.bytes = bytes;
+        if raw.starts_with(b"/") && !raw.contains(&b'#') {
+            // Origin-form, the usual one: read in place, as pingora reads it
+            // (`Uri::builder().path_and_query(target)`).
+            let Ok(path) = PathAndQuery::from_maybe_shared(raw.clone()) else {
+                return false;
+            };
+            self.uri = Uri::from(path);
+            self.target = raw;
+            return true;
+        }
+        // The other forms (absolute, asterisk; a fragment to drop) exactly as pingora reads
+        // them.
+        match RequestHeader::build_no_case(self.method.clone(), &raw, Some(0)) {
+            Ok(req) => {
+                self.target = Bytes::copy_from_slice(req.raw_path());
+                self.uri = req.uri.clone();
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// The target as the upstream gets it.
+    #[cfg(any(test, feature = "fuzzing"))]
+    pub(super) fn raw_path(&self) -> &[u8] {
+        &self.target
+    }
+
+    /// The head's bytes as they came (an upgrade hands them to pingora-proxy).
+    pub(super) fn bytes(&self) -> &Bytes {
+        &self.fields.bytes
+    }
+
+    /// Appends the request line and head as the upstream gets them: HTTP/1.1, the client's
+    /// fields but those removed, and the fields in `set` (see [`Fields::write`]).
+    pub(super) fn write(&self, out: &mut BytesMut, set: &[Option<(&str, &[u8])>]) {
+        out.put_slice(self.method.as_str().as_bytes());
+        out.put_u8(b' ');
+        out.put_slice(&self.target);
+        out.put_slice(b" HTTP/1.1\r\n");
+        self.fields.write(out, set);
     }
 }
 
@@ -316,11 +459,11 @@ mod tests {
             ],
             200,
         );
-        resp.remove_hop_by_hop("transfer-encoding");
-        let names: Vec<&[u8]> = resp.fields().map(|(n, _)| n).collect();
+        resp.fields.remove_hop_by_hop("transfer-encoding");
+        let names: Vec<&[u8]> = resp.fields.iter().map(|(n, _)| n).collect();
         assert_eq!(names, [&b"Host"[..], b"Transfer-Encoding", b"Content-Type"]);
-        resp.remove_hop_by_hop("");
-        assert!(!resp.contains("transfer-encoding"));
+        resp.fields.remove_hop_by_hop("");
+        assert!(!resp.fields.contains("transfer-encoding"));
     }
 
     #[test]
@@ -328,9 +471,9 @@ mod tests {
         let mut resp = head(
             b"HTTP/1.0 200 OK\r\nX-B: 1\r\nDate: then\r\nx-a:  2 \r\ndate: again\r\nContent-Length: 3\r\n\r\nabc",
         );
-        assert_eq!(resp.get("X-A"), Some(&b"2"[..]));
+        assert_eq!(resp.fields.get("X-A"), Some(&b"2"[..]));
         assert!(!resp.http11);
-        resp.remove("content-length");
+        resp.fields.remove("content-length");
         let mut out = BytesMut::new();
         resp.write(
             &mut out,
@@ -379,5 +522,50 @@ mod tests {
             ResponseHead::parse(b"HTTP/1.1 200 OK\r\nA: b"),
             Head::Partial
         ));
+    }
+
+    #[test]
+    fn a_request_head_is_written_with_its_fields_in_their_case_and_order() {
+        let mut buf = BytesMut::from(
+            &b"POST /v1/chat/completions?x=1 HTTP/1.1\r\nhost: a\r\nX-Mixed-Case: 1\r\nConnection: x-mixed-case\r\nContent-Length: 2\r\n\r\n{}"[..],
+        );
+        let Head::Complete(mut req, _) = RequestHead::read(&mut buf) else {
+            panic!("not parsed")
+        };
+        assert_eq!(&buf[..], b"{}");
+        assert_eq!(req.uri.path(), "/v1/chat/completions");
+        assert_eq!(req.raw_path(), b"/v1/chat/completions?x=1");
+        assert!(req.http11 && req.method == Method::POST);
+        req.fields.remove_hop_by_hop("");
+        req.fields.remove("content-length");
+        let mut out = BytesMut::new();
+        req.write(
+            &mut out,
+            &[Some(("Host", b"up")), Some(("Content-Length", b"2"))],
+        );
+        assert_eq!(
+            &out[..],
+            b"POST /v1/chat/completions?x=1 HTTP/1.1\r\nHost: up\r\nContent-Length: 2\r\n\r\n"
+        );
+
+        let read = |raw: &[u8]| RequestHead::read(&mut BytesMut::from(raw));
+        let Head::Complete(old, _) = read(b"GET / HTTP/1.0\r\n\r\n") else {
+            panic!("HTTP/1.0 not parsed")
+        };
+        assert!(!old.http11);
+        assert!(matches!(read(b"GET /\x01 HTTP/1.1\r\n\r\n"), Head::Invalid));
+        assert!(matches!(read(b"GET /a<b HTTP/1.1\r\n\r\n"), Head::Invalid));
+        assert!(matches!(read(b"GET /a HTTP/1.1\r\nHost"), Head::Partial));
+        // The other forms as pingora reads them: a fragment dropped, an absolute target's
+        // path.
+        let Head::Complete(frag, _) = read(b"GET /a?b#c HTTP/1.1\r\n\r\n") else {
+            panic!("a fragment refused")
+        };
+        assert_eq!((frag.raw_path(), frag.uri.path()), (&b"/a?b"[..], "/a"));
+        let Head::Complete(abs, _) = read(b"GET http://h/v1/x?y HTTP/1.1\r\n\r\n") else {
+            panic!("absolute-form refused")
+        };
+        assert_eq!(abs.uri.path(), "/v1/x");
+        assert_eq!(abs.raw_path(), b"http://h/v1/x?y");
     }
 }

@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::OnceLock;
 
-use http::HeaderMap;
+use crate::routing::Fields;
 use serde::Serialize;
 
 use super::failure::Failure;
@@ -29,9 +29,8 @@ pub(crate) struct RequestId {
 impl RequestId {
     /// The client's id when it sent a usable one (1–128 visible ASCII characters), else a
     /// new one.
-    pub(crate) fn of(headers: &HeaderMap) -> RequestId {
-        let theirs = headers.get(REQUEST_ID_HEADER).map(|v| v.as_bytes());
-        match theirs {
+    pub(crate) fn of(headers: &(impl Fields + ?Sized)) -> RequestId {
+        match headers.first(REQUEST_ID_HEADER) {
             Some(id)
                 if (1..=MAX_CLIENT_ID).contains(&id.len())
                     && id.iter().all(|b| b.is_ascii_graphic()) =>
@@ -179,6 +178,7 @@ pub(crate) fn log_failure(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use http::HeaderMap;
 
     #[test]
     fn a_client_id_is_kept_when_it_is_plain_and_short() {

@@ -8,13 +8,12 @@ use std::io;
 use std::time::Duration;
 
 use bytes::{Buf, BufMut, BytesMut};
-use http::header::{self, HeaderValue};
-use pingora::http::RequestHeader;
 use tokio::io::AsyncWriteExt;
 
 use super::conn::Io;
 use super::direct::read_more;
 use super::h1::{self, Chunked};
+use super::head::RequestHead;
 use crate::config::Limits;
 
 /// The body read before the upstream is chosen and a slot taken: a whole generation request
@@ -94,7 +93,7 @@ pub(super) enum BodyKind {
 
 /// A request head that passed the checks.
 pub(super) struct Checked {
-    pub(super) req: RequestHeader,
+    pub(super) req: RequestHead,
     pub(super) body: BodyKind,
     /// The client waits for `100 Continue` before it sends its body.
     pub(super) expects_continue: bool,
@@ -103,38 +102,28 @@ pub(super) struct Checked {
 }
 
 /// Checks a parsed request head (RFC 9112 §3, §6; RFC 9110 §7.2, §8.6).
-pub(super) fn check(req: RequestHeader, max_body: u64) -> Result<Checked, ClientError> {
-    let h = &req.headers;
-    let http11 = req.version == http::Version::HTTP_11;
-    let hosts = h.get_all(header::HOST).iter().count();
+pub(super) fn check(req: RequestHead, max_body: u64) -> Result<Checked, ClientError> {
+    let h = &req.fields;
+    let http11 = req.http11;
+    let hosts = h.get_all("host").count();
     if hosts > 1 || (http11 && hosts == 0) {
         return Err(ClientError::Host);
     }
     if req.method == http::Method::CONNECT {
         return Err(ClientError::Connect);
     }
-    let chunked = h.contains_key(header::TRANSFER_ENCODING);
-    let length = h.contains_key(header::CONTENT_LENGTH);
+    let chunked = h.contains("transfer-encoding");
+    let length = h.contains("content-length");
     let body = if chunked {
         if length {
             return Err(ClientError::AmbiguousLength);
         }
-        if !http11
-            || !h1::only_chunked(
-                h.get_all(header::TRANSFER_ENCODING)
-                    .iter()
-                    .map(HeaderValue::as_bytes),
-            )
-        {
+        if !http11 || !h1::only_chunked(h.get_all("transfer-encoding")) {
             return Err(ClientError::UnsupportedCoding);
         }
         BodyKind::Chunked
     } else if length {
-        match h1::content_length(
-            h.get_all(header::CONTENT_LENGTH)
-                .iter()
-                .map(HeaderValue::as_bytes),
-        ) {
+        match h1::content_length(h.get_all("content-length")) {
             Some(0) => BodyKind::Length(0),
             Some(n) => BodyKind::Length(n),
             None => return Err(ClientError::BadLength),
@@ -146,8 +135,8 @@ pub(super) fn check(req: RequestHeader, max_body: u64) -> Result<Checked, Client
         return Err(ClientError::BodyTooLarge);
     }
     let mut expects_continue = false;
-    for v in h.get_all(header::EXPECT) {
-        if !v.as_bytes().eq_ignore_ascii_case(b"100-continue") {
+    for v in h.get_all("expect") {
+        if !v.eq_ignore_ascii_case(b"100-continue") {
             return Err(ClientError::Expectation);
         }
         // An HTTP/1.0 client's expectation is ignored (RFC 9110 §10.1.1).
@@ -155,9 +144,8 @@ pub(super) fn check(req: RequestHeader, max_body: u64) -> Result<Checked, Client
     }
     // An upgrade with a chunked body is not handed to pingora-proxy, whose chunked decoder
     // is lenient: it takes this path, without the upgrade (a hop-by-hop field).
-    let upgrade = h.contains_key(header::UPGRADE)
-        && h1::has_token(h, header::CONNECTION, "upgrade")
-        && body != BodyKind::Chunked;
+    let upgrade =
+        h.contains("upgrade") && h.has_token("connection", "upgrade") && body != BodyKind::Chunked;
     Ok(Checked {
         req,
         body,
@@ -350,7 +338,7 @@ mod tests {
     use super::*;
 
     fn head(raw: &str) -> Result<Checked, ClientError> {
-        match h1::request(raw.as_bytes()) {
+        match RequestHead::read(&mut BytesMut::from(raw)) {
             h1::Head::Complete(req, _) => check(req, 1000),
             _ => Err(ClientError::BadHead),
         }

@@ -1,7 +1,7 @@
 //! Invariants of the HTTP/1 parsers, for the fuzz targets in `fuzz/` (feature `fuzzing`):
 //! each function panics where an invariant breaks.
 
-use super::h1::{self, Chunked, Head};
+use super::h1::{Chunked, Head};
 use super::head::{RequestHead, ResponseHead};
 use super::request;
 

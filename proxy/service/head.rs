@@ -1,15 +1,16 @@
-//! A response head as the upstream sent it, kept as its own bytes: each field found by its
-//! offsets, the client's head written from them with tokentap's changes. No header map is
-//! built: a short reply's head is read once, changed in a few places and written once, and
-//! pingora's maps (a copy of every name and value, hashed, and a map of the names' case)
-//! cost as much as metering the reply's tokens.
+//! Request and response heads kept as their own bytes: httparse finds the fields, each is
+//! kept as offsets into the head, and the head for the other side is written from them with
+//! tokentap's changes. No header map is built: a short reply's heads are read once, changed
+//! in a few places and written once, and pingora's maps (a copy of every name and value,
+//! hashed, and a map of the names' case) cost as much as metering the reply's tokens.
 //!
-//! What the client gets is what pingora's server session wrote from pingora's
-//! `ResponseHeader` after the same changes, except the order of fields: an upstream's
-//! fields keep their order here (pingora's map moved the last field into a removed one's
-//! place). A field tokentap [sets](ResponseHead::set) takes the place of the upstream's
-//! first field of that name, the others of that name dropped, as pingora's
-//! `insert_header` did; a field the upstream did not send comes after the upstream's.
+//! What the other side gets is what pingora wrote from its `RequestHeader` and
+//! `ResponseHeader` after the same changes, except the order of fields: fields keep the
+//! order they came in (pingora's map moved the last field into a removed one's place). A
+//! field tokentap sets ([`Fields::write`]) takes the place of the first field of that name,
+//! the others of that name dropped, as pingora's `insert_header` did; a field the head did
+//! not have comes last. A request target other than origin-form goes through pingora's own
+//! target parser, so every form reads as it did.
 
 use std::mem::MaybeUninit;
 
@@ -80,8 +81,8 @@ impl Fields {
         }
     }
 
-    fn slice(&self, (at, len): (u32, u32)) -> &[u8] {
-        &self.bytes[at as usize..][..len as usize]
+    fn slice(&self, at: (u32, u32)) -> &[u8] {
+        &self.bytes[range(at)]
     }
 
     /// The fields present (not removed), name and value.
@@ -121,8 +122,7 @@ impl Fields {
     pub(super) fn remove(&mut self, name: &str) {
         let Self { bytes, list } = self;
         for f in list.iter_mut() {
-            let (at, len) = f.name;
-            if bytes[at as usize..][..len as usize].eq_ignore_ascii_case(name.as_bytes()) {
+            if bytes[range(f.name)].eq_ignore_ascii_case(name.as_bytes()) {
                 f.removed = true;
             }
         }
@@ -131,22 +131,34 @@ impl Fields {
     /// Removes the hop-by-hop fields (RFC 9110 §7.6.1, and those `Connection` names) but
     /// `keep`.
     pub(super) fn remove_hop_by_hop(&mut self, keep: &str) {
-        for i in 0..self.list.len() {
-            let name = self.slice(self.list[i].name);
-            // `Connection` as it came, though it is itself removed on the way.
-            let named = || {
-                self.list
-                    .iter()
-                    .filter(|f| self.slice(f.name).eq_ignore_ascii_case(b"connection"))
-                    .flat_map(|f| self.slice(f.value).split(|&b| b == b','))
-                    .any(|t| t.trim_ascii().eq_ignore_ascii_case(name))
-            };
-            let hop = !name.eq_ignore_ascii_case(keep.as_bytes())
-                && (HOP_BY_HOP
+        let Self { bytes, list } = self;
+        let kept = |name: &[u8]| name.eq_ignore_ascii_case(keep.as_bytes());
+        for f in list.iter_mut() {
+            let name = &bytes[range(f.name)];
+            if !kept(name)
+                && HOP_BY_HOP
                     .iter()
                     .any(|h| name.eq_ignore_ascii_case(h.as_bytes()))
-                    || named());
-            self.list[i].removed |= hop;
+            {
+                f.removed = true;
+            }
+        }
+        // Each token of each `Connection` (read as it came, though it is removed by now)
+        // against every field: one pass over the fields a token.
+        for c in 0..list.len() {
+            let connection = list[c];
+            if !bytes[range(connection.name)].eq_ignore_ascii_case(b"connection") {
+                continue;
+            }
+            for token in bytes[range(connection.value)].split(|&b| b == b',') {
+                let token = token.trim_ascii();
+                for f in list.iter_mut() {
+                    let name = &bytes[range(f.name)];
+                    if name.eq_ignore_ascii_case(token) && !kept(name) {
+                        f.removed = true;
+                    }
+                }
+            }
         }
     }
 
@@ -376,6 +388,11 @@ impl RequestHead {
         out.put_slice(b" HTTP/1.1\r\n");
         self.fields.write(out, set);
     }
+}
+
+/// Where an (offset, length) pair is in the head's bytes.
+fn range((at, len): (u32, u32)) -> std::ops::Range<usize> {
+    at as usize..at as usize + len as usize
 }
 
 fn put_field(out: &mut BytesMut, name: &[u8], value: &[u8]) {

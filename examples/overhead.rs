@@ -7,7 +7,8 @@
 //!
 //! The origin sends OpenAI-shaped chunks every `interval` ms on each stream (the streams
 //! spread evenly over one interval), each carrying its send time; the client records
-//! receive − send per event (HDR histograms), TTFT, stalls (a gap over 3× the interval) and
+//! receive − send per event (HDR histograms), TTFT, stalls (a gap over 3× the interval; each
+//! run's line also counts those where the origin's own sends were that far apart) and
 //! errors. The receive time is the kernel's receive stamp on the client socket
 //! (`SO_TIMESTAMPNS`, brought onto the same monotonic clock at each read), so the load
 //! side's own scheduling stays out of it; the time to the client task's read is printed
@@ -136,6 +137,8 @@ struct Run {
     ttft_p99_us: f64,
     events: u64,
     stalls: u64,
+    /// Of them, gaps in the origin's own sends (the load side's core or the VM paused).
+    origin_stalls: u64,
     errors: u64,
     cpu_us_per_event: Option<f64>,
     rss_kib_per_stream: Option<f64>,
@@ -248,8 +251,8 @@ fn main() -> anyhow::Result<()> {
                         &bin,
                     ))?;
                     println!(
-                        "{} {}x{}ms rep {} {:>8}: p50 {:.0} µs, p99 {:.0} µs (at the app {:.0}, {:.0}), {} events, {:.0} requests/s, stalls {}, errors {}, cpu {} µs/event, {} µs/request, rss {} KiB/stream",
-                        scenario.name(), shape.streams, shape.interval_ms, rep + 1, mode.name(), run.p50_us, run.p99_us, run.app_p50_us, run.app_p99_us, run.events, run.requests_per_sec, run.stalls, run.errors,
+                        "{} {}x{}ms rep {} {:>8}: p50 {:.0} µs, p99 {:.0} µs (at the app {:.0}, {:.0}), {} events, {:.0} requests/s, stalls {} (the origin's own {}), errors {}, cpu {} µs/event, {} µs/request, rss {} KiB/stream",
+                        scenario.name(), shape.streams, shape.interval_ms, rep + 1, mode.name(), run.p50_us, run.p99_us, run.app_p50_us, run.app_p99_us, run.events, run.requests_per_sec, run.stalls, run.origin_stalls, run.errors,
                         run.cpu_us_per_event.map_or("-".into(), |v| format!("{v:.2}")),
                         run.cpu_us_per_request.map_or("-".into(), |v| format!("{v:.1}")),
                         run.rss_kib_per_stream.map_or("-".into(), |v| format!("{v:.1}")),
@@ -963,6 +966,8 @@ struct Tally {
     /// Whole replies (the short scenario).
     requests: u64,
     stalls: u64,
+    /// Gaps in the origin's own sends over 3× the interval.
+    origin_stalls: u64,
     errors: u64,
 }
 
@@ -977,6 +982,7 @@ impl Tally {
             events: 0,
             requests: 0,
             stalls: 0,
+            origin_stalls: 0,
             errors: 0,
         }
     }
@@ -1096,6 +1102,7 @@ async fn run_once(
             .unwrap_or(0) as f64,
         events: t.events,
         stalls: t.stalls,
+        origin_stalls: t.origin_stalls,
         errors: t.errors + scrape_errors.load(Relaxed),
         cpu_us_per_event: (!pids.is_empty() && t.events > 0)
             .then(|| cpu1.saturating_sub(cpu0) as f64 / 1e3 / t.events as f64),
@@ -1156,6 +1163,7 @@ async fn client(
     let mut buf = vec![0u8; 16 * 1024];
     let mut carry: Vec<u8> = Vec::new();
     let mut last: Option<Instant> = None;
+    let mut last_sent: Option<u64> = None;
     let mut first = true;
     let stopped = stop.notified();
     tokio::pin!(stopped);
@@ -1209,8 +1217,15 @@ async fn client(
             if last.is_some_and(|l| now.duration_since(l) > interval * 3) {
                 t.stalls += 1;
             }
+            // The origin's own sends that far apart (its core, shared with the load side,
+            // was busy or the VM paused): the stall is not the proxy's.
+            let gap = interval.as_nanos() as u64 * 3;
+            if last_sent.is_some_and(|l| stamps[0].saturating_sub(l) > gap) {
+                t.origin_stalls += 1;
+            }
         }
         last = Some(now);
+        last_sent = stamps.last().copied();
     }
 }
 

@@ -168,6 +168,18 @@ pub(super) enum After {
     Linger,
 }
 
+/// A request sent upstream, whose response header is awaited.
+struct Sent {
+    up: Io,
+    /// The client is watched for going away (until it sends a pipelined request).
+    watch: bool,
+    /// Bytes the client sent past its request.
+    leftover: BytesMut,
+    keep_alive: bool,
+    http10: bool,
+    head_request: bool,
+}
+
 /// A request whose response header is on its way to the client and whose body is next.
 struct Open {
     up: Io,
@@ -181,10 +193,10 @@ struct Open {
     keep_alive: bool,
 }
 
-/// A request made ready to stream, with its upstream and whether its body was read whole;
-/// or answered already, with the connection's fate and the failure if one.
+/// A request sent upstream, with its upstream and whether its body was read whole; or
+/// answered already, with the connection's fate and the failure if one.
 enum Prepared {
-    Open(Open, Choice, bool),
+    Sent(Sent, Choice, bool),
     Done(After, Option<Failure>),
 }
 
@@ -306,13 +318,20 @@ impl TokenTap {
         incoming: Box<Incoming>,
         shutdown: bool,
     ) -> (After, Option<Failure>) {
-        // Boxed, and gone before the body streams: routing, admission and opening hold the
-        // request head and answers tokentap may make itself (~1.5 KiB), which an open
-        // stream does not need.
+        // Boxed, and gone once the request is sent: routing, admission and sending hold the
+        // request head and answers tokentap may make itself (~1.5 KiB), which a request
+        // waiting for its response does not need. Freed before the wait, that room is taken
+        // again by the next request's; held through the wait (the time to first token,
+        // seconds when thousands of streams open at once), it would be left behind as holes
+        // among the open streams' memory.
         let prepared = Box::pin(self.prepare(client, ctx, incoming, shutdown)).await;
-        let (mut open, choice, read_whole) = match prepared {
-            Prepared::Open(open, choice, read_whole) => (open, choice, read_whole),
+        let (sent, choice, read_whole) = match prepared {
+            Prepared::Sent(sent, choice, read_whole) => (sent, choice, read_whole),
             Prepared::Done(after, failure) => return (after, failure),
+        };
+        let mut open = match self.receive(ctx, client, sent).await {
+            Ok(open) => open,
+            Err(e) => return Box::pin(self.unopened(client, ctx, choice, e, read_whole)).await,
         };
         let shared = Arc::clone(&ctx.shared);
         let upstream = &shared.upstreams[choice.upstream];
@@ -353,9 +372,9 @@ impl TokenTap {
         (ended(result, read_whole), failure)
     }
 
-    /// Routes and admits the request and opens its exchange with the upstream, up to the
-    /// response header; or answers it (no route, rejected, failed before any byte reached
-    /// the client) and says what becomes of the connection.
+    /// Routes and admits the request and sends it upstream; or answers it (no route,
+    /// rejected, failed before any byte reached the client) and says what becomes of the
+    /// connection.
     async fn prepare(
         &self,
         client: &mut Io,
@@ -476,12 +495,28 @@ impl TokenTap {
             body: bytes,
             rest,
         };
-        let opened = self.open(client, ctx, outgoing, leftover, watch, shutdown);
-        let e = match opened.await {
-            Ok(open) => return Prepared::Open(open, choice, read_whole),
-            Err(e) => e,
-        };
-        // Nothing reached the client yet: answer.
+        let sent = self.send(client, ctx, outgoing, leftover, watch, shutdown);
+        match sent.await {
+            Ok(sent) => Prepared::Sent(sent, choice, read_whole),
+            Err(e) => {
+                let (after, failure) = self.unopened(client, ctx, choice, e, read_whole).await;
+                Prepared::Done(after, failure)
+            }
+        }
+    }
+
+    /// Answers a request that failed before any byte reached the client, and records it.
+    async fn unopened(
+        &self,
+        client: &mut Io,
+        ctx: &mut Ctx,
+        choice: Choice,
+        e: Box<Error>,
+        read_whole: bool,
+    ) -> (After, Option<Failure>) {
+        let shared = Arc::clone(&ctx.shared);
+        let upstream = &shared.upstreams[choice.upstream];
+        let limits = shared.config.limits;
         let mut failure = None;
         let cwt = limits.client_write_timeout;
         if let Some(mistake) = e.root_cause().downcast_ref::<ClientError>() {
@@ -497,14 +532,13 @@ impl TokenTap {
             failure = Some(f);
         }
         self.finish(ctx, Some(&e));
-        Prepared::Done(ended(Err(e), read_whole), failure)
+        (ended(Err(e), read_whole), failure)
     }
 
-    /// Everything up to the response body: the upstream request (usage injected), the
-    /// connection, the rest of the request body, the response header. Nothing reaches the
-    /// client here (`prepare` answers an error); after, an error cuts the connection, as
-    /// pingora-proxy does.
-    async fn open(
+    /// The upstream request (usage injected), the connection, the rest of the request body.
+    /// Nothing reaches the client here (an error is answered); after the response header,
+    /// an error cuts the connection, as pingora-proxy does.
+    async fn send(
         &self,
         client: &mut Io,
         ctx: &mut Ctx,
@@ -512,7 +546,7 @@ impl TokenTap {
         mut leftover: BytesMut,
         mut watch: bool,
         shutdown: bool,
-    ) -> Result<Open> {
+    ) -> Result<Sent> {
         let Outgoing {
             req,
             kind,
@@ -524,7 +558,7 @@ impl TokenTap {
             .ok_or_else(|| Error::explain(InternalError, "no upstream chosen"))?;
         let http10 = !req.http11;
         let head_request = req.method == http::Method::HEAD;
-        let mut keep_alive = !shutdown && !http10 && !req.fields.has_token("connection", "close");
+        let keep_alive = !shutdown && !http10 && !req.fields.has_token("connection", "close");
         let mut body = body.freeze();
         let read_whole = matches!(rest, Rest::Done);
         let shared = Arc::clone(&ctx.shared);
@@ -570,7 +604,7 @@ impl TokenTap {
         // Boxed: connecting (TCP, TLS, the pool) is a large future, needed only until the
         // response header; kept inline, every open stream would hold its space.
         let send = Box::pin(self.connect_and_write(upstream.config.addr, peer, wire));
-        let mut up = if read_whole {
+        let up = if read_whole {
             watching(client, &mut watch, &mut leftover, send).await?
         } else {
             let up = send.await?;
@@ -587,6 +621,32 @@ impl TokenTap {
             streamed.await?;
             up
         };
+        Ok(Sent {
+            up,
+            watch,
+            leftover,
+            keep_alive,
+            http10,
+            head_request,
+        })
+    }
+
+    /// The response header, read and written for the client with the body bytes that came
+    /// with it: the request opened for its body. Nothing reaches the client here either.
+    async fn receive(&self, ctx: &mut Ctx, client: &mut Io, sent: Sent) -> Result<Open> {
+        let Sent {
+            mut up,
+            mut watch,
+            mut leftover,
+            mut keep_alive,
+            http10,
+            head_request,
+        } = sent;
+        let choice = ctx
+            .choice
+            .ok_or_else(|| Error::explain(InternalError, "no upstream chosen"))?;
+        let shared = Arc::clone(&ctx.shared);
+        let peer = &shared.upstreams[choice.upstream].peer;
         let head = Box::pin(read_response_head(&mut up, peer.options.read_timeout));
         let (mut resp, first, bare_lf) = watching(client, &mut watch, &mut leftover, head).await?;
         let framing = match resp.framing() {

@@ -297,7 +297,12 @@ fn table(shape: Shape, scenario: Scenario, runs: &[(Mode, Run)]) -> String {
             format!("{v:.1}")
         }
     };
-    let reps = runs.iter().filter(|(m, _)| *m == Mode::Direct).count();
+    // Runs of a mode measured (`--modes` may leave out the direct one).
+    let reps = [Mode::Direct, Mode::Tokentap, Mode::Nginx]
+        .iter()
+        .map(|mode| runs.iter().filter(|(m, _)| m == mode).count())
+        .max()
+        .unwrap_or(0);
     let base50 = of(Mode::Direct, &|r| r.p50_us);
     let base99 = of(Mode::Direct, &|r| r.p99_us);
     let mut out = if scenario == Scenario::Short {

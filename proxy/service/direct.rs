@@ -180,6 +180,14 @@ struct Sent {
     head_request: bool,
 }
 
+/// What shapes the client's head besides the response's: the request's side.
+#[derive(Clone, Copy)]
+struct Opening {
+    keep_alive: bool,
+    http10: bool,
+    head_request: bool,
+}
+
 /// A request whose response header is on its way to the client and whose body is next.
 struct Open {
     up: Io,
@@ -638,7 +646,7 @@ impl TokenTap {
             mut up,
             mut watch,
             mut leftover,
-            mut keep_alive,
+            keep_alive,
             http10,
             head_request,
         } = sent;
@@ -647,8 +655,49 @@ impl TokenTap {
             .ok_or_else(|| Error::explain(InternalError, "no upstream chosen"))?;
         let shared = Arc::clone(&ctx.shared);
         let peer = &shared.upstreams[choice.upstream].peer;
-        let head = Box::pin(read_response_head(&mut up, peer.options.read_timeout));
-        let (mut resp, first, bare_lf) = watching(client, &mut watch, &mut leftover, head).await?;
+        let opening = Opening {
+            keep_alive,
+            http10,
+            head_request,
+        };
+        // Boxed: the wait for the first byte needs it, an open stream does not.
+        let head = Box::pin(read_response_head(
+            &mut up,
+            (client, &mut watch, &mut leftover),
+            peer.options.read_timeout,
+            |resp, first, bare_lf, watched| {
+                self.opened(ctx, resp, first, bare_lf, opening, watched)
+            },
+        ));
+        let (relay, out, keep_alive) = head.await?;
+        Ok(Open {
+            up,
+            relay,
+            out,
+            watch,
+            leftover,
+            keep_alive,
+        })
+    }
+
+    /// The client's head for the upstream's `resp`, and the body bytes that came with it
+    /// (`first`, read in the thread's scratch buffer), metered and framed after it: the
+    /// relay, the bytes for the client and whether the connection is kept. `watched`: the
+    /// client is still watched and sent nothing past its request.
+    fn opened(
+        &self,
+        ctx: &mut Ctx,
+        mut resp: ResponseHead,
+        first: &[u8],
+        bare_lf: bool,
+        opening: Opening,
+        watched: bool,
+    ) -> Result<(Relay, BytesMut, bool)> {
+        let Opening {
+            mut keep_alive,
+            http10,
+            head_request,
+        } = opening;
         let framing = match resp.framing() {
             _ if head_request => Framing::Empty,
             Some(framing) => framing,
@@ -701,7 +750,7 @@ impl TokenTap {
                 keep_alive = false;
             }
         }
-        keep_alive &= leftover.is_empty() && watch;
+        keep_alive &= watched;
         let connection: &[u8] = if keep_alive { b"keep-alive" } else { b"close" };
         let date = get_cached_date();
         let [upstream, id] = Self::added_fields(ctx, resp.fields.contains(REQUEST_ID_HEADER));
@@ -729,18 +778,10 @@ impl TokenTap {
         // The body bytes that came with the header (an empty read is the end of stream).
         if !first.is_empty() || matches!(framing, Framing::Empty | Framing::Length(0)) {
             relay
-                .fragment(self, ctx, self.now(), &first, &mut out, None)
+                .fragment(self, ctx, self.now(), first, &mut out, None)
                 .map_err(|e| e.into_up())?;
         }
-        drop(first);
-        Ok(Open {
-            up,
-            relay,
-            out,
-            watch,
-            leftover,
-            keep_alive,
-        })
+        Ok((relay, out, keep_alive))
     }
 
     /// Forwards the response body until it ends: each upstream fragment is written to the
@@ -1077,55 +1118,112 @@ async fn send_rest(
     }
 }
 
-/// Reads the response header, past any 1xx; returns it, the body bytes read with it, and
-/// whether its lines ended in a bare LF (a server that ends its chunk lines so too).
-async fn read_response_head(
+/// Reads the response header, past any 1xx, while watching the client (see [`watching`]);
+/// hands it, the body bytes read with it and whether its lines ended in a bare LF (a server
+/// that ends its chunk lines so too) to `then`, with whether the client is still watched
+/// and sent nothing more. A head that comes in one read (the usual case) is parsed in the
+/// thread's scratch buffer, and the bytes after it are given from there: only a head split
+/// across reads is gathered into a buffer of its own. Each read must come within
+/// `read_timeout`.
+async fn read_response_head<T>(
     up: &mut Io,
+    (client, watch, leftover): (&mut Io, &mut bool, &mut BytesMut),
     read_timeout: Option<Duration>,
-) -> Result<(ResponseHead, BytesMut, bool)> {
+    then: impl FnOnce(ResponseHead, &[u8], bool, bool) -> Result<T>,
+) -> Result<T> {
+    let mut then = Some(then);
     let mut buf = BytesMut::new();
-    loop {
-        let read = read_more(up, &mut buf);
-        let n = match read_timeout {
-            Some(t) => match timeout(t, read).await {
-                Ok(r) => r.map_err(|e| up_io(ReadError, e))?,
-                Err(_) => return Err(up_err(ReadTimedout, "reading the response header")),
-            },
-            None => read.await.map_err(|e| up_io(ReadError, e))?,
+    let timer = tokio::time::sleep(read_timeout.unwrap_or(Duration::MAX / 4));
+    tokio::pin!(timer);
+    poll_fn(|cx| loop {
+        let watched = leftover.is_empty() && *watch;
+        let mut found = |bytes: &[u8], at: usize, resp, bare_lf| match then.take() {
+            Some(then) => then(resp, &bytes[at..], bare_lf, watched).map(Some),
+            None => Err(Error::explain(InternalError, "response header read twice")),
         };
-        if n == 0 {
-            return Err(up_err(
-                ConnectionClosed,
-                "upstream closed before its header",
-            ));
-        }
-        // Informational responses are skipped (the client gets the final one).
-        loop {
-            match ResponseHead::parse(&buf) {
-                Head::Complete(resp, _) if resp.status == http::StatusCode::SWITCHING_PROTOCOLS => {
-                    return Err(up_err(
-                        InvalidHTTPHeader,
-                        "101 to a request without Upgrade",
-                    ));
-                }
-                Head::Complete(mut resp, len) => {
-                    let bare_lf = memchr::memchr_iter(b'\n', &buf[..len])
-                        .any(|i| i == 0 || buf[i - 1] != b'\r');
-                    if !resp.status.is_informational() {
-                        resp.own(&mut buf, len);
-                        return Ok((resp, buf, bare_lf));
-                    }
-                    buf.advance(len);
-                }
-                Head::Invalid => return Err(up_err(InvalidHTTPHeader, "upstream response header")),
-                Head::Partial if buf.len() > h1::MAX_RESPONSE_HEAD => {
-                    return Err(up_err(
-                        InvalidHTTPHeader,
-                        "upstream response header too large",
-                    ))
-                }
-                Head::Partial => break, // read more
+        let read = poll_read_with(up, cx, |data, _| {
+            if data.is_empty() {
+                return Err(up_err(
+                    ConnectionClosed,
+                    "upstream closed before its header",
+                ));
             }
+            if buf.is_empty() {
+                match find_head(data)? {
+                    Found::Head(resp, at, bare_lf) => return found(data, at, resp, bare_lf),
+                    Found::Partial(at) => buf.extend_from_slice(&data[at..]),
+                }
+            } else {
+                buf.extend_from_slice(data);
+                match find_head(&buf)? {
+                    Found::Head(resp, at, bare_lf) => return found(&buf, at, resp, bare_lf),
+                    Found::Partial(at) => buf.advance(at),
+                }
+            }
+            Ok(None)
+        });
+        match read {
+            Poll::Ready(Ok(Ok(Some(opened)))) => return Poll::Ready(Ok(opened)),
+            Poll::Ready(Ok(Ok(None))) => {
+                if let Some(t) = read_timeout {
+                    timer.as_mut().reset(tokio::time::Instant::now() + t);
+                }
+                continue;
+            }
+            Poll::Ready(Ok(Err(e))) => return Poll::Ready(Err(e)),
+            Poll::Ready(Err(e)) => return Poll::Ready(Err(up_io(ReadError, e))),
+            Poll::Pending => {}
+        }
+        if let Some(gone) = poll_client_gone(client, cx, watch, leftover) {
+            return Poll::Ready(Err(gone));
+        }
+        if read_timeout.is_some() && timer.as_mut().poll(cx).is_ready() {
+            return Poll::Ready(Err(up_err(ReadTimedout, "reading the response header")));
+        }
+        return Poll::Pending;
+    })
+    .await
+}
+
+/// What [`find_head`] found.
+enum Found {
+    /// The final head, the offset of the bytes after it, and whether a line of it ended in
+    /// a bare LF.
+    Head(ResponseHead, usize, bool),
+    /// No final head yet: more is needed, from this offset on (past any whole 1xx heads).
+    Partial(usize),
+}
+
+/// The final response head at the start of `bytes`, past any informational ones (the client
+/// gets the final one).
+fn find_head(bytes: &[u8]) -> Result<Found> {
+    let mut at = 0;
+    loop {
+        let rest = &bytes[at..];
+        match ResponseHead::parse(rest) {
+            Head::Complete(resp, _) if resp.status == http::StatusCode::SWITCHING_PROTOCOLS => {
+                return Err(up_err(
+                    InvalidHTTPHeader,
+                    "101 to a request without Upgrade",
+                ));
+            }
+            Head::Complete(mut resp, len) => {
+                let bare_lf = memchr::memchr_iter(b'\n', &rest[..len])
+                    .any(|i| i == 0 || rest[i - 1] != b'\r');
+                if !resp.status.is_informational() {
+                    resp.copy(rest, len);
+                    return Ok(Found::Head(resp, at + len, bare_lf));
+                }
+                at += len;
+            }
+            Head::Invalid => return Err(up_err(InvalidHTTPHeader, "upstream response header")),
+            Head::Partial if rest.len() > h1::MAX_RESPONSE_HEAD => {
+                return Err(up_err(
+                    InvalidHTTPHeader,
+                    "upstream response header too large",
+                ))
+            }
+            Head::Partial => return Ok(Found::Partial(at)),
         }
     }
 }

@@ -27,8 +27,7 @@ pub fn response_head(data: &[u8]) {
     if let Head::Complete(mut resp, len) = ResponseHead::parse(data) {
         assert!(len <= data.len());
         assert!(matches!(ResponseHead::parse(&data[..len]), Head::Complete(_, l) if l == len));
-        let mut buf = bytes::BytesMut::from(data);
-        resp.own(&mut buf, len);
+        resp.copy(data, len);
         let _ = resp.framing();
         resp.fields.remove_hop_by_hop("");
         let kept: Vec<(Vec<u8>, Vec<u8>)> = resp
@@ -41,7 +40,7 @@ pub fn response_head(data: &[u8]) {
         match ResponseHead::parse(&out) {
             Head::Complete(mut again, l) => {
                 assert_eq!(l, out.len());
-                again.own(&mut out, l);
+                again.copy(&out, l);
                 let dated = |(n, _): &(Vec<u8>, Vec<u8>)| !n.eq_ignore_ascii_case(b"date");
                 let again: Vec<_> = again
                     .fields

@@ -205,7 +205,7 @@ impl crate::routing::Fields for Fields {
 
 impl ResponseHead {
     /// Parses a response head at the start of `buf`, as leniently as pingora's client reads
-    /// what upstreams send. A head found is not usable until it [owns](Self::own) its bytes.
+    /// what upstreams send. A head found is not usable until it [keeps](Self::copy) its bytes.
     pub(super) fn parse(buf: &[u8]) -> Head<ResponseHead> {
         let mut fields = [const { MaybeUninit::uninit() }; MAX_HEADERS];
         let mut resp = httparse::Response::new(&mut []);
@@ -237,10 +237,10 @@ impl ResponseHead {
         Head::Complete(head, len)
     }
 
-    /// Takes the head's bytes, the `len` that [`parse`](Self::parse) found at the start of
-    /// the buffer it parsed (the buffer keeps what follows).
-    pub(super) fn own(&mut self, buf: &mut BytesMut, len: usize) {
-        self.fields.bytes = buf.split_to(len).freeze();
+    /// Keeps a copy of the head's bytes, the `len` that [`parse`](Self::parse) found at the
+    /// start of `buf`: a head read in the thread's scratch buffer.
+    pub(super) fn copy(&mut self, buf: &[u8], len: usize) {
+        self.fields.bytes = Bytes::copy_from_slice(&buf[..len]);
     }
 
     /// How the body ends, or `None` when that cannot be trusted (a transfer coding other
@@ -410,7 +410,7 @@ mod tests {
         let Head::Complete(mut resp, len) = ResponseHead::parse(raw) else {
             panic!("not parsed: {raw:?}")
         };
-        resp.own(&mut BytesMut::from(raw), len);
+        resp.copy(raw, len);
         resp
     }
 

@@ -168,6 +168,20 @@ pub(super) enum After {
     Linger,
 }
 
+/// A request routed and admitted, its bytes for the upstream made: to connect and send.
+struct Ready {
+    /// The request head with the body read so far, as the upstream gets them.
+    wire: BytesMut,
+    /// The rest of the body, still to read from the client.
+    rest: Rest,
+    sent_so_far: u64,
+    watch: bool,
+    leftover: BytesMut,
+    keep_alive: bool,
+    http10: bool,
+    head_request: bool,
+}
+
 /// A request sent upstream, whose response header is awaited.
 struct Sent {
     up: Io,
@@ -201,10 +215,10 @@ struct Open {
     keep_alive: bool,
 }
 
-/// A request sent upstream, with its upstream and whether its body was read whole; or
+/// A request ready to send, with its upstream and whether its body was read whole; or
 /// answered already, with the connection's fate and the failure if one.
 enum Prepared {
-    Sent(Sent, Choice, bool),
+    Ready(Ready, Choice, bool),
     Done(After, Option<Failure>),
 }
 
@@ -326,16 +340,22 @@ impl TokenTap {
         incoming: Box<Incoming>,
         shutdown: bool,
     ) -> (After, Option<Failure>) {
-        // Boxed, and gone once the request is sent: routing, admission and sending hold the
-        // request head and answers tokentap may make itself (~1.5 KiB), which a request
-        // waiting for its response does not need. Freed before the wait, that room is taken
-        // again by the next request's; held through the wait (the time to first token,
-        // seconds when thousands of streams open at once), it would be left behind as holes
-        // among the open streams' memory.
+        // Boxed, and gone before anything is awaited from the upstream: routing, admission
+        // and making the upstream request hold the request head and answers tokentap may
+        // make itself (~1.5 KiB), which a request waiting for its connection or response
+        // does not need. Freed at once, that room is taken again by the next request's;
+        // held through the wait (a connect retried after a full accept queue, the time to
+        // first token: a second when thousands of streams open at once), it would be left
+        // behind as holes among the open streams' memory.
         let prepared = Box::pin(self.prepare(client, ctx, incoming, shutdown)).await;
-        let (sent, choice, read_whole) = match prepared {
-            Prepared::Sent(sent, choice, read_whole) => (sent, choice, read_whole),
+        let (ready, choice, read_whole) = match prepared {
+            Prepared::Ready(ready, choice, read_whole) => (ready, choice, read_whole),
             Prepared::Done(after, failure) => return (after, failure),
+        };
+        // Boxed too (connecting is a large future, needed only until the request is sent).
+        let sent = match Box::pin(self.deliver(client, ctx, ready)).await {
+            Ok(sent) => sent,
+            Err(e) => return Box::pin(self.unopened(client, ctx, choice, e, read_whole)).await,
         };
         let mut open = match self.receive(ctx, client, sent).await {
             Ok(open) => open,
@@ -503,9 +523,8 @@ impl TokenTap {
             body: bytes,
             rest,
         };
-        let sent = self.send(client, ctx, outgoing, leftover, watch, shutdown);
-        match sent.await {
-            Ok(sent) => Prepared::Sent(sent, choice, read_whole),
+        match self.outgoing(ctx, outgoing, leftover, watch, shutdown) {
+            Ok(ready) => Prepared::Ready(ready, choice, read_whole),
             Err(e) => {
                 let (after, failure) = self.unopened(client, ctx, choice, e, read_whole).await;
                 Prepared::Done(after, failure)
@@ -543,18 +562,15 @@ impl TokenTap {
         (ended(Err(e), read_whole), failure)
     }
 
-    /// The upstream request (usage injected), the connection, the rest of the request body.
-    /// Nothing reaches the client here (an error is answered); after the response header,
-    /// an error cuts the connection, as pingora-proxy does.
-    async fn send(
+    /// The upstream request's bytes (usage injected), and the request's record begun.
+    fn outgoing(
         &self,
-        client: &mut Io,
         ctx: &mut Ctx,
         outgoing: Outgoing,
-        mut leftover: BytesMut,
-        mut watch: bool,
+        leftover: BytesMut,
+        watch: bool,
         shutdown: bool,
-    ) -> Result<Sent> {
+    ) -> Result<Ready> {
         let Outgoing {
             req,
             kind,
@@ -608,10 +624,40 @@ impl TokenTap {
             stream.set_model(model);
             ctx.stream = Some(stream);
         }
+        Ok(Ready {
+            wire,
+            rest,
+            sent_so_far,
+            watch,
+            leftover,
+            keep_alive,
+            http10,
+            head_request,
+        })
+    }
+
+    /// The connection, the request written, the rest of its body streamed. Nothing reaches
+    /// the client here (an error is answered); after the response header, an error cuts the
+    /// connection, as pingora-proxy does.
+    async fn deliver(&self, client: &mut Io, ctx: &Ctx, ready: Ready) -> Result<Sent> {
+        let Ready {
+            wire,
+            rest,
+            sent_so_far,
+            mut watch,
+            mut leftover,
+            keep_alive,
+            http10,
+            head_request,
+        } = ready;
+        let choice = ctx
+            .choice
+            .ok_or_else(|| Error::explain(InternalError, "no upstream chosen"))?;
+        let shared = Arc::clone(&ctx.shared);
+        let upstream = &shared.upstreams[choice.upstream];
+        let read_whole = matches!(rest, Rest::Done);
         let peer = &upstream.peer;
-        // Boxed: connecting (TCP, TLS, the pool) is a large future, needed only until the
-        // response header; kept inline, every open stream would hold its space.
-        let send = Box::pin(self.connect_and_write(upstream.config.addr, peer, wire));
+        let send = self.connect_and_write(upstream.config.addr, peer, wire);
         let up = if read_whole {
             watching(client, &mut watch, &mut leftover, send).await?
         } else {
@@ -887,11 +933,16 @@ impl TokenTap {
     /// allocator.)
     async fn connect(&self, addr: std::net::SocketAddr, peer: &HttpPeer) -> Result<Io> {
         if peer.is_tls() {
-            let connector = &self.transport.connector;
-            if let Some(pooled) = connector.reused_stream(peer).await {
-                return Ok(Io::Pingora(pooled));
-            }
-            return Box::pin(connector.new_stream(peer)).await.map(Io::Pingora);
+            // Boxed: pingora's pool and connector are large futures, and a plain request
+            // waiting for its connection would hold their room.
+            return Box::pin(async {
+                let connector = &self.transport.connector;
+                if let Some(pooled) = connector.reused_stream(peer).await {
+                    return Ok(Io::Pingora(pooled));
+                }
+                connector.new_stream(peer).await.map(Io::Pingora)
+            })
+            .await;
         }
         if let Some(pooled) = self.transport.pool.take(addr, std::time::Instant::now()) {
             return Ok(Io::Tcp(pooled));

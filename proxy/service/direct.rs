@@ -23,6 +23,14 @@
 //! removed, with `Date` and `Connection` set as pingora's server session sets them; an
 //! HTTP/1.0 client gets a body ended by close instead of chunks. A client that takes no
 //! bytes for `client_write_timeout` is cut.
+//!
+//! A request goes through [`TokenTap::exchange`] in phases, each holding only what it needs
+//! while it waits: `prepare` (routing, admission, tokentap's own answers, the upstream
+//! request's bytes; boxed, freed before anything is awaited from the upstream), `deliver`
+//! (connecting and sending; boxed, freed once sent), `receive` (the response head, read in
+//! the scratch buffer) and `relay`. What a phase holds through a wait that thousands of
+//! streams share when they open at once is left behind as holes among the open streams'
+//! memory once it is freed, so those phases are kept small.
 
 use std::cell::RefCell;
 use std::future::{poll_fn, Future};

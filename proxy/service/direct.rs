@@ -185,9 +185,7 @@ struct Ready {
     sent_so_far: u64,
     watch: bool,
     leftover: BytesMut,
-    keep_alive: bool,
-    http10: bool,
-    head_request: bool,
+    opening: Opening,
 }
 
 /// A request sent upstream, whose response header is awaited.
@@ -197,9 +195,7 @@ struct Sent {
     watch: bool,
     /// Bytes the client sent past its request.
     leftover: BytesMut,
-    keep_alive: bool,
-    http10: bool,
-    head_request: bool,
+    opening: Opening,
 }
 
 /// What shapes the client's head besides the response's: the request's side.
@@ -361,11 +357,11 @@ impl TokenTap {
             Prepared::Done(after, failure) => return (after, failure),
         };
         // Boxed too (connecting is a large future, needed only until the request is sent).
-        let sent = match Box::pin(self.deliver(client, ctx, ready)).await {
-            Ok(sent) => sent,
-            Err(e) => return Box::pin(self.unopened(client, ctx, choice, e, read_whole)).await,
+        let opened = match Box::pin(self.deliver(client, ctx, choice, ready)).await {
+            Ok(sent) => self.receive(ctx, client, choice, sent).await,
+            Err(e) => Err(e),
         };
-        let mut open = match self.receive(ctx, client, sent).await {
+        let mut open = match opened {
             Ok(open) => open,
             Err(e) => return Box::pin(self.unopened(client, ctx, choice, e, read_whole)).await,
         };
@@ -531,7 +527,7 @@ impl TokenTap {
             body: bytes,
             rest,
         };
-        match self.outgoing(ctx, outgoing, leftover, watch, shutdown) {
+        match self.outgoing(ctx, choice, outgoing, leftover, watch, shutdown) {
             Ok(ready) => Prepared::Ready(ready, choice, read_whole),
             Err(e) => {
                 let (after, failure) = self.unopened(client, ctx, choice, e, read_whole).await;
@@ -574,6 +570,7 @@ impl TokenTap {
     fn outgoing(
         &self,
         ctx: &mut Ctx,
+        choice: Choice,
         outgoing: Outgoing,
         leftover: BytesMut,
         watch: bool,
@@ -585,9 +582,6 @@ impl TokenTap {
             body,
             rest,
         } = outgoing;
-        let choice = ctx
-            .choice
-            .ok_or_else(|| Error::explain(InternalError, "no upstream chosen"))?;
         let http10 = !req.http11;
         let head_request = req.method == http::Method::HEAD;
         let keep_alive = !shutdown && !http10 && !req.fields.has_token("connection", "close");
@@ -638,29 +632,32 @@ impl TokenTap {
             sent_so_far,
             watch,
             leftover,
-            keep_alive,
-            http10,
-            head_request,
+            opening: Opening {
+                keep_alive,
+                http10,
+                head_request,
+            },
         })
     }
 
     /// The connection, the request written, the rest of its body streamed. Nothing reaches
     /// the client here (an error is answered); after the response header, an error cuts the
     /// connection, as pingora-proxy does.
-    async fn deliver(&self, client: &mut Io, ctx: &Ctx, ready: Ready) -> Result<Sent> {
+    async fn deliver(
+        &self,
+        client: &mut Io,
+        ctx: &Ctx,
+        choice: Choice,
+        ready: Ready,
+    ) -> Result<Sent> {
         let Ready {
             wire,
             rest,
             sent_so_far,
             mut watch,
             mut leftover,
-            keep_alive,
-            http10,
-            head_request,
+            opening,
         } = ready;
-        let choice = ctx
-            .choice
-            .ok_or_else(|| Error::explain(InternalError, "no upstream chosen"))?;
         let shared = Arc::clone(&ctx.shared);
         let upstream = &shared.upstreams[choice.upstream];
         let read_whole = matches!(rest, Rest::Done);
@@ -687,33 +684,27 @@ impl TokenTap {
             up,
             watch,
             leftover,
-            keep_alive,
-            http10,
-            head_request,
+            opening,
         })
     }
 
     /// The response header, read and written for the client with the body bytes that came
     /// with it: the request opened for its body. Nothing reaches the client here either.
-    async fn receive(&self, ctx: &mut Ctx, client: &mut Io, sent: Sent) -> Result<Open> {
+    async fn receive(
+        &self,
+        ctx: &mut Ctx,
+        client: &mut Io,
+        choice: Choice,
+        sent: Sent,
+    ) -> Result<Open> {
         let Sent {
             mut up,
             mut watch,
             mut leftover,
-            keep_alive,
-            http10,
-            head_request,
+            opening,
         } = sent;
-        let choice = ctx
-            .choice
-            .ok_or_else(|| Error::explain(InternalError, "no upstream chosen"))?;
         let shared = Arc::clone(&ctx.shared);
         let peer = &shared.upstreams[choice.upstream].peer;
-        let opening = Opening {
-            keep_alive,
-            http10,
-            head_request,
-        };
         // Boxed: the wait for the first byte needs it, an open stream does not.
         let head = Box::pin(read_response_head(
             &mut up,

@@ -150,6 +150,8 @@ struct Run {
     /// Requests completed in the measured window, per second (short replies).
     requests_per_sec: f64,
     cpu_us_per_request: Option<f64>,
+    /// The kernel's part of the proxy's CPU (system time over user + system time).
+    kernel_share: Option<f64>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -251,10 +253,11 @@ fn main() -> anyhow::Result<()> {
                         &bin,
                     ))?;
                     println!(
-                        "{} {}x{}ms rep {} {:>8}: p50 {:.0} µs, p99 {:.0} µs (at the app {:.0}, {:.0}), {} events, {:.0} requests/s, stalls {} (the origin's own {}), errors {}, cpu {} µs/event, {} µs/request, rss {} KiB/stream",
+                        "{} {}x{}ms rep {} {:>8}: p50 {:.0} µs, p99 {:.0} µs (at the app {:.0}, {:.0}), {} events, {:.0} requests/s, stalls {} (the origin's own {}), errors {}, cpu {} µs/event, {} µs/request (kernel {}), rss {} KiB/stream",
                         scenario.name(), shape.streams, shape.interval_ms, rep + 1, mode.name(), run.p50_us, run.p99_us, run.app_p50_us, run.app_p99_us, run.events, run.requests_per_sec, run.stalls, run.origin_stalls, run.errors,
                         run.cpu_us_per_event.map_or("-".into(), |v| format!("{v:.2}")),
                         run.cpu_us_per_request.map_or("-".into(), |v| format!("{v:.1}")),
+                        run.kernel_share.map_or("-".into(), |v| format!("{:.0}%", v * 100.0)),
                         run.rss_kib_per_stream.map_or("-".into(), |v| format!("{v:.1}")),
                     );
                     let [p10, p25, p75, p90, p999] = run.spread_us;
@@ -391,6 +394,38 @@ fn table(shape: Shape, scenario: Scenario, runs: &[(Mode, Run)]) -> String {
                 .map(|r| format!("{r:.2}"))
                 .collect::<Vec<_>>()
                 .join(", ")
+        );
+    }
+    // Each proxy's CPU split between the kernel (its socket calls, with loopback's receive
+    // processing and wake-ups on its core) and its own code: medians of the runs.
+    let split: Vec<String> = [Mode::Tokentap, Mode::Nginx]
+        .into_iter()
+        .filter_map(|m| {
+            let part = |kernel: bool| {
+                median(
+                    runs.iter()
+                        .filter(|(x, _)| *x == m)
+                        .filter_map(|(_, r)| {
+                            let share = r.kernel_share?;
+                            Some(cost(r)? * if kernel { share } else { 1.0 - share })
+                        })
+                        .collect(),
+                )
+            };
+            let (kernel, user) = (part(true), part(false));
+            (!kernel.is_nan()).then(|| format!("{} {kernel:.1} / {user:.1} µs", m.name()))
+        })
+        .collect();
+    if !split.is_empty() {
+        let _ = writeln!(
+            out,
+            "kernel / user CPU per {}: {}",
+            if scenario == Scenario::Short {
+                "request"
+            } else {
+                "event"
+            },
+            split.join(", ")
         );
     }
     let share = median(runs.iter().map(|(_, r)| r.load_cpu_share).collect());
@@ -927,6 +962,22 @@ fn children(pid: u32) -> Vec<u32> {
         .collect()
 }
 
+/// User and system time of `pids` (every thread, living or ended), in clock ticks.
+fn user_system_ticks(pids: &[u32]) -> (u64, u64) {
+    pids.iter()
+        .filter_map(|pid| std::fs::read_to_string(format!("/proc/{pid}/stat")).ok())
+        .filter_map(|s| {
+            // The fields after the command's name, which is in parentheses and may hold
+            // spaces: utime and stime are the 14th and 15th fields, the 12th and 13th here.
+            let mut f = s.rsplit_once(')')?.1.split_whitespace().skip(11);
+            Some((
+                f.next()?.parse::<u64>().ok()?,
+                f.next()?.parse::<u64>().ok()?,
+            ))
+        })
+        .fold((0, 0), |(u, s), (du, ds)| (u + du, s + ds))
+}
+
 /// CPU time of all threads of `pids`, ns.
 fn cpu_ns(pids: &[u32]) -> u64 {
     pids.iter()
@@ -1079,10 +1130,13 @@ async fn run_once(
         *t = Tally::new(std::mem::take(&mut t.ttft));
     }
     let (cpu0, self0, wall0) = (cpu_ns(&pids), self_cpu_ns(), Instant::now());
+    let ticks0 = user_system_ticks(&pids);
     measuring.store(true, Relaxed);
     tokio::time::sleep(measure).await;
     measuring.store(false, Relaxed);
     let (cpu1, self1, wall) = (cpu_ns(&pids), self_cpu_ns(), wall0.elapsed());
+    let ticks1 = user_system_ticks(&pids);
+    let (user, system) = (ticks1.0 - ticks0.0, ticks1.1 - ticks0.1);
     stop.notify_waiters();
     for t in tasks.into_iter().chain(holders) {
         t.abort();
@@ -1119,6 +1173,7 @@ async fn run_once(
         load_cpu_share: (self1 - self0) as f64 / wall.as_nanos() as f64,
         origin_late_p99_ms: late.value_at_quantile(0.99) as f64 / 1e3,
         spread_us: [0.1, 0.25, 0.75, 0.9, 0.999].map(|q| lat.value_at_quantile(q)),
+        kernel_share: (user + system > 0).then(|| system as f64 / (user + system) as f64),
     })
 }
 

@@ -69,10 +69,19 @@ pub async fn stats_when(
     r: &Running,
     cond: impl Fn(&serde_json::Value) -> bool,
 ) -> serde_json::Value {
-    let deadline = Instant::now() + Duration::from_secs(10);
+    stats_where(r, |s| cond(&s["upstreams"][0])).await
+}
+
+/// Polls `/stats` until `cond` holds for the whole of it. The deadline (30 s) is for a
+/// machine busy with other work: a condition that holds is usually seen in milliseconds.
+pub async fn stats_where(
+    r: &Running,
+    cond: impl Fn(&serde_json::Value) -> bool,
+) -> serde_json::Value {
+    let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let s = stats(r).await;
-        if cond(&s["upstreams"][0]) {
+        if cond(&s) {
             return s;
         }
         assert!(

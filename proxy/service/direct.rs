@@ -35,6 +35,7 @@
 use std::cell::RefCell;
 use std::future::{poll_fn, Future};
 use std::io::{self, Write as _};
+use std::ops::Range;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
@@ -78,6 +79,9 @@ const SCRATCH: usize = 32 * 1024;
 
 thread_local! {
     static SCRATCH_BUF: RefCell<Box<[u8]>> = RefCell::new(vec![0; SCRATCH].into_boxed_slice());
+    /// Where a chunked fragment's payload runs are, found while framing it and metered
+    /// after it was forwarded (the thread's, so that no request allocates for it).
+    static PAYLOAD_RUNS: RefCell<Vec<Range<usize>>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Reads what `io` has into the thread's scratch buffer and hands it to `f` (an empty slice
@@ -1333,8 +1337,7 @@ impl Relay {
         if data.is_empty() && !nothing_left && self.framing != Framing::UntilClose {
             return Error::e_explain(ConnectionClosed, "upstream closed mid-body");
         }
-        // Where the body is in `data`.
-        let chunked_before = self.chunked.clone();
+        // Where the body is in `data`, and in a chunked body where its payload is.
         let n = match self.framing {
             Framing::Empty => 0,
             Framing::Length(left) => {
@@ -1342,9 +1345,11 @@ impl Relay {
                 self.framing = Framing::Length(left - n as u64);
                 n
             }
-            Framing::Chunked => self
-                .chunked
-                .feed(data, |_| {})
+            Framing::Chunked => PAYLOAD_RUNS
+                .with_borrow_mut(|runs| {
+                    runs.clear();
+                    self.chunked.feed_ranges(data, |run| runs.push(run))
+                })
                 .or_else(|_| Error::e_explain(InvalidHTTPHeader, "malformed chunked body"))?,
             Framing::UntilClose => data.len(),
         };
@@ -1382,9 +1387,11 @@ impl Relay {
             }
         };
         if self.framing == Framing::Chunked {
-            // The same bytes again from the same state: the payload, which cannot fail now.
-            let mut decoder = chunked_before;
-            let _ = decoder.feed(body, &mut payload);
+            PAYLOAD_RUNS.with_borrow(|runs| {
+                for run in runs {
+                    payload(&body[run.clone()]);
+                }
+            });
         } else if !body.is_empty() {
             payload(body);
         }

@@ -5,6 +5,7 @@
 //! it came.
 
 use bytes::{BufMut, BytesMut};
+use std::ops::Range;
 
 /// The largest response head read (pingora's limit).
 pub(super) const MAX_RESPONSE_HEAD: usize = 1024 * 1024;
@@ -153,12 +154,21 @@ impl Chunked {
         input: &[u8],
         mut payload: impl FnMut(&[u8]),
     ) -> Result<usize, BadChunk> {
+        self.feed_ranges(input, |run| payload(&input[run]))
+    }
+
+    /// As [`Self::feed`], giving each run of payload bytes as its range in `input`.
+    pub(super) fn feed_ranges(
+        &mut self,
+        input: &[u8],
+        mut payload: impl FnMut(Range<usize>),
+    ) -> Result<usize, BadChunk> {
         use ChunkState::*;
         let mut i = 0;
         while i < input.len() && self.state != Done {
             if self.state == Data {
                 let n = (input.len() - i).min(usize::try_from(self.size).unwrap_or(usize::MAX));
-                payload(&input[i..i + n]);
+                payload(i..i + n);
                 i += n;
                 self.size -= n as u64;
                 if self.size == 0 {

@@ -91,7 +91,7 @@ impl AsyncWrite for Io {
 /// config, which a reload may change.
 pub(crate) struct Pool {
     /// Per address, oldest first.
-    idle: DashMap<SocketAddr, VecDeque<Idle>>,
+    idle: DashMap<SocketAddr, VecDeque<Idle>, foldhash::fast::RandomState>,
     held: AtomicUsize,
     capacity: usize,
 }
@@ -114,7 +114,7 @@ struct Idle {
 impl Pool {
     pub(crate) fn new(capacity: usize) -> Self {
         Pool {
-            idle: DashMap::new(),
+            idle: DashMap::default(),
             held: AtomicUsize::new(0),
             capacity,
         }

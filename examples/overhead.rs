@@ -18,8 +18,11 @@
 //! proxied percentile minus the direct one. The proxy runs pinned to CPU 1 with one worker
 //! (`taskset -c 1`, nginx `worker_processes 1`, tokentap `threads = 1`); this process (origin
 //! and client) re-executes itself pinned to CPU 0. CPU per event comes from the proxy's
-//! `/proc/PID/task/*/schedstat` (ns), memory per stream from its RSS with all streams open
-//! minus its RSS before. A warning says when the load side itself was saturated.
+//! `/proc/PID/task/*/schedstat` (ns), split between the kernel and the proxy's own code by
+//! its system and user time (`/proc/PID/stat`), memory per stream from its RSS with all
+//! streams open minus its RSS before. Each run's line gives the hypervisor's steal time on
+//! both cores while it was measured (a VM's pause stalls every stream at once). A warning
+//! says when the load side itself was saturated.
 //!
 //! `--scenarios` (default `plain,ops,many,tls,short`) sets what else is switched on, on both
 //! proxies alike: **plain** nothing; **ops** an access log to a file and a scrape every
@@ -152,6 +155,9 @@ struct Run {
     cpu_us_per_request: Option<f64>,
     /// The kernel's part of the proxy's CPU (system time over user + system time).
     kernel_share: Option<f64>,
+    /// Time the hypervisor ran something else on CPU 0 (origin and load) and CPU 1 (the
+    /// proxy) while this run was measured, ms: a VM's pause shows here as stalls do.
+    steal_ms: [u64; 2],
 }
 
 fn main() -> anyhow::Result<()> {
@@ -253,8 +259,8 @@ fn main() -> anyhow::Result<()> {
                         &bin,
                     ))?;
                     println!(
-                        "{} {}x{}ms rep {} {:>8}: p50 {:.0} µs, p99 {:.0} µs (at the app {:.0}, {:.0}), {} events, {:.0} requests/s, stalls {} (the origin's own {}), errors {}, cpu {} µs/event, {} µs/request (kernel {}), rss {} KiB/stream",
-                        scenario.name(), shape.streams, shape.interval_ms, rep + 1, mode.name(), run.p50_us, run.p99_us, run.app_p50_us, run.app_p99_us, run.events, run.requests_per_sec, run.stalls, run.origin_stalls, run.errors,
+                        "{} {}x{}ms rep {} {:>8}: p50 {:.0} µs, p99 {:.0} µs (at the app {:.0}, {:.0}), {} events, {:.0} requests/s, stalls {} (the origin's own {}; steal {} / {} ms on CPU 0 / 1), errors {}, cpu {} µs/event, {} µs/request (kernel {}), rss {} KiB/stream",
+                        scenario.name(), shape.streams, shape.interval_ms, rep + 1, mode.name(), run.p50_us, run.p99_us, run.app_p50_us, run.app_p99_us, run.events, run.requests_per_sec, run.stalls, run.origin_stalls, run.steal_ms[0], run.steal_ms[1], run.errors,
                         run.cpu_us_per_event.map_or("-".into(), |v| format!("{v:.2}")),
                         run.cpu_us_per_request.map_or("-".into(), |v| format!("{v:.1}")),
                         run.kernel_share.map_or("-".into(), |v| format!("{:.0}%", v * 100.0)),
@@ -962,6 +968,18 @@ fn children(pid: u32) -> Vec<u32> {
         .collect()
 }
 
+/// Steal time of CPU 0 and CPU 1 so far, ms (`/proc/stat`, in clock ticks of 10 ms).
+fn steal_ms() -> [u64; 2] {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    [0, 1].map(|cpu| {
+        let name = format!("cpu{cpu}");
+        stat.lines()
+            .find_map(|l| l.strip_prefix(name.as_str())?.strip_prefix(' '))
+            .and_then(|l| l.split_whitespace().nth(7)?.parse::<u64>().ok())
+            .map_or(0, |ticks| ticks * 10)
+    })
+}
+
 /// User and system time of `pids` (every thread, living or ended), in clock ticks.
 fn user_system_ticks(pids: &[u32]) -> (u64, u64) {
     pids.iter()
@@ -1131,11 +1149,13 @@ async fn run_once(
     }
     let (cpu0, self0, wall0) = (cpu_ns(&pids), self_cpu_ns(), Instant::now());
     let ticks0 = user_system_ticks(&pids);
+    let steal0 = steal_ms();
     measuring.store(true, Relaxed);
     tokio::time::sleep(measure).await;
     measuring.store(false, Relaxed);
     let (cpu1, self1, wall) = (cpu_ns(&pids), self_cpu_ns(), wall0.elapsed());
     let ticks1 = user_system_ticks(&pids);
+    let steal1 = steal_ms();
     let (user, system) = (ticks1.0 - ticks0.0, ticks1.1 - ticks0.1);
     stop.notify_waiters();
     for t in tasks.into_iter().chain(holders) {
@@ -1174,6 +1194,7 @@ async fn run_once(
         origin_late_p99_ms: late.value_at_quantile(0.99) as f64 / 1e3,
         spread_us: [0.1, 0.25, 0.75, 0.9, 0.999].map(|q| lat.value_at_quantile(q)),
         kernel_share: (user + system > 0).then(|| system as f64 / (user + system) as f64),
+        steal_ms: [0, 1].map(|i| steal1[i].saturating_sub(steal0[i])),
     })
 }
 

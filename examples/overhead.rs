@@ -368,6 +368,11 @@ fn table(shape: Shape, scenario: Scenario, runs: &[(Mode, Run)]) -> String {
         );
     }
     // tokentap against nginx, run by run (each pair ran back to back), then the median.
+    let unit = if scenario == Scenario::Short {
+        "request"
+    } else {
+        "event"
+    };
     let cost = |r: &Run| {
         if scenario == Scenario::Short {
             r.cpu_us_per_request
@@ -387,12 +392,7 @@ fn table(shape: Shape, scenario: Scenario, runs: &[(Mode, Run)]) -> String {
     if !ratios.is_empty() {
         let _ = writeln!(
             out,
-            "tokentap / nginx CPU per {}: {:.2}× (median of {} pairs: {})",
-            if scenario == Scenario::Short {
-                "request"
-            } else {
-                "event"
-            },
+            "tokentap / nginx CPU per {unit}: {:.2}× (median of {} pairs: {})",
             median(ratios.clone()),
             ratios.len(),
             ratios
@@ -423,16 +423,7 @@ fn table(shape: Shape, scenario: Scenario, runs: &[(Mode, Run)]) -> String {
         })
         .collect();
     if !split.is_empty() {
-        let _ = writeln!(
-            out,
-            "kernel / user CPU per {}: {}",
-            if scenario == Scenario::Short {
-                "request"
-            } else {
-                "event"
-            },
-            split.join(", ")
-        );
+        let _ = writeln!(out, "kernel / user CPU per {unit}: {}", split.join(", "));
     }
     let share = median(runs.iter().map(|(_, r)| r.load_cpu_share).collect());
     let late = median(runs.iter().map(|(_, r)| r.origin_late_p99_ms).collect());

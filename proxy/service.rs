@@ -335,7 +335,16 @@ impl ProxyHttp for TokenTap {
             let host = &ctx.shared.upstreams[c.upstream].config.host_header;
             req.insert_header(HOST, host.as_str())?;
         }
-        if ctx.request_id.is_ours() {
+        // An absolute-form target goes on in origin-form, as on the direct path: the
+        // authority the client chose never reaches the upstream.
+        if req.uri.authority().is_some() {
+            let path = req.uri.path_and_query().map_or("/", |p| p.as_str());
+            let origin = http::Uri::try_from(path).map_err(|e| {
+                Error::because(InvalidHTTPHeader, "absolute-form request target", e)
+            })?;
+            req.set_uri(origin);
+        }
+        if ctx.request_id.is_ours() && ctx.shared.config.request_id_upstream {
             req.insert_header(REQUEST_ID_HEADER, ctx.request_id.as_str())?;
         }
         Ok(())
@@ -386,7 +395,7 @@ impl TokenTap {
             ctx,
             resp.status,
             first(CONTENT_TYPE),
-            first(CONTENT_ENCODING),
+            (first(CONTENT_ENCODING), false),
         );
         Ok(())
     }
@@ -406,20 +415,31 @@ impl TokenTap {
     }
 
     /// Reads the response header: the status, and how the body is metered from its
-    /// `Content-Type` and `Content-Encoding` (their first values).
+    /// `Content-Type` and `Content-Encoding` (their first values). A generation's body
+    /// under a coding tokentap does not undo (`Content-Encoding`, or a transfer coding
+    /// under the chunks: `transfer_coded`) is forwarded unread and counted as one
+    /// unparsed event, its request as one not counted exactly.
     fn on_response(
         &self,
         ctx: &mut Ctx,
         status: http::StatusCode,
         content_type: Option<&[u8]>,
-        content_encoding: Option<&[u8]>,
+        (content_encoding, transfer_coded): (Option<&[u8]>, bool),
     ) {
         ctx.status = status.as_u16();
-        let encoded = content_encoding.is_some_and(|v| !v.eq_ignore_ascii_case(b"identity"));
+        let encoded = transfer_coded
+            || content_encoding.is_some_and(|v| !v.eq_ignore_ascii_case(b"identity"));
         let framing = content_type.and_then(Framing::from_content_type);
         let max = ctx.shared.config.max_event_bytes;
         ctx.body = match framing {
-            _ if ctx.dialect.is_none() || !status.is_success() || encoded => Body::Ignore,
+            _ if ctx.dialect.is_none() || !status.is_success() => Body::Ignore,
+            Some(_) if encoded => {
+                ctx.unparsed += 1;
+                if let Some(stream) = ctx.stream.as_mut() {
+                    stream.unreadable();
+                }
+                Body::Ignore
+            }
             Some(Framing::Sse) => Body::Sse(SseParser::new(max)),
             Some(Framing::Ndjson) => Body::Ndjson(NdjsonParser::new(max)),
             Some(Framing::Json) => Body::Json(Vec::new()),

@@ -56,6 +56,7 @@ fn answer(path: &str) -> Vec<u8> {
         "/hop" => b"HTTP/1.1 200 OK\r\nConnection: x-secret, keep-alive\r\nX-Secret: 1\r\nKeep-Alive: timeout=5\r\nProxy-Connection: keep-alive\r\nTrailer: x-t\r\nUpgrade: h2c\r\nTE: trailers\r\nX-Kept: 1\r\nContent-Length: 2\r\n\r\nok".to_vec(),
         "/switch" => b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\nConnection: upgrade\r\n\r\n".to_vec(),
         "/lf" => b"HTTP/1.1 200 OK\ntransfer-encoding: chunked\n\n5\nhello\n0\n\n".to_vec(),
+        "/fold" => b"HTTP/1.1 200 OK\r\nX-Fold: a\r\n Injected: yes\r\nContent-Length: 2\r\n\r\nok".to_vec(),
         "/v1/completions" | CHAT => chunked_sse_response(chat_events(3, true)),
         _ => b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n".to_vec(),
     }
@@ -618,6 +619,71 @@ fn cases() -> Vec<Case> {
             client: closed,
         },
         Case {
+            name: "an absolute-form target goes upstream in origin-form, routed by its path",
+            send: vec![format!(
+                "POST http://other.example{CHAT} HTTP/1.1\r\nHost: a\r\n{len}\r\n{BODY}"
+            )
+            .into_bytes()],
+            status: 200,
+            upstream: |seen| {
+                one_chat(seen);
+                assert!(seen[0].head.starts_with(&format!("POST {CHAT} HTTP/1.1\r\n")));
+                let host = seen[0].fields("host");
+                assert!(host.len() == 1 && host[0].starts_with("127.0.0.1:"), "{host:?}");
+                assert!(!seen[0].head.contains("other.example"), "{}", seen[0].head);
+            },
+            client: |g| assert!(g.body.ends_with(b"data: [DONE]\n\n"), "{g:?}"),
+        },
+        Case {
+            name: "a target in no form (relative path)",
+            send: vec![b"GET private/x HTTP/1.1\r\nHost: x\r\n\r\n".to_vec()],
+            status: 400,
+            upstream: nothing,
+            client: closed,
+        },
+        Case {
+            name: "a target in no form (a bare word)",
+            send: vec![b"GET echo HTTP/1.1\r\nHost: x\r\n\r\n".to_vec()],
+            status: 400,
+            upstream: nothing,
+            client: closed,
+        },
+        Case {
+            name: "a target in no form (a scheme that is not http)",
+            send: vec![b"GET x:y/private/z HTTP/1.1\r\nHost: x\r\n\r\n".to_vec()],
+            status: 400,
+            upstream: nothing,
+            client: closed,
+        },
+        Case {
+            name: "an asterisk-form target on a method other than OPTIONS",
+            send: vec![b"GET * HTTP/1.1\r\nHost: x\r\n\r\n".to_vec()],
+            status: 400,
+            upstream: nothing,
+            client: closed,
+        },
+        Case {
+            name: "OPTIONS * is a valid head, which no route (a path prefix) matches",
+            send: vec![b"OPTIONS * HTTP/1.1\r\nHost: x\r\n\r\n".to_vec()],
+            status: 404,
+            upstream: nothing,
+            client: |g| assert!(String::from_utf8_lossy(&g.body).contains("no_route"), "{g:?}"),
+        },
+        Case {
+            name: "an obs-fold in the upstream's head reaches the client unfolded",
+            send: vec![b"GET /fold HTTP/1.1\r\nHost: x\r\n\r\n".to_vec()],
+            status: 200,
+            upstream: |seen| assert_eq!(seen.len(), 1),
+            client: |g| {
+                for line in g.head.split("\r\n").skip(1) {
+                    assert!(!line.starts_with([' ', '\t']), "a fold: {:?}", g.head);
+                    assert!(!line.to_ascii_lowercase().starts_with("injected"), "{:?}", g.head);
+                }
+                assert!(g.head.contains("X-Fold: a   Injected: yes\r\n"), "{:?}", g.head);
+                assert_eq!(g.body, b"ok");
+            },
+        },
+        Case {
             name: "pipelined requests: the first answered, then the connection closes",
             send: vec![[chat(&len, BODY), chat(&len, BODY)].concat()],
             status: 200,
@@ -748,4 +814,103 @@ async fn the_meter_counts_the_same_whichever_way_a_request_arrives() {
         assert_eq!(after["counts_exact"], true, "{name}");
     }
     env.running.stop();
+}
+
+/// Upstreams that misbehave after the request was sent, as raw bytes: a head trickled a
+/// line at a time, and generation bodies tokentap cannot read or whose count is absurd.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn misbehaving_upstreams_get_bounded_answers_and_honest_counts() {
+    let sse = |events: Vec<Vec<u8>>, extra: &str| {
+        let mut raw = format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n{extra}transfer-encoding: chunked\r\n\r\n"
+        )
+        .into_bytes();
+        for e in events {
+            raw.extend_from_slice(format!("{:x}\r\n", e.len()).as_bytes());
+            raw.extend_from_slice(&e);
+            raw.extend_from_slice(b"\r\n");
+        }
+        raw.extend_from_slice(b"0\r\n\r\n");
+        raw
+    };
+    let raw = |bytes: Vec<u8>| Reply::Raw {
+        pieces: vec![bytes],
+        gap: Duration::ZERO,
+        close: false,
+    };
+    // A head begun at once, then one field every 0.5 s for 15 s.
+    let mut trickle = vec![b"HTTP/1.1 200 OK\r\n".to_vec()];
+    trickle.extend((0..30).map(|i| format!("x-line-{i}: 1\r\n").into_bytes()));
+    trickle.push(b"content-length: 0\r\n\r\n".to_vec());
+    // 2^64 - 1 tokens: a u64 that a sum would wrap.
+    let absurd = {
+        let mut events = chat_events(3, false);
+        let done = events.pop().unwrap();
+        events.push(br#"data: {"id":"c1","object":"chat.completion.chunk","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":18446744073709551615,"total_tokens":3}}"#.iter().chain(b"\n\n").copied().collect());
+        events.push(done);
+        events
+    };
+    let backend = mock(vec![
+        (
+            "/trickle",
+            Reply::Raw {
+                pieces: trickle,
+                gap: Duration::from_millis(500),
+                close: true,
+            },
+        ),
+        (
+            "/gzip/v1/chat/completions",
+            raw(sse(vec![b"\x1f\x8b\x08\x00 not text".to_vec()], "content-encoding: gzip\r\n")),
+        ),
+        (
+            "/coded/v1/chat/completions",
+            raw(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: gzip, chunked\r\n\r\n5\r\n\x1f\x8b\x08\x00x\r\n0\r\n\r\n".to_vec()),
+        ),
+        ("/absurd/v1/chat/completions", raw(sse(absurd, ""))),
+        ("/v1/chat/completions", raw(sse(chat_events(3, true), ""))),
+    ])
+    .await;
+    let running = proxy(&[("up", backend.addr)], "read_timeout_secs = 2\n").await;
+    let addr = proxy_addr(&running);
+
+    // 4. The whole head within read_timeout_secs of its first byte: 504, not after 15 s.
+    let started = Instant::now();
+    let r = fetch(addr, "GET", "/trickle", b"").await;
+    let took = started.elapsed();
+    assert_eq!(r.status, 504, "{}", String::from_utf8_lossy(&r.body));
+    assert!(
+        took < Duration::from_secs(8),
+        "the trickled head held the client {took:?}"
+    );
+
+    let up = |s: &serde_json::Value| s["upstreams"][0].clone();
+    let chat = |path: &'static str| async move {
+        let r = fetch(addr, "POST", path, BODY.as_bytes()).await;
+        assert_eq!(r.status, 200, "{path}");
+        r
+    };
+    // A plain exact stream first: counts are exact.
+    chat(CHAT).await;
+    let st = stats_when(&running, |u| u["output_tokens_total"] == 3).await;
+    assert_eq!(up(&st)["counts_exact"], true, "{st}");
+    assert_eq!(up(&st)["unparsed_events_total"], 0, "{st}");
+
+    // 5. An absurd count is unparsed; the estimate (3) stands, and the total never wraps.
+    chat("/absurd/v1/chat/completions").await;
+    let st = stats_when(&running, |u| u["requests_by_status"]["ok"] == 2).await;
+    assert_eq!(up(&st)["output_tokens_total"], 6, "{st}");
+    assert_eq!(up(&st)["unparsed_events_total"], 1, "{st}");
+    assert_eq!(up(&st)["counts_exact"], false, "{st}");
+
+    // 8. Bodies under a content or transfer coding are forwarded as they came, and
+    // counted as unparsed: never as a generation of 0 exact tokens.
+    let gz = chat("/gzip/v1/chat/completions").await;
+    assert!(gz.body.starts_with(b"\x1f\x8b"), "forwarded as it came");
+    chat("/coded/v1/chat/completions").await;
+    let st = stats_when(&running, |u| u["requests_by_status"]["ok"] == 4).await;
+    assert_eq!(up(&st)["unparsed_events_total"], 3, "{st}");
+    assert_eq!(up(&st)["output_tokens_total"], 6, "{st}");
+    assert_eq!(up(&st)["counts_exact"], false, "{st}");
+    running.stop();
 }

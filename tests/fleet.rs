@@ -637,3 +637,82 @@ async fn spill_sees_slots_held_by_other_replicas() {
     );
     a_load.abort();
 }
+
+/// A "Redis" that accepts connections and never answers (`garbage`: answers every read
+/// with bytes that are no RESP). Its connections stay open until the test ends.
+async fn broken_redis(garbage: bool) -> SocketAddr {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut s, _)) = listener.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let mut buf = [0u8; 4096];
+                while matches!(s.read(&mut buf).await, Ok(n) if n > 0) {
+                    if garbage && s.write_all(b"\x00garbage\xff\r\n").await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// A Redis that accepts and never answers, or answers garbage, from the start: requests to
+/// a capped upstream are admitted (on the replica's share) within 1.2 s of arriving, from
+/// the first second on, whether they arrive together or alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_that_never_answers_holds_admission_no_longer_than_one_call() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let sim = Sim::start(SimArgs {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        tpot_curve: "1:5,128:5".parse::<Curve>().unwrap(),
+        ttft_ms: 5.0,
+        max_tokens: 2,
+        ..SimArgs::defaults()
+    })
+    .await
+    .unwrap();
+    const CHAT: &str = "/v1/chat/completions";
+    let body = br#"{"model":"m","stream":true,"max_tokens":2,"messages":[{"role":"user","content":"hi"}]}"#;
+    for (garbage, first) in [(false, 5), (false, 1), (true, 5), (true, 1)] {
+        let redis = broken_redis(garbage).await;
+        let extra = format!(
+            "max_concurrency = 4\nqueue_timeout_ms = 30000\n[cluster]\nredis_url = \"redis://{redis}\"\nlease_secs = 3\n"
+        );
+        let running = proxy(&[("sim", sim.addr)], &extra).await;
+        let addr = proxy_addr(&running);
+        let timed = |n: usize| async move {
+            let started = Instant::now();
+            let all: Vec<_> = (0..n)
+                .map(|_| tokio::spawn(async move { fetch(addr, "POST", CHAT, body).await }))
+                .collect();
+            let mut took = Vec::new();
+            for r in all {
+                let r = r.await.unwrap();
+                assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+                took.push(started.elapsed());
+            }
+            took
+        };
+        // `first` requests as the ports open, then five more once Redis was found away.
+        for (wave, n) in [(0, first), (1, 5)] {
+            let took = timed(n).await;
+            // Admission within 1.2 s, then up to five 15 ms streams one after another on
+            // a share of one.
+            let bound = Duration::from_millis(1200 + 150);
+            assert!(
+                took.iter().all(|t| *t < bound),
+                "garbage {garbage}, {first} first, wave {wave}: {took:?}"
+            );
+        }
+        let m = fetch(running.shared().config.listen.admin, "GET", "/metrics", b"").await;
+        let text = String::from_utf8_lossy(&m.body).into_owned();
+        assert!(text.contains("tokentap_cluster_degraded 1"), "{text}");
+        running.stop();
+    }
+}

@@ -168,3 +168,94 @@ async fn connections_past_max_connections_are_closed_at_once_and_counted() {
     assert_eq!(r.status, 404, "served by the upstream");
     running.stop();
 }
+
+/// Reads until the proxy closes the connection (0 or an error), within `within`; true if it
+/// did.
+async fn closed_within(s: &mut TcpStream, within: Duration) -> bool {
+    let mut buf = [0u8; 1024];
+    let until = Instant::now() + within;
+    loop {
+        match tokio::time::timeout_at(until, s.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => return true,
+            Ok(Ok(_)) => {}
+            Err(_) => return false,
+        }
+    }
+}
+
+/// Connections that send nothing hold their place only for `request_head_timeout_secs`
+/// from the accept: 64 of them at `max_connections = 64` keep a new client out no longer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_connections_hold_their_place_only_for_the_head_timeout() {
+    let backend = mock(vec![]).await;
+    let config = "[server]\nmax_connections = 64\nrequest_head_timeout_secs = 2\n";
+    let running = proxy(&[("up", backend.addr)], config).await;
+    let addr = proxy_addr(&running);
+    let open = |n: u64| move |s: &serde_json::Value| s["connections"]["open"] == n;
+    stats_where(&running, open(0)).await;
+    let mut silent = Vec::new();
+    for _ in 0..64 {
+        silent.push(TcpStream::connect(addr).await.unwrap());
+    }
+    let full = Instant::now();
+    stats_where(&running, open(64)).await;
+    // Each is closed by the proxy, without an answer, after the head timeout.
+    for s in &mut silent {
+        assert!(
+            closed_within(s, Duration::from_secs(20)).await,
+            "a silent connection was kept"
+        );
+    }
+    let freed = full.elapsed();
+    assert!(freed < Duration::from_secs(10), "freed after {freed:?}");
+    let r = fetch(addr, "GET", "/x", b"").await;
+    assert_eq!(r.status, 404, "served by the upstream");
+    let st = stats(&running).await;
+    assert_eq!(st["connections"]["evicted_total"], 0, "{st}");
+    running.stop();
+}
+
+/// At `max_connections`, a new client takes the place of the longest-idle keep-alive
+/// connection, which is closed; idle connections close after `keepalive_timeout_secs`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_keep_alive_connections_make_room_and_time_out() {
+    let backend = mock(vec![]).await;
+    let config = "[server]\nmax_connections = 3\nkeepalive_timeout_secs = 3\n";
+    let running = proxy(&[("up", backend.addr)], config).await;
+    let addr = proxy_addr(&running);
+    let st = |key: &'static str, n: u64| move |s: &serde_json::Value| s["connections"][key] == n;
+    stats_where(&running, st("open", 0)).await;
+    let get = b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n";
+    let mut idle = Vec::new();
+    for _ in 0..3 {
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        s.write_all(get).await.unwrap();
+        let mut buf = vec![0u8; 4096];
+        let n = s.read(&mut buf).await.unwrap();
+        assert!(buf[..n].starts_with(b"HTTP/1.1 404"), "{:?}", &buf[..n]);
+        idle.push(s);
+        // Each goes idle after the one before it.
+        stats_where(&running, st("idle", idle.len() as u64)).await;
+    }
+    // A fourth client is served; the first (idle longest) is closed for it.
+    let r = fetch(addr, "GET", "/x", b"").await;
+    assert_eq!(r.status, 404, "the fourth client was refused");
+    assert!(closed_within(&mut idle[0], Duration::from_secs(5)).await);
+    let s = stats(&running).await;
+    assert_eq!(s["connections"]["evicted_total"], 1, "{s}");
+    assert_eq!(s["connections"]["refused_total"], 0, "{s}");
+    // The other two idle out.
+    let idled = Instant::now();
+    for s in &mut idle[1..] {
+        assert!(closed_within(s, Duration::from_secs(20)).await);
+    }
+    let after = idled.elapsed();
+    assert!(after < Duration::from_secs(10), "idle for {after:?}");
+    let metrics = fetch(running.shared().config.listen.admin, "GET", "/metrics", b"").await;
+    let text = String::from_utf8_lossy(&metrics.body);
+    assert!(
+        text.contains("tokentap_client_connections_evicted_total 1"),
+        "{text}"
+    );
+    running.stop();
+}

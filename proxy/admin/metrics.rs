@@ -81,6 +81,11 @@ pub fn render(
         &[],
         connections.refused_total as f64,
     );
+    x.add(
+        "tokentap_client_connections_evicted_total",
+        &[],
+        connections.evicted_total as f64,
+    );
     for report in stats {
         upstream(&mut x, report);
     }

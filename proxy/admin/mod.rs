@@ -87,8 +87,12 @@ pub struct SloStats {
 pub struct ConnectionStats {
     pub open: usize,
     pub max: usize,
-    /// Closed at once because `max` were open.
+    /// Closed at once because `max` were open (and none was idle).
     pub refused_total: u64,
+    /// Idle between requests now.
+    pub idle: usize,
+    /// Idle keep-alive connections closed to make room for a new client at `max`.
+    pub evicted_total: u64,
 }
 
 /// The admin HTTP app.
@@ -120,6 +124,8 @@ pub fn stats(shared: &Shared, transport: &Transport) -> Stats {
             open: c.open(),
             max: c.max(),
             refused_total: c.refused(),
+            idle: c.idle_now(),
+            evicted_total: c.evicted(),
         },
         upstreams: shared
             .upstreams
@@ -188,6 +194,16 @@ fn arms(shared: &Shared, upstream: usize) -> Vec<Arm> {
         .collect()
 }
 
+/// What a client sent, quoted back in an error: at most 64 characters (a whole query of
+/// kilobytes is not echoed).
+fn bounded(text: &str) -> std::borrow::Cow<'_, str> {
+    const MAX: usize = 64;
+    match text.char_indices().nth(MAX) {
+        Some((cut, _)) => format!("{}…", &text[..cut]).into(),
+        None => text.into(),
+    }
+}
+
 /// `/compare` for the query `a=NAME&b=NAME` (both optional: the first split's arms).
 pub fn compare(shared: &Shared, query: Option<&str>) -> Result<Comparison, (StatusCode, String)> {
     let mut names = (None, None);
@@ -198,17 +214,20 @@ pub fn compare(shared: &Shared, query: Option<&str>) -> Result<Comparison, (Stat
             _ => {
                 return Err((
                     StatusCode::BAD_REQUEST,
-                    format!("unknown query parameter `{pair}`: use a=NAME&b=NAME"),
+                    format!(
+                        "unknown query parameter `{}`: use a=NAME&b=NAME",
+                        bounded(pair)
+                    ),
                 ))
             }
         }
     }
     let config = &shared.config;
     let index = |name: &str| {
-        shared
-            .upstream(name)
-            .map(|(i, _)| i)
-            .ok_or_else(|| (StatusCode::NOT_FOUND, format!("no upstream named `{name}`")))
+        shared.upstream(name).map(|(i, _)| i).ok_or_else(|| {
+            let name = bounded(name);
+            (StatusCode::NOT_FOUND, format!("no upstream named `{name}`"))
+        })
     };
     let default = config.default_pair();
     let a = match &names.0 {
@@ -629,6 +648,15 @@ mod tests {
         assert!(!own_authority("rebound.example:9191", any));
         let v6: std::net::SocketAddr = "[::1]:9191".parse().unwrap_or_else(|_| unreachable!());
         assert!(own_authority("[::1]:9191", v6));
+    }
+
+    #[test]
+    fn client_text_is_quoted_back_bounded() {
+        assert_eq!(bounded("vllm-a"), "vllm-a");
+        let long = "é".repeat(7000);
+        let quoted = bounded(&long);
+        assert_eq!(quoted.chars().count(), 65, "64 characters and the ellipsis");
+        assert!(quoted.ends_with('…'));
     }
 
     #[test]

@@ -240,6 +240,13 @@ pub struct ServerFile {
     pub max_connections: Option<usize>,
     /// Larger request bodies get 413, bytes. Default 33554432 (32 MiB).
     pub max_request_body_bytes: Option<u64>,
+    /// An idle keep-alive client connection (its last response sent, no byte of the next
+    /// request yet) is closed after this, seconds. Default 30.
+    pub keepalive_timeout_secs: Option<u64>,
+    /// Send the request id tokentap makes (a UUID, for a request that came without an
+    /// `x-request-id`) upstream in `x-request-id`. Default true; false for a backend that
+    /// wants nothing added (the client still gets the id).
+    pub request_id_upstream: Option<bool>,
 }
 
 impl ListenFile {
@@ -330,6 +337,12 @@ impl ServerFile {
             self.request_body_timeout_secs,
             d.request_body_timeout,
         );
+        let keepalive_timeout = secs(
+            p,
+            "keepalive_timeout_secs",
+            self.keepalive_timeout_secs,
+            d.keepalive_timeout,
+        );
         let max_request_head_bytes = match self.max_request_head_bytes {
             Some(n) if !(1024..=1 << 20).contains(&n) => {
                 p.add(
@@ -351,6 +364,7 @@ impl ServerFile {
             client_write_timeout,
             request_head_timeout,
             request_body_timeout,
+            keepalive_timeout,
             max_request_head_bytes,
             max_connections: self.max_connections.filter(|&n| n > 0),
             max_request_body_bytes: self
@@ -797,6 +811,7 @@ impl FileConfig {
             grace_period: Duration::from_secs(grace),
             keepalive_pool,
             work_stealing: self.server.work_stealing.unwrap_or(true),
+            request_id_upstream: self.server.request_id_upstream.unwrap_or(true),
             limits,
             admin: admin_auth,
             log,

@@ -44,6 +44,8 @@ pub struct Config {
     pub keepalive_pool: usize,
     /// Work stealing between the proxy's worker threads.
     pub work_stealing: bool,
+    /// The id tokentap makes for a request is sent upstream (`server.request_id_upstream`).
+    pub request_id_upstream: bool,
     /// What a client connection may take: time, head and body size, connections.
     pub limits: Limits,
     /// Who may use the admin API.
@@ -93,6 +95,8 @@ pub struct Limits {
     pub request_head_timeout: Duration,
     /// The body's read-ahead must arrive within this, and then each read of the rest.
     pub request_body_timeout: Duration,
+    /// An idle keep-alive client connection is closed after this.
+    pub keepalive_timeout: Duration,
     /// Larger request heads get 431.
     pub max_request_head_bytes: usize,
     /// Open client connections beyond this are closed at once; `None`: derived from the
@@ -108,6 +112,7 @@ impl Default for Limits {
             client_write_timeout: Duration::from_secs(60),
             request_head_timeout: Duration::from_secs(30),
             request_body_timeout: Duration::from_secs(60),
+            keepalive_timeout: Duration::from_secs(30),
             max_request_head_bytes: 64 * 1024,
             max_connections: None,
             max_request_body_bytes: 32 << 20,
@@ -531,12 +536,15 @@ split = { "a" = 0 }
         let c = Config::parse(up, "t").expect("valid");
         assert_eq!(c.limits, Limits::default());
         assert_eq!(c.limits.client_write_timeout, Duration::from_secs(60));
+        assert_eq!(c.limits.keepalive_timeout, Duration::from_secs(30));
+        assert!(c.request_id_upstream);
         assert_eq!(c.limits.max_request_head_bytes, 65536);
         assert_eq!(c.limits.max_request_body_bytes, 32 << 20);
         let p = problems(&format!(
-            "[server]\nclient_write_timeout_secs = 0\nrequest_head_timeout_secs = 0\nrequest_body_timeout_secs = 0\nmax_request_head_bytes = 10\nmax_connections = 0\nmax_request_body_bytes = 0\n{up}"
+            "[server]\nclient_write_timeout_secs = 0\nrequest_head_timeout_secs = 0\nrequest_body_timeout_secs = 0\nmax_request_head_bytes = 10\nmax_connections = 0\nmax_request_body_bytes = 0\nkeepalive_timeout_secs = 0\n{up}"
         ));
         for want in [
+            "server.keepalive_timeout_secs: must be at least 1",
             "server.client_write_timeout_secs: must be at least 1",
             "server.request_head_timeout_secs: must be at least 1",
             "server.request_body_timeout_secs: must be at least 1",

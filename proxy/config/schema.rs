@@ -65,6 +65,8 @@ const FILE: &[Field] = &[
             ("max_request_head_bytes", BYTES),
             ("max_connections", COUNT),
             ("max_request_body_bytes", BYTES),
+            ("keepalive_timeout_secs", SECS),
+            ("request_id_upstream", Kind::Bool),
         ]),
     ),
     ("compare", Kind::Table(&[("window_secs", SECS)])),

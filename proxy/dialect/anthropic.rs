@@ -40,7 +40,9 @@ struct Delta {
 #[derive(Deserialize, Default)]
 #[serde(default)]
 struct Usage {
+    #[serde(deserialize_with = "super::count")]
     output_tokens: Option<u64>,
+    #[serde(deserialize_with = "super::count")]
     input_tokens: Option<u64>,
 }
 

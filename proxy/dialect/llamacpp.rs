@@ -15,6 +15,7 @@ struct Ev {
     content: NonEmpty,
     tokens: Count,
     stop: bool,
+    #[serde(deserialize_with = "super::count")]
     tokens_predicted: Option<u64>,
     timings: Option<Timings>,
     error: Option<IgnoredAny>,
@@ -23,6 +24,7 @@ struct Ev {
 #[derive(Deserialize, Default)]
 #[serde(default)]
 struct Timings {
+    #[serde(deserialize_with = "super::count")]
     predicted_n: Option<u64>,
 }
 

@@ -57,6 +57,21 @@ impl Facts {
     }
 }
 
+/// The most tokens one request may report, in or out: four billion, a thousand times the
+/// longest context any model takes. A count past it is no count (see [`count`]).
+pub const MAX_COUNT: u64 = 1 << 32;
+
+/// Reads a token count a stream reports (`usage.completion_tokens` and the like). A count
+/// no request can reach (past [`MAX_COUNT`], as a negative or fractional one is no `u64`)
+/// fails the event, which is then unparsed: the request keeps its estimate, and a
+/// sum of counts can never wrap.
+pub fn count<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    match Option::<u64>::deserialize(d)? {
+        Some(n) if n > MAX_COUNT => Err(de::Error::custom("a token count past MAX_COUNT")),
+        n => Ok(n),
+    }
+}
+
 /// The API dialects tokentap meters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Dialect {

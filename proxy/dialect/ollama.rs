@@ -17,7 +17,9 @@ struct Line {
     response: NonEmpty,
     thinking: NonEmpty,
     done: bool,
+    #[serde(deserialize_with = "super::count")]
     eval_count: Option<u64>,
+    #[serde(deserialize_with = "super::count")]
     prompt_eval_count: Option<u64>,
     error: Option<IgnoredAny>,
 }

@@ -323,7 +323,9 @@ struct Chunk {
 #[derive(Deserialize, Default)]
 #[serde(default)]
 struct Usage {
+    #[serde(deserialize_with = "super::count")]
     completion_tokens: Option<u64>,
+    #[serde(deserialize_with = "super::count")]
     prompt_tokens: Option<u64>,
 }
 

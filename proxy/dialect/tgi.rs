@@ -21,6 +21,7 @@ struct Ev {
 #[derive(Deserialize, Default)]
 #[serde(default)]
 struct Details {
+    #[serde(deserialize_with = "super::count")]
     generated_tokens: Option<u64>,
 }
 

@@ -104,6 +104,8 @@ pub struct Cluster {
     /// reloads that rename or uncap an upstream.
     fleets: Mutex<Vec<std::sync::Weak<Fleet>>>,
     connecting: tokio::sync::Mutex<()>,
+    /// Connection attempts that failed (see [`Cluster::connect`]).
+    connect_failures: AtomicU64,
     started: Instant,
     acquire: redis::Script,
     renew: redis::Script,
@@ -193,6 +195,7 @@ impl Cluster {
             next_lease: AtomicU64::new(0),
             fleets: Mutex::new(Vec::new()),
             connecting: tokio::sync::Mutex::new(()),
+            connect_failures: AtomicU64::new(0),
             started: Instant::now(),
             acquire: redis::Script::new(ACQUIRE),
             renew: redis::Script::new(RENEW),
@@ -222,27 +225,44 @@ impl Cluster {
             .clone()
     }
 
-    /// The connection, made now if there is none (one attempt at a time).
+    /// The connection, made now if there is none (one attempt at a time). A caller that
+    /// waited while another's attempt failed fails with it, at once: requests that arrive
+    /// together while Redis accepts but never answers each wait for one attempt at most
+    /// ([`CALL_TIMEOUT`]), not for one attempt each in turn.
     async fn connect(&self) -> anyhow::Result<ConnectionManager> {
         if let Some(c) = self.conn() {
             return Ok(c);
         }
+        let failures = self.connect_failures.load(Relaxed);
         let _one = self.connecting.lock().await;
         if let Some(c) = self.conn() {
             return Ok(c);
         }
-        // One try, bounded: the keeper tries again every period, and a request waiting on
-        // a Redis that is away should find out at once.
+        if self.connect_failures.load(Relaxed) != failures {
+            anyhow::bail!("Redis unreachable: the connection attempt in progress failed");
+        }
+        // One try, bounded as one call is: the keeper tries again every period, and a
+        // request waiting on a Redis that is away should find out at once.
         let config = redis::aio::ConnectionManagerConfig::new()
             .set_number_of_retries(0)
             .set_connection_timeout(CALL_TIMEOUT)
             .set_response_timeout(CALL_TIMEOUT);
-        let c = tokio::time::timeout(
-            CALL_TIMEOUT * 2,
+        let made = tokio::time::timeout(
+            CALL_TIMEOUT,
             ConnectionManager::new_with_config(self.client.clone(), config),
         )
-        .await
-        .map_err(|_| anyhow::anyhow!("connecting timed out"))??;
+        .await;
+        let c = match made {
+            Ok(Ok(c)) => c,
+            Ok(Err(e)) => {
+                self.connect_failures.fetch_add(1, Relaxed);
+                return Err(e.into());
+            }
+            Err(_) => {
+                self.connect_failures.fetch_add(1, Relaxed);
+                anyhow::bail!("connecting: no answer in {CALL_TIMEOUT:?}");
+            }
+        };
         *self.conn.lock().unwrap_or_else(PoisonError::into_inner) = Some(c.clone());
         Ok(c)
     }

@@ -383,6 +383,7 @@ impl UpstreamMeter {
             held_n: 0,
             input: None,
             model: None,
+            unread: false,
         }
     }
 
@@ -496,7 +497,7 @@ impl UpstreamMeter {
         };
         let c = m.entry(key.into()).or_default();
         c.requests += 1;
-        c.output_tokens += output_tokens;
+        c.output_tokens = c.output_tokens.saturating_add(output_tokens);
     }
 
     /// Counts a request that is not generation traffic (forwarded, not metered).
@@ -601,6 +602,8 @@ pub struct Stream {
     input: Option<u64>,
     /// The request's model, counted per model at the end (`metrics.model_label`).
     model: Option<Box<str>>,
+    /// Its body could not be read (a content or transfer coding): its tokens are unknown.
+    unread: bool,
 }
 
 /// One request's figures, for the access log.
@@ -676,6 +679,12 @@ impl Stream {
         self.exact = Some(total);
     }
 
+    /// Its body cannot be read (a coding tokentap does not undo): a generation that
+    /// completes counts as not counted exactly, with whatever was estimated (nothing).
+    pub fn unreadable(&mut self) {
+        self.unread = true;
+    }
+
     /// The stream reported its prompt tokens (the last report wins).
     pub fn input_tokens(&mut self, n: u64) {
         self.input = Some(n);
@@ -728,7 +737,13 @@ impl Stream {
             .finish(self.key, now, self.tokens, self.exact);
         {
             let mut windows = self.meter.lock();
-            let in_flight = windows.finish(now, outcome, self.tokens, self.exact, self.input);
+            let in_flight = windows.finish(
+                now,
+                outcome,
+                (self.tokens, self.unread),
+                self.exact,
+                self.input,
+            );
             self.meter.in_flight.store(in_flight, Relaxed);
         }
         self.meter

@@ -655,40 +655,44 @@ impl Windows {
         self.in_flight
     }
 
-    /// A request ended at `now`, having counted `estimated` tokens from its events and
-    /// reported an `exact` total or not; returns the requests still in flight.
+    /// A request ended at `now`, having counted `estimated` tokens from its events (none
+    /// when its body was `unread`) and reported an `exact` total or not; returns the
+    /// requests still in flight.
     pub(super) fn finish(
         &mut self,
         now: Nanos,
         outcome: Outcome,
-        estimated: u64,
+        (estimated, unread): (u64, bool),
         exact: Option<u64>,
         input: Option<u64>,
     ) -> u64 {
         self.advance(now);
         self.in_flight = self.in_flight.saturating_sub(1);
         self.count(outcome);
+        // Sums saturate: a count is bounded (dialect::MAX_COUNT), its sum over a long life
+        // is not.
         let t = &mut self.totals;
-        t.input_tokens += input.unwrap_or(0);
+        let add = |sum: &mut u64, n: u64| *sum = sum.saturating_add(n);
+        add(&mut t.input_tokens, input.unwrap_or(0));
         match exact {
             Some(total) => {
-                t.exact_requests += 1;
-                t.output_tokens += total;
+                add(&mut t.exact_requests, 1);
+                add(&mut t.output_tokens, total);
                 if estimated > 0 {
-                    t.estimate_before_exact += estimated;
-                    t.exact_after_estimate += total;
+                    add(&mut t.estimate_before_exact, estimated);
+                    add(&mut t.exact_after_estimate, total);
                 }
             }
             // A stream cut short never gets its exact count: it does not make the counts
             // of completed generations inexact.
-            None if estimated > 0 && outcome == Outcome::Ok => {
-                t.estimated_requests += 1;
-                t.output_tokens += estimated;
-                t.estimated_tokens += estimated;
+            None if (estimated > 0 || unread) && outcome == Outcome::Ok => {
+                add(&mut t.estimated_requests, 1);
+                add(&mut t.output_tokens, estimated);
+                add(&mut t.estimated_tokens, estimated);
             }
             None => {
-                t.output_tokens += estimated;
-                t.estimated_tokens += estimated;
+                add(&mut t.output_tokens, estimated);
+                add(&mut t.estimated_tokens, estimated);
             }
         }
         self.in_flight

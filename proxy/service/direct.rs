@@ -612,7 +612,9 @@ impl TokenTap {
             (BodyKind::Length(n), _) => UpBody::Length(n),
             (BodyKind::Chunked, _) => UpBody::Chunked,
         };
-        let id = ctx.request_id.is_ours().then(|| ctx.request_id.as_str());
+        // The client's own id goes as it came; tokentap's only when asked to.
+        let ours = ctx.request_id.is_ours() && shared.config.request_id_upstream;
+        let id = ours.then(|| ctx.request_id.as_str());
         let mut wire = BytesMut::with_capacity(512 + body.len());
         upstream_request(req, &upstream.config.host_header, id, up_body, &mut wire);
         if up_body == UpBody::Chunked {
@@ -756,12 +758,12 @@ impl TokenTap {
             && framing != Framing::UntilClose
             && !resp.fields.has_token("connection", "close");
         resp.fields.remove_hop_by_hop("transfer-encoding");
-        let content_type = resp.fields.get("content-type");
-        let content_encoding = resp.fields.get("content-encoding");
-        self.on_response(ctx, resp.status, content_type, content_encoding);
         // A transfer coding under the chunks (`gzip, chunked`): neither read nor rewritten,
         // and forwarded as it came (re-framing it would lose the coding).
         let coded = framing == Framing::Chunked && !resp.only_chunked();
+        let content_type = resp.fields.get("content-type");
+        let content_encoding = resp.fields.get("content-encoding");
+        self.on_response(ctx, resp.status, content_type, (content_encoding, coded));
         if framing == Framing::Chunked {
             // RFC 9112 §6.3: `Transfer-Encoding` overrides a `Content-Length`, which a proxy
             // removes (as pingora does).
@@ -1177,8 +1179,8 @@ async fn send_rest(
 /// that ends its chunk lines so too) to `then`, with whether the client is still watched
 /// and sent nothing more. A head that comes in one read (the usual case) is parsed in the
 /// thread's scratch buffer, and the bytes after it are given from there: only a head split
-/// across reads is gathered into a buffer of its own. Each read must come within
-/// `read_timeout`.
+/// across reads is gathered into a buffer of its own. The first byte of a head must come
+/// within `read_timeout`, and the rest of it within `read_timeout` of that byte (a 504).
 async fn read_response_head<T>(
     up: &mut Io,
     (client, watch, leftover): (&mut Io, &mut bool, &mut BytesMut),
@@ -1187,6 +1189,7 @@ async fn read_response_head<T>(
 ) -> Result<T> {
     let mut then = Some(then);
     let mut buf = BytesMut::new();
+    let mut head_begun = false;
     let timer = tokio::time::sleep(read_timeout.unwrap_or(Duration::MAX / 4));
     tokio::pin!(timer);
     poll_fn(|cx| loop {
@@ -1219,9 +1222,14 @@ async fn read_response_head<T>(
         match read {
             Poll::Ready(Ok(Ok(Some(opened)))) => return Poll::Ready(Ok(opened)),
             Poll::Ready(Ok(Ok(None))) => {
-                if let Some(t) = read_timeout {
+                // Waiting for a head's first byte (a backend's prefill), each read has
+                // `read_timeout`; once a head has begun, all of it must arrive within
+                // `read_timeout` of its first byte, however it trickles.
+                let begun = !buf.is_empty();
+                if let (Some(t), false) = (read_timeout, begun && head_begun) {
                     timer.as_mut().reset(tokio::time::Instant::now() + t);
                 }
+                head_begun = begun;
                 continue;
             }
             Poll::Ready(Ok(Err(e))) => return Poll::Ready(Err(e)),

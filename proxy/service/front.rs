@@ -8,9 +8,10 @@
 //! connection is one small task, and between requests it waits with no buffer at all, its
 //! next bytes landing in the worker thread's scratch buffer before being copied out.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -21,6 +22,7 @@ use pingora::proxy::HttpProxy;
 use pingora::server::{ListenFds, ShutdownWatch};
 use pingora::services::Service;
 use tokio::net::{TcpListener, TcpSocket};
+use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::conn::Io;
@@ -32,8 +34,6 @@ use super::TokenTap;
 use super::Transport;
 use crate::config::Limits;
 
-/// How long an idle client connection is kept (pingora's default keep-alive).
-const KEEPALIVE: Duration = Duration::from_secs(60);
 /// The listen backlog (pingora's default): a burst of thousands of new streams is queued,
 /// not dropped into SYN retries.
 const BACKLOG: u32 = 65_535;
@@ -52,18 +52,26 @@ impl Front {
         }
     }
 
-    /// Serves one client connection until it closes, fails, idles out or the server shuts
-    /// down.
+    /// Serves one client connection, accepted at `accepted`, until it closes, fails, idles
+    /// out, is closed for a new client (see [`Connections`]) or the server shuts down.
     async fn connection(
         self: Arc<Self>,
         mut client: Io,
         peer: Option<SocketAddr>,
         shutdown: ShutdownWatch,
+        accepted: Instant,
     ) {
+        // Its first request's head is due within `request_head_timeout` of the accept (a
+        // connection that sends nothing holds its place no longer); each later one may
+        // come after an idle `keepalive_timeout`, during which the connection may be
+        // closed for a new client.
+        let mut wait = Wait::First(accepted);
+        let mut evict = None; // made when it first goes idle
         loop {
             // Boxed, as is serving it: reading and checking a request is ~2 KiB of state
             // needed until it is served, and inline every open stream would keep its room.
-            let next = Box::pin(self.next_request(&mut client, peer, &shutdown)).await;
+            let next = Box::pin(self.next_request(&mut client, peer, &shutdown, wait)).await;
+            wait = Wait::Idle(evict.get_or_insert_with(|| Arc::new(Notify::new())));
             let incoming = match next {
                 Next::Serve(incoming) => incoming,
                 Next::Upgrade(read) => {
@@ -94,10 +102,13 @@ impl Front {
         client: &mut Io,
         peer: Option<SocketAddr>,
         shutdown: &ShutdownWatch,
+        wait: Wait<'_>,
     ) -> Next {
         // Per request: a reload changes the limits of the requests that follow.
         let limits = self.tap.live.load().config.limits;
-        let (after_head, req) = match read_head(client, shutdown, &limits).await {
+        let connections = &self.tap.transport.connections;
+        let read = read_head(client, shutdown, &limits, wait, connections).await;
+        let (after_head, req) = match read {
             Ok(Some(head)) => head,
             Ok(None) => return Next::Closed,
             Err(e) => return Next::Refuse(e, limits),
@@ -156,7 +167,8 @@ impl Front {
     async fn hand_over(&self, client: Io, read: BytesMut, shutdown: &ShutdownWatch) -> Option<Io> {
         let limits = self.tap.live.load().config.limits;
         let mut session = ServerSession::new_http1(client.into_pingora());
-        session.set_keepalive((!*shutdown.borrow()).then_some(KEEPALIVE.as_secs()));
+        let keepalive = limits.keepalive_timeout.as_secs();
+        session.set_keepalive((!*shutdown.borrow()).then_some(keepalive));
         session.set_write_timeout(Some(limits.client_write_timeout));
         session.set_pipelined_prefix(read);
         let reused = self.proxy.process_new_http(session, shutdown).await?;
@@ -181,38 +193,69 @@ async fn refuse(mut client: Io, e: ClientError, limits: &Limits) {
     linger(client).await;
 }
 
+/// What a connection waits for its next request in.
+#[derive(Clone, Copy)]
+enum Wait<'a> {
+    /// Its first request, since the connection was accepted then.
+    First(Instant),
+    /// A later one, idle; the connection is closed when this is notified.
+    Idle(&'a Arc<Notify>),
+}
+
 /// Reads a request head: the bytes read after it (body bytes, or a pipelined request), and
-/// the head. `Ok(None)` when the connection closed, failed or idled out
-/// before a head began, or the server is shutting down. Once its first byte is in, the whole
-/// head must arrive within `request_head_timeout` and fit `max_request_head_bytes`.
+/// the head. `Ok(None)` when the connection closed, failed or idled out before a head began
+/// (a first head within `request_head_timeout` of the accept, a later one within
+/// `keepalive_timeout`), was closed for a new client while idle, or the server is shutting
+/// down. Once its first byte is in, the whole head must arrive within
+/// `request_head_timeout` (of the accept, for the first) and fit `max_request_head_bytes`.
 async fn read_head(
     client: &mut Io,
     shutdown: &ShutdownWatch,
     limits: &Limits,
+    wait: Wait<'_>,
+    connections: &Connections,
 ) -> Result<Option<(BytesMut, RequestHead)>, ClientError> {
     let max = limits.max_request_head_bytes;
     let mut read = BytesMut::new();
     let mut stop = shutdown.clone();
-    let mut deadline = None;
+    let (mut deadline, mut idle) = match wait {
+        Wait::First(accepted) => (accepted + limits.request_head_timeout, None),
+        Wait::Idle(evict) => (
+            Instant::now() + limits.keepalive_timeout,
+            Some(connections.idle(evict)),
+        ),
+    };
     loop {
         if *stop.borrow_and_update() {
             return Ok(None);
         }
-        let wait = deadline.map_or(KEEPALIVE, |d: Instant| {
-            d.saturating_duration_since(Instant::now())
-        });
         let before = read.len();
+        let evicted = async {
+            match &idle {
+                Some(idle) => idle.evicted().await,
+                None => std::future::pending().await,
+            }
+        };
         let more = tokio::select! {
             biased;
-            more = tokio::time::timeout(wait, read_more_upto(client, &mut read, max)) => more,
+            more = tokio::time::timeout_at(deadline, read_more_upto(client, &mut read, max)) => more,
             _ = stop.changed() => return Ok(None),
+            _ = evicted => return Ok(None),
         };
         match more {
-            Err(_) if deadline.is_some() => return Err(ClientError::HeadTimeout),
-            Ok(Ok(0)) | Ok(Err(_)) | Err(_) => return Ok(None),
+            // A connection that sent nothing is closed without an answer.
+            Err(_) if read.is_empty() => return Ok(None),
+            Err(_) => return Err(ClientError::HeadTimeout),
+            Ok(Ok(0)) | Ok(Err(_)) => return Ok(None),
             Ok(Ok(_)) => {}
         }
-        deadline.get_or_insert_with(|| Instant::now() + limits.request_head_timeout);
+        if let Some(idle) = idle.take() {
+            // Busy again, unless it was closed for a new client as its bytes came.
+            if !idle.leave() {
+                return Ok(None);
+            }
+            deadline = Instant::now() + limits.request_head_timeout;
+        }
         // A head can only end at a line feed: a head trickled a byte at a time is not parsed
         // again for every byte.
         if memchr::memchr(b'\n', &read[before..]).is_none() {
@@ -248,10 +291,17 @@ async fn linger(mut client: Io) {
     let _ = tokio::time::timeout(LINGER, drain).await;
 }
 
-/// Open client connections, against `server.max_connections`.
+/// Open client connections, against `server.max_connections`. At the limit, a new client
+/// takes the place of the connection that has been idle longest between requests (a
+/// keep-alive connection, which is closed); only when none is idle is it refused. Idle
+/// connections are kept in the order they went idle, so the longest-idle is the first.
 pub struct Connections {
     open: AtomicUsize,
     refused: AtomicU64,
+    evicted: AtomicU64,
+    /// The connections idle between requests, by when they went idle: what closes each.
+    idle: Mutex<BTreeMap<u64, Arc<Notify>>>,
+    next_idle: AtomicU64,
     max: usize,
     /// The second of the last log line about refused connections (since `start`).
     logged: AtomicU64,
@@ -267,11 +317,42 @@ impl Drop for Open {
     }
 }
 
+/// A connection's place among the idle ones, while it waits for its next request; left
+/// when dropped.
+struct Idle<'a> {
+    connections: &'a Connections,
+    key: u64,
+    evict: &'a Notify,
+}
+
+impl Idle<'_> {
+    /// Resolves when the connection is closed for a new client.
+    async fn evicted(&self) {
+        self.evict.notified().await;
+    }
+
+    /// Busy again: false when it was closed for a new client first.
+    fn leave(self) -> bool {
+        let here = self.connections.idle_map().remove(&self.key).is_some();
+        std::mem::forget(self);
+        here
+    }
+}
+
+impl Drop for Idle<'_> {
+    fn drop(&mut self) {
+        self.connections.idle_map().remove(&self.key);
+    }
+}
+
 impl Connections {
     pub fn new(max: usize) -> Self {
         Connections {
             open: AtomicUsize::new(0),
             refused: AtomicU64::new(0),
+            evicted: AtomicU64::new(0),
+            idle: Mutex::new(BTreeMap::new()),
+            next_idle: AtomicU64::new(0),
             max,
             logged: AtomicU64::new(u64::MAX),
             start: std::time::Instant::now(),
@@ -293,10 +374,48 @@ impl Connections {
         self.refused.load(Relaxed)
     }
 
-    /// Counts a new connection in, or refuses it.
+    /// Idle keep-alive connections closed to make room for a new client.
+    pub fn evicted(&self) -> u64 {
+        self.evicted.load(Relaxed)
+    }
+
+    /// Connections idle between requests now.
+    pub fn idle_now(&self) -> usize {
+        self.idle_map().len()
+    }
+
+    fn idle_map(&self) -> std::sync::MutexGuard<'_, BTreeMap<u64, Arc<Notify>>> {
+        self.idle.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// A connection goes idle; `evict` is notified should it be closed for a new client.
+    fn idle<'a>(&'a self, evict: &'a Arc<Notify>) -> Idle<'a> {
+        let key = self.next_idle.fetch_add(1, Relaxed);
+        self.idle_map().insert(key, Arc::clone(evict));
+        Idle {
+            connections: self,
+            key,
+            evict,
+        }
+    }
+
+    /// Closes the connection idle longest; false when none is idle.
+    fn evict_longest_idle(&self) -> bool {
+        let Some((_, evict)) = self.idle_map().pop_first() else {
+            return false;
+        };
+        // A permit is kept if it is not waiting yet: it closes as soon as it looks.
+        evict.notify_one();
+        self.evicted.fetch_add(1, Relaxed);
+        true
+    }
+
+    /// Counts a new connection in, in the place of the longest-idle one at the limit, or
+    /// refuses it. (The idle one closes a moment later: the count is over `max` by the
+    /// connections closing so.)
     fn admit(transport: &Arc<Transport>) -> Option<Open> {
         let c = &transport.connections;
-        if c.open.fetch_add(1, Relaxed) >= c.max {
+        if c.open.fetch_add(1, Relaxed) >= c.max && !c.evict_longest_idle() {
             c.open.fetch_sub(1, Relaxed);
             let refused = c.refused.fetch_add(1, Relaxed) + 1;
             c.log_at_most_every_second(|| {
@@ -361,6 +480,7 @@ impl Service for FrontService {
             };
             match accepted {
                 Ok((tcp, peer)) => {
+                    let accepted = Instant::now();
                     // Over the limit: closed at once (dropped), counted and logged.
                     let Some(open) = Connections::admit(&front.tap.transport) else {
                         continue;
@@ -378,7 +498,9 @@ impl Service for FrontService {
                             Some(Io::Tcp(tcp))
                         };
                         if let Some(client) = client {
-                            front.connection(client, Some(peer), shutdown).await;
+                            front
+                                .connection(client, Some(peer), shutdown, accepted)
+                                .await;
                         }
                         drop(open);
                     });

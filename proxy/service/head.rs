@@ -9,15 +9,13 @@
 //! order they came in (pingora's map moved the last field into a removed one's place). A
 //! field tokentap sets ([`Fields::write`]) takes the place of the first field of that name,
 //! the others of that name dropped, as pingora's `insert_header` did; a field the head did
-//! not have comes last. A request target other than origin-form goes through pingora's own
-//! target parser, so every form reads as it did.
+//! not have comes last. A request target in absolute-form goes upstream in origin-form.
 
 use std::mem::MaybeUninit;
 
 use bytes::{BufMut, Bytes, BytesMut};
 use http::uri::PathAndQuery;
 use http::{Method, StatusCode, Uri};
-use pingora::http::RequestHeader;
 
 use super::h1::{self, Framing, Head, HOP_BY_HOP, MAX_HEADERS};
 
@@ -239,8 +237,28 @@ impl ResponseHead {
 
     /// Keeps a copy of the head's bytes, the `len` that [`parse`](Self::parse) found at the
     /// start of `buf`: a head read in the thread's scratch buffer.
+    /// A field value folded over lines (obs-fold, which the parse allows from upstreams
+    /// as pingora's client does) has each fold's CR and LF replaced by spaces (RFC 9112
+    /// §5.2), so the client gets one line: a fold can neither reach it nor start a field of
+    /// its own there.
     pub(super) fn copy(&mut self, buf: &[u8], len: usize) {
-        self.fields.bytes = Bytes::copy_from_slice(&buf[..len]);
+        let head = &buf[..len];
+        // A line that starts with a space or tab is a fold: there is none in most heads.
+        let folded =
+            memchr::memchr_iter(b'\n', head).any(|i| matches!(head.get(i + 1), Some(b' ' | b'\t')));
+        if !folded {
+            self.fields.bytes = Bytes::copy_from_slice(head);
+            return;
+        }
+        let mut bytes = head.to_vec();
+        for f in &self.fields.list {
+            for b in &mut bytes[range(f.value)] {
+                if matches!(*b, b'\r' | b'\n') {
+                    *b = b' ';
+                }
+            }
+        }
+        self.fields.bytes = Bytes::from(bytes);
     }
 
     /// How the body ends, or `None` when that cannot be trusted (a transfer coding other
@@ -340,32 +358,60 @@ impl RequestHead {
 
     /// Takes the head's bytes, the `len` that [`parse`](Self::parse) found at the start of
     /// the buffer it parsed (the buffer keeps what follows), and reads its target: false
-    /// when that is not a URI.
+    /// when it is in none of the forms a proxy takes (RFC 9112 §3.2).
     pub(super) fn own(&mut self, buf: &mut BytesMut, len: usize) -> bool {
         let bytes = buf.split_to(len).freeze();
         let (at, n) = self.target_at;
         let raw = bytes.slice(at as usize..(at + n) as usize);
         self.fields.bytes = bytes;
-        if raw.starts_with(b"/") && !raw.contains(&b'#') {
-            // Origin-form, the usual one: read in place, as pingora reads it
-            // (`Uri::builder().path_and_query(target)`).
-            let Ok(path) = PathAndQuery::from_maybe_shared(raw.clone()) else {
-                return false;
-            };
-            self.uri = Uri::from(path);
-            self.target = raw;
-            return true;
-        }
-        // The other forms (absolute, asterisk; a fragment to drop) exactly as pingora reads
-        // them.
-        match RequestHeader::build_no_case(self.method.clone(), &raw, Some(0)) {
-            Ok(req) => {
-                self.target = Bytes::copy_from_slice(req.raw_path());
-                self.uri = req.uri.clone();
+        match self.origin_form(raw) {
+            Some((target, path)) => {
+                self.uri = Uri::from(path);
+                self.target = target;
                 true
             }
-            Err(_) => false,
+            None => false,
         }
+    }
+
+    /// The target in origin-form as the upstream gets it, and its path, from any form a
+    /// reverse proxy takes: origin-form (`/v1/x?q`, the usual one, read in place);
+    /// absolute-form (`http://host/v1/x`), whose authority the client chose and which the
+    /// upstream must never see (its path and query go on, as nginx sends them);
+    /// asterisk-form (`*`) for `OPTIONS` only. A fragment is dropped. Authority-form is
+    /// CONNECT's, which the checks refuse; anything else (`v1/x`, `x:y/z`) is no target.
+    fn origin_form(&self, raw: Bytes) -> Option<(Bytes, PathAndQuery)> {
+        if raw.starts_with(b"/") {
+            let fragment = raw.contains(&b'#');
+            let path = PathAndQuery::from_maybe_shared(raw.clone()).ok()?;
+            // The parser stops at `#`: the target is what it kept.
+            let target = match fragment {
+                false => raw,
+                true => Bytes::copy_from_slice(path.as_str().as_bytes()),
+            };
+            return Some((target, path));
+        }
+        if self.method == Method::CONNECT {
+            // Authority-form, CONNECT's alone: read, to be refused as CONNECT.
+            return Some((raw, PathAndQuery::from_static("/")));
+        }
+        if &raw[..] == b"*" {
+            return (self.method == Method::OPTIONS).then(|| (raw, PathAndQuery::from_static("*")));
+        }
+        let uri = Uri::from_maybe_shared(raw).ok()?;
+        let web = uri
+            .scheme_str()
+            .is_some_and(|s| s.eq_ignore_ascii_case("http") || s.eq_ignore_ascii_case("https"));
+        if !web || uri.authority().is_none_or(|a| a.host().is_empty()) {
+            return None;
+        }
+        let path = match uri.path_and_query() {
+            Some(p) if p.as_str().starts_with('/') => p.clone(),
+            // `http://host` and `http://host?q`: the path is `/` (RFC 9112 §3.2.1).
+            Some(p) => PathAndQuery::from_maybe_shared(format!("/{}", p.as_str())).ok()?,
+            None => PathAndQuery::from_static("/"),
+        };
+        Some((Bytes::copy_from_slice(path.as_str().as_bytes()), path))
     }
 
     /// The target as the upstream gets it.
@@ -573,16 +619,59 @@ mod tests {
         assert!(matches!(read(b"GET /\x01 HTTP/1.1\r\n\r\n"), Head::Invalid));
         assert!(matches!(read(b"GET /a<b HTTP/1.1\r\n\r\n"), Head::Invalid));
         assert!(matches!(read(b"GET /a HTTP/1.1\r\nHost"), Head::Partial));
-        // The other forms as pingora reads them: a fragment dropped, an absolute target's
-        // path.
-        let Head::Complete(frag, _) = read(b"GET /a?b#c HTTP/1.1\r\n\r\n") else {
-            panic!("a fragment refused")
-        };
-        assert_eq!((frag.raw_path(), frag.uri.path()), (&b"/a?b"[..], "/a"));
-        let Head::Complete(abs, _) = read(b"GET http://h/v1/x?y HTTP/1.1\r\n\r\n") else {
-            panic!("absolute-form refused")
-        };
-        assert_eq!(abs.uri.path(), "/v1/x");
-        assert_eq!(abs.raw_path(), b"http://h/v1/x?y");
+    }
+
+    /// Every form of request-target (RFC 9112 §3.2): what the upstream gets in the request
+    /// line and the path routing sees, or `None` for a head refused with 400.
+    #[test]
+    fn request_targets_go_upstream_in_origin_form() {
+        let cases: &[(&str, Option<(&str, &str)>)] = &[
+            ("GET /a?b", Some(("/a?b", "/a"))),
+            ("GET /a?b#c", Some(("/a?b", "/a"))),
+            ("GET /", Some(("/", "/"))),
+            // Absolute-form: the authority the client chose never reaches the upstream.
+            ("GET http://other.example/echo", Some(("/echo", "/echo"))),
+            ("POST http://h/v1/x?y", Some(("/v1/x?y", "/v1/x"))),
+            ("GET HTTPS://h:8443/v1/x#f", Some(("/v1/x", "/v1/x"))),
+            ("GET http://h", Some(("/", "/"))),
+            ("GET http://u:p@h/a", Some(("/a", "/a"))),
+            ("OPTIONS *", Some(("*", "*"))),
+            // Forms a proxy does not take.
+            ("GET *", None),
+            ("GET private/x", None),
+            ("GET echo", None),
+            ("GET x:y/private/z", None),
+            ("GET ftp://h/a", None),
+            ("GET h:80", None),
+            ("GET http:/a", None),
+            ("GET //h/a", Some(("//h/a", "//h/a"))),
+        ];
+        for (line, want) in cases {
+            let raw = format!("{line} HTTP/1.1\r\nHost: h\r\n\r\n");
+            let got = match RequestHead::read(&mut BytesMut::from(raw.as_bytes())) {
+                Head::Complete(req, _) => {
+                    Some((req.raw_path().to_vec(), req.uri.path().to_owned()))
+                }
+                Head::Invalid => None,
+                Head::Partial => panic!("{line}: partial"),
+            };
+            let want = want.map(|(t, p)| (t.as_bytes().to_vec(), p.to_owned()));
+            assert_eq!(got, want, "{line}");
+        }
+    }
+
+    /// An obs-fold in an upstream's field value reaches the client as spaces, on one line.
+    #[test]
+    fn a_folded_response_field_is_unfolded_with_spaces() {
+        let raw = b"HTTP/1.1 200 OK\r\nX-Fold: a\r\n Injected: yes\r\nX-Tab: b\r\n\tc\r\nContent-Length: 0\r\n\r\n";
+        let resp = head(raw);
+        let mut out = BytesMut::new();
+        resp.write(&mut out, &[]);
+        assert_eq!(
+            &out[..],
+            &b"HTTP/1.1 200 OK\r\nX-Fold: a   Injected: yes\r\nX-Tab: b  \tc\r\nContent-Length: 0\r\n\r\n"[..]
+        );
+        assert_eq!(resp.fields.get("x-fold"), Some(&b"a   Injected: yes"[..]));
+        assert!(resp.fields.get("injected").is_none());
     }
 }

@@ -1,10 +1,7 @@
 //! What is written about a request when it ends: its id (the client's `x-request-id`, or
 //! one tokentap makes), the failure line when it failed, and the access-log line.
 
-use std::io::Write as _;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::OnceLock;
 
 use crate::routing::Fields;
 use serde::Serialize;
@@ -18,8 +15,8 @@ pub const REQUEST_ID_HEADER: &str = "x-request-id";
 /// The longest client request id kept; a longer or odd one is replaced by tokentap's.
 const MAX_CLIENT_ID: usize = 128;
 
-/// A request's id: the client's `x-request-id`, or one tokentap made (`tt-<this process's
-/// random prefix>-<counter>`), as it goes on the wire.
+/// A request's id: the client's `x-request-id`, or one tokentap made (a random UUID, v4),
+/// as it goes on the wire.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct RequestId {
     id: Box<str>,
@@ -41,21 +38,10 @@ impl RequestId {
                     ours: false,
                 }
             }
-            _ => {
-                static NEXT: AtomicU64 = AtomicU64::new(0);
-                static PREFIX: OnceLock<u64> = OnceLock::new();
-                let prefix = PREFIX.get_or_init(rand::random);
-                let n = NEXT.fetch_add(1, Relaxed);
-                // Written on the stack and allocated once (format! grows a String as it goes).
-                let mut buf = [0u8; 36];
-                let mut w = &mut buf[..];
-                let _ = write!(w, "tt-{prefix:016x}-{n:x}");
-                let len = 36 - w.len();
-                RequestId {
-                    id: std::str::from_utf8(&buf[..len]).unwrap_or_default().into(),
-                    ours: true,
-                }
-            }
+            _ => RequestId {
+                id: new_id(),
+                ours: true,
+            },
         }
     }
 
@@ -68,6 +54,18 @@ impl RequestId {
     pub(crate) fn as_str(&self) -> &str {
         &self.id
     }
+}
+
+/// A new request id: a random (version 4) UUID, as Envoy makes for `x-request-id`, since
+/// servers that check the header (Starlette's `starlette-context`, under llama.cpp's Python
+/// server among others) refuse anything else. Its 122 random bits come from the thread's
+/// ChaCha generator, seeded from the OS once and reseeded every 64 KiB it gives: no system
+/// call per id, and two ids from any threads or starts are the same only by a chance of
+/// about 1 in 10^19 among a billion.
+fn new_id() -> Box<str> {
+    let uuid = uuid::Builder::from_random_bytes(rand::random()).into_uuid();
+    let mut text = [0u8; uuid::fmt::Hyphenated::LENGTH];
+    Box::from(&*uuid.hyphenated().encode_lower(&mut text))
 }
 
 /// What the access log needs of a request beyond its ctx, gathered only when it is on.
@@ -195,7 +193,34 @@ mod tests {
             RequestId::of(&HeaderMap::new()),
         );
         assert_ne!(a, b);
-        assert!(a.as_str().starts_with("tt-"));
+        assert!(a.is_ours() && b.is_ours());
+    }
+
+    /// The ids tokentap makes are version 4 UUIDs in their hyphenated lower-case form, and
+    /// none repeats across threads.
+    #[test]
+    fn our_ids_are_uuid_v4_and_unique_across_threads() {
+        const THREADS: usize = 4;
+        const EACH: usize = 50_000;
+        let ids: Vec<Vec<Box<str>>> = std::thread::scope(|s| {
+            let made: Vec<_> = (0..THREADS)
+                .map(|_| s.spawn(|| (0..EACH).map(|_| new_id()).collect::<Vec<_>>()))
+                .collect();
+            made.into_iter().map(|t| t.join().unwrap()).collect()
+        });
+        let mut seen = std::collections::HashSet::new();
+        for id in ids.iter().flatten() {
+            let uuid = uuid::Uuid::parse_str(id).unwrap();
+            assert_eq!(uuid.get_version(), Some(uuid::Version::Random), "{id}");
+            assert_eq!(uuid.get_variant(), uuid::Variant::RFC4122, "{id}");
+            assert_eq!(
+                uuid.hyphenated().to_string(),
+                &**id,
+                "lower case, hyphenated"
+            );
+            assert!(seen.insert(id.clone()), "{id} made twice");
+        }
+        assert_eq!(seen.len(), THREADS * EACH);
     }
 
     #[test]

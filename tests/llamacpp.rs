@@ -279,7 +279,9 @@ fn masked(event: &str) -> String {
 const MAX_TOKENS: u64 = 24;
 
 fn body(path: &str, stream: bool) -> String {
-    let common = format!(r#""model":"gemma","max_tokens":{MAX_TOKENS},"temperature":0,"seed":1,"stream":{stream}"#);
+    let common = format!(
+        r#""model":"gemma","max_tokens":{MAX_TOKENS},"temperature":0,"seed":1,"stream":{stream}"#
+    );
     if path.ends_with("/chat/completions") {
         format!(
             r#"{{{common},"messages":[{{"role":"user","content":"Count from one to twenty in words."}}]}}"#
@@ -367,7 +369,8 @@ async fn llama_cpp_s_server_behind_tokentap() {
     for path in ["/v1/completions", "/v1/chat/completions"] {
         let direct = raw(server.addr, path, &body(path, true), None).await;
         let through = raw(proxy, path, &body(path, true), None).await;
-        let events = |r: &Raw| -> Vec<String> { r.events().iter().map(|(_, e)| masked(e)).collect() };
+        let events =
+            |r: &Raw| -> Vec<String> { r.events().iter().map(|(_, e)| masked(e)).collect() };
         assert_eq!(events(&direct), events(&through), "{path}");
     }
 
@@ -392,7 +395,11 @@ async fn llama_cpp_s_server_behind_tokentap() {
                 .map(|(t, _)| t)
                 .collect();
             let n = times.len();
-            assert!(n >= 8, "{id}: {n} tokens: {}", String::from_utf8_lossy(&r.bytes()));
+            assert!(
+                n >= 8,
+                "{id}: {n} tokens: {}",
+                String::from_utf8_lossy(&r.bytes())
+            );
             let client = (times[n - 1] - times[0]).as_secs_f64() * 1e3 / (n - 1) as f64;
             let line = access_line(&access, &id).await;
             let ours = line["tpot_ms"].as_f64().unwrap();

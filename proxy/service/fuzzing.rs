@@ -14,6 +14,15 @@ pub fn request_head(data: &[u8]) {
             Head::Complete(again, l) => {
                 assert_eq!(l, len);
                 assert_eq!(again.raw_path(), req.raw_path());
+                // The upstream gets origin-form (asterisk-form for OPTIONS; CONNECT is
+                // refused by the checks below).
+                let target = req.raw_path();
+                assert!(
+                    target.starts_with(b"/")
+                        || (target == b"*" && req.method == http::Method::OPTIONS)
+                        || req.method == http::Method::CONNECT,
+                    "a target not in origin-form: {target:?}"
+                );
             }
             _ => panic!("a head not found again in its own bytes"),
         }
@@ -37,6 +46,10 @@ pub fn response_head(data: &[u8]) {
             .collect();
         let mut out = bytes::BytesMut::new();
         resp.write(&mut out, &[Some(("Date", b"now"))]);
+        let folded = out
+            .windows(2)
+            .any(|w| w[0] == b'\n' && matches!(w[1], b' ' | b'\t'));
+        assert!(!folded, "a folded line reached the client's head");
         match ResponseHead::parse(&out) {
             Head::Complete(mut again, l) => {
                 assert_eq!(l, out.len());

@@ -251,12 +251,17 @@ impl ResponseHead {
             return;
         }
         let mut bytes = head.to_vec();
-        for f in &self.fields.list {
-            for b in &mut bytes[range(f.value)] {
+        for f in &mut self.fields.list {
+            let value = &mut bytes[range(f.value)];
+            for b in value.iter_mut() {
                 if matches!(*b, b'\r' | b'\n') {
                     *b = b' ';
                 }
             }
+            // A fold at the value's end leaves spaces there, which a field's value never
+            // ends with.
+            let trimmed = value.trim_ascii_end().len();
+            f.value.1 = trimmed as u32;
         }
         self.fields.bytes = Bytes::from(bytes);
     }
@@ -673,5 +678,14 @@ mod tests {
         );
         assert_eq!(resp.fields.get("x-fold"), Some(&b"a   Injected: yes"[..]));
         assert!(resp.fields.get("injected").is_none());
+        // A fold at a value's end: written and read back alike.
+        let raw = b"HTTP/1.1 200 OK\r\nX-End: z\r\n \r\nX-Next: 1\r\n\r\n";
+        let resp = head(raw);
+        let mut out = BytesMut::new();
+        resp.write(&mut out, &[]);
+        assert_eq!(
+            &out[..],
+            &b"HTTP/1.1 200 OK\r\nX-End: z\r\nX-Next: 1\r\n\r\n"[..]
+        );
     }
 }

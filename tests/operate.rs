@@ -240,7 +240,8 @@ async fn failures_explain_themselves_to_the_client_and_in_one_log_line() {
     let (code, _) = error_of(&r);
     assert_eq!(code, "upstream_timeout");
     let id = r.headers["x-request-id"].to_str().unwrap().to_owned();
-    assert!(id.starts_with("tt-"), "{id}");
+    let uuid = uuid::Uuid::parse_str(&id).unwrap();
+    assert_eq!(uuid.get_version(), Some(uuid::Version::Random), "{id}");
     let line = tap.log_line(&[&id, "read_timeout"], Duration::from_secs(5));
     assert!(line.contains("slow"), "{line}");
 

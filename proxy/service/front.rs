@@ -25,11 +25,13 @@ use tokio::net::{TcpListener, TcpSocket};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use super::conn::Io;
-use super::direct::{discard, read_more_upto, After, Incoming};
-use super::h1::Head;
-use super::head::RequestHead;
-use super::request::{self, ClientError};
+use super::exchange::{After, Incoming};
+use super::http1::answer;
+use super::http1::conn::Io;
+use super::http1::head::RequestHead;
+use super::http1::io::{discard, read_more_upto};
+use super::http1::request::{self, ClientError};
+use super::http1::Head;
 use super::TokenTap;
 use super::Transport;
 use crate::config::Limits;
@@ -189,7 +191,7 @@ enum Next {
 
 /// Answers a client's mistake and closes.
 async fn refuse(mut client: Io, e: ClientError, limits: &Limits) {
-    let _ = request::refuse(&mut client, e, limits.client_write_timeout).await;
+    let _ = answer::refuse(&mut client, e, limits.client_write_timeout).await;
     linger(client).await;
 }
 

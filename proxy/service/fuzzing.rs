@@ -1,9 +1,9 @@
 //! Invariants of the HTTP/1 parsers, for the fuzz targets in `fuzz/` (feature `fuzzing`):
 //! each function panics where an invariant breaks.
 
-use super::h1::{Chunked, Head};
-use super::head::{RequestHead, ResponseHead};
-use super::request;
+use super::http1::body::Chunked;
+use super::http1::head::{RequestHead, ResponseHead};
+use super::http1::{request, Head};
 
 /// A request head: parsing never panics, a head found is found again in exactly its own
 /// bytes, and its checks never panic.

@@ -1,79 +1,13 @@
-//! HTTP/1.1 on the wire for the direct path: request and response heads parsed with
-//! httparse into pingora's header types (names keep their case, as pingora keeps them), the
-//! response head written as pingora's server session writes it, and a chunked-body decoder
-//! that finds the payload and the body's end in place, so the body itself is forwarded as
-//! it came.
+//! Body framing: how a body ends ([`BodyFraming`], from its head), a chunked decoder
+//! that finds the payload runs and the body's end in place (so a chunked body is forwarded
+//! as it came), and the chunks tokentap frames itself.
 
 use bytes::{BufMut, BytesMut};
 use std::ops::Range;
 
-/// The largest response head read (pingora's limit).
-pub(super) const MAX_RESPONSE_HEAD: usize = 1024 * 1024;
-/// The most header fields parsed (pingora's limit).
-pub(super) const MAX_HEADERS: usize = 256;
-
-/// What a buffer holds so far.
-pub(super) enum Head<T> {
-    /// A whole head, and its length in bytes.
-    Complete(T, usize),
-    /// Not yet a whole head.
-    Partial,
-    /// Not a head tokentap reads itself (malformed, too many fields, an odd version).
-    Invalid,
-}
-
-/// The `Content-Length`, when it is well formed: one number, or the same number repeated
-/// (in several fields or a list, RFC 9110 §8.6).
-pub(super) fn content_length<'a>(values: impl IntoIterator<Item = &'a [u8]>) -> Option<u64> {
-    let mut length = None;
-    for value in values {
-        for digits in value.split(|&b| b == b',') {
-            let digits = digits.trim_ascii();
-            if digits.is_empty() || digits.len() > 18 || !digits.iter().all(u8::is_ascii_digit) {
-                return None;
-            }
-            let n: u64 = std::str::from_utf8(digits).ok()?.parse().ok()?;
-            if length.is_some_and(|l| l != n) {
-                return None;
-            }
-            length = Some(n);
-        }
-    }
-    length
-}
-
-/// Whether `Transfer-Encoding` names `chunked` once and nothing else: no other coding under
-/// the framing.
-pub(super) fn only_chunked<'a>(values: impl IntoIterator<Item = &'a [u8]>) -> bool {
-    let mut codings = values
-        .into_iter()
-        .flat_map(|v| v.split(|&b| b == b','))
-        .map(<[u8]>::trim_ascii)
-        .filter(|t| !t.is_empty());
-    codings
-        .next()
-        .is_some_and(|t| t.eq_ignore_ascii_case(b"chunked"))
-        && codings.next().is_none()
-}
-
-/// Hop-by-hop fields (RFC 9110 §7.6.1, and the obsolete ones proxies still meet): never
-/// forwarded, in either direction, with the fields `Connection` names.
-pub(super) const HOP_BY_HOP: [&str; 10] = [
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-    "http2-settings",
-];
-
 /// How a response body ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Framing {
+pub(crate) enum BodyFraming {
     /// No body (204, 304).
     Empty,
     /// `Content-Length`: this many bytes left.
@@ -86,7 +20,7 @@ pub(super) enum Framing {
 
 /// A malformed chunked body.
 #[derive(Debug, PartialEq, Eq)]
-pub(super) struct BadChunk;
+pub(crate) struct BadChunk;
 
 /// Decodes a chunked body incrementally, finding its payload and where it ends without
 /// copying (RFC 9112 §7.1). Chunk extensions and trailer fields are skipped.
@@ -97,7 +31,7 @@ pub(super) struct BadChunk;
 /// else than tokentap does (a bare LF in an extension is the classic smuggling
 /// differential).
 #[derive(Debug, Default, Clone)]
-pub(super) struct Chunked {
+pub(crate) struct Chunked {
     state: ChunkState,
     /// Bytes left in the current chunk, or the size being read.
     size: u64,
@@ -140,7 +74,7 @@ fn line_byte(b: u8) -> bool {
 
 impl Chunked {
     /// A decoder for a request body: no bare CR or LF, no control bytes in its lines.
-    pub(super) fn strict() -> Chunked {
+    pub(crate) fn strict() -> Chunked {
         Chunked {
             strict: true,
             ..Chunked::default()
@@ -149,7 +83,7 @@ impl Chunked {
 
     /// Feeds `input`, calling `payload` with each run of payload bytes. Returns how many
     /// bytes of `input` belong to the body: all of them, unless the body ended inside it.
-    pub(super) fn feed(
+    pub(crate) fn feed(
         &mut self,
         input: &[u8],
         mut payload: impl FnMut(&[u8]),
@@ -158,7 +92,7 @@ impl Chunked {
     }
 
     /// As [`Self::feed`], giving each run of payload bytes as its range in `input`.
-    pub(super) fn feed_ranges(
+    pub(crate) fn feed_ranges(
         &mut self,
         input: &[u8],
         mut payload: impl FnMut(Range<usize>),
@@ -273,13 +207,13 @@ impl Chunked {
     }
 
     /// Whether the last chunk and the trailer section were read.
-    pub(super) fn done(&self) -> bool {
+    pub(crate) fn done(&self) -> bool {
         self.state == ChunkState::Done
     }
 }
 
 /// Appends `data` as one chunk.
-pub(super) fn put_chunk(out: &mut BytesMut, data: &[u8]) {
+pub(crate) fn put_chunk(out: &mut BytesMut, data: &[u8]) {
     if data.is_empty() {
         return;
     }
@@ -289,7 +223,7 @@ pub(super) fn put_chunk(out: &mut BytesMut, data: &[u8]) {
 }
 
 /// The last chunk of a body tokentap frames itself.
-pub(super) const LAST_CHUNK: &[u8] = b"0\r\n\r\n";
+pub(crate) const LAST_CHUNK: &[u8] = b"0\r\n\r\n";
 
 #[cfg(test)]
 mod tests {

@@ -17,7 +17,8 @@ use bytes::{BufMut, Bytes, BytesMut};
 use http::uri::PathAndQuery;
 use http::{Method, StatusCode, Uri};
 
-use super::h1::{self, Framing, Head, HOP_BY_HOP, MAX_HEADERS};
+use super::body::BodyFraming;
+use super::{content_length, only_chunked, Head, HOP_BY_HOP, MAX_HEADERS};
 
 /// One field of a head: where its name and value are in the head's bytes.
 #[derive(Clone, Copy)]
@@ -29,33 +30,33 @@ struct Field {
 }
 
 /// A head's fields, found by offset in its bytes.
-pub(super) struct Fields {
+pub(crate) struct Fields {
     bytes: Bytes,
     list: Vec<Field>,
 }
 
 /// A response head read from the upstream.
-pub(super) struct ResponseHead {
-    pub(super) status: StatusCode,
+pub(crate) struct ResponseHead {
+    pub(crate) status: StatusCode,
     /// HTTP/1.1 (else 1.0).
-    pub(super) http11: bool,
+    pub(crate) http11: bool,
     /// The reason phrase when it is not the status's canonical one.
     reason: Option<Box<str>>,
-    pub(super) fields: Fields,
+    pub(crate) fields: Fields,
 }
 
 /// A request head read from the client.
-pub(super) struct RequestHead {
-    pub(super) method: Method,
+pub(crate) struct RequestHead {
+    pub(crate) method: Method,
     /// The target as the upstream gets it (without a fragment); until the head owns its
     /// bytes, where the target is in them.
     target: Bytes,
     target_at: (u32, u32),
     /// The target parsed, for its path.
-    pub(super) uri: Uri,
+    pub(crate) uri: Uri,
     /// HTTP/1.1 (else 1.0).
-    pub(super) http11: bool,
-    pub(super) fields: Fields,
+    pub(crate) http11: bool,
+    pub(crate) fields: Fields,
 }
 
 // === impl Fields ===
@@ -84,7 +85,7 @@ impl Fields {
     }
 
     /// The fields present (not removed), name and value.
-    pub(super) fn iter(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
         self.list
             .iter()
             .filter(|f| !f.removed)
@@ -92,32 +93,32 @@ impl Fields {
     }
 
     /// The values of the fields named `name` (case-insensitive).
-    pub(super) fn get_all<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a [u8]> + 'a {
+    pub(crate) fn get_all<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a [u8]> + 'a {
         self.iter()
             .filter(move |(n, _)| n.eq_ignore_ascii_case(name.as_bytes()))
             .map(|(_, v)| v)
     }
 
     /// The first value of the field named `name`.
-    pub(super) fn get(&self, name: &str) -> Option<&[u8]> {
+    pub(crate) fn get(&self, name: &str) -> Option<&[u8]> {
         self.iter()
             .find(|(n, _)| n.eq_ignore_ascii_case(name.as_bytes()))
             .map(|(_, v)| v)
     }
 
-    pub(super) fn contains(&self, name: &str) -> bool {
+    pub(crate) fn contains(&self, name: &str) -> bool {
         self.get(name).is_some()
     }
 
     /// Whether a comma-separated field holds `token` (case-insensitive).
-    pub(super) fn has_token(&self, name: &str, token: &str) -> bool {
+    pub(crate) fn has_token(&self, name: &str, token: &str) -> bool {
         self.get_all(name)
             .flat_map(|v| v.split(|&b| b == b','))
             .any(|t| t.trim_ascii().eq_ignore_ascii_case(token.as_bytes()))
     }
 
     /// Removes every field named `name`.
-    pub(super) fn remove(&mut self, name: &str) {
+    pub(crate) fn remove(&mut self, name: &str) {
         let Self { bytes, list } = self;
         for f in list.iter_mut() {
             if bytes[range(f.name)].eq_ignore_ascii_case(name.as_bytes()) {
@@ -128,7 +129,7 @@ impl Fields {
 
     /// Removes the hop-by-hop fields (RFC 9110 §7.6.1, and those `Connection` names) but
     /// `keep`.
-    pub(super) fn remove_hop_by_hop(&mut self, keep: &str) {
+    pub(crate) fn remove_hop_by_hop(&mut self, keep: &str) {
         let Self { bytes, list } = self;
         let kept = |name: &[u8]| name.eq_ignore_ascii_case(keep.as_bytes());
         for f in list.iter_mut() {
@@ -193,18 +194,12 @@ impl Fields {
     }
 }
 
-impl crate::routing::Fields for Fields {
-    fn first(&self, name: &str) -> Option<&[u8]> {
-        self.get(name)
-    }
-}
-
 // === impl ResponseHead ===
 
 impl ResponseHead {
     /// Parses a response head at the start of `buf`, as leniently as pingora's client reads
     /// what upstreams send. A head found is not usable until it [keeps](Self::copy) its bytes.
-    pub(super) fn parse(buf: &[u8]) -> Head<ResponseHead> {
+    pub(crate) fn parse(buf: &[u8]) -> Head<ResponseHead> {
         let mut fields = [const { MaybeUninit::uninit() }; MAX_HEADERS];
         let mut resp = httparse::Response::new(&mut []);
         let mut parser = httparse::ParserConfig::default();
@@ -241,7 +236,7 @@ impl ResponseHead {
     /// as pingora's client does) has each fold's CR and LF replaced by spaces (RFC 9112
     /// §5.2), so the client gets one line: a fold can neither reach it nor start a field of
     /// its own there.
-    pub(super) fn copy(&mut self, buf: &[u8], len: usize) {
+    pub(crate) fn copy(&mut self, buf: &[u8], len: usize) {
         let head = &buf[..len];
         // A line that starts with a space or tab is a fold: there is none in most heads.
         let folded =
@@ -268,10 +263,10 @@ impl ResponseHead {
 
     /// How the body ends, or `None` when that cannot be trusted (a transfer coding other
     /// than chunked last, or a bad `Content-Length`); RFC 9112 §6.3.
-    pub(super) fn framing(&self) -> Option<Framing> {
+    pub(crate) fn framing(&self) -> Option<BodyFraming> {
         let status = self.status.as_u16();
         if status == 204 || status == 304 {
-            return Some(Framing::Empty);
+            return Some(BodyFraming::Empty);
         }
         let h = &self.fields;
         if h.contains("transfer-encoding") {
@@ -282,24 +277,24 @@ impl ResponseHead {
                 .filter(|t| !t.is_empty())
                 .last();
             return match last {
-                Some(t) if t.eq_ignore_ascii_case(b"chunked") => Some(Framing::Chunked),
+                Some(t) if t.eq_ignore_ascii_case(b"chunked") => Some(BodyFraming::Chunked),
                 _ => None,
             };
         }
         if h.contains("content-length") {
-            return h1::content_length(h.get_all("content-length")).map(Framing::Length);
+            return content_length(h.get_all("content-length")).map(BodyFraming::Length);
         }
-        Some(Framing::UntilClose)
+        Some(BodyFraming::UntilClose)
     }
 
     /// Whether `Transfer-Encoding` names `chunked` once and nothing else.
-    pub(super) fn only_chunked(&self) -> bool {
-        h1::only_chunked(self.fields.get_all("transfer-encoding"))
+    pub(crate) fn only_chunked(&self) -> bool {
+        only_chunked(self.fields.get_all("transfer-encoding"))
     }
 
     /// Appends the head as the client gets it: HTTP/1.1, the upstream's fields but those
     /// removed, and the fields in `set` (see [`Fields::write`]).
-    pub(super) fn write(&self, out: &mut BytesMut, set: &[Option<(&str, &[u8])>]) {
+    pub(crate) fn write(&self, out: &mut BytesMut, set: &[Option<(&str, &[u8])>]) {
         out.put_slice(b"HTTP/1.1 ");
         out.put_slice(self.status.as_str().as_bytes());
         out.put_u8(b' ');
@@ -317,7 +312,7 @@ impl ResponseHead {
 impl RequestHead {
     /// Parses a request head (HTTP/1.0 or 1.1) at the start of `buf`, strictly. A head found
     /// is not usable until it [owns](Self::own) its bytes.
-    pub(super) fn parse(buf: &[u8]) -> Head<RequestHead> {
+    pub(crate) fn parse(buf: &[u8]) -> Head<RequestHead> {
         let mut fields = [const { MaybeUninit::uninit() }; MAX_HEADERS];
         let mut req = httparse::Request::new(&mut []);
         let len = match req.parse_with_uninit_headers(buf, &mut fields) {
@@ -350,7 +345,7 @@ impl RequestHead {
     /// A whole head at the start of `buf`, parsed and taken from it (`buf` keeps what
     /// follows); invalid also when its target is not a URI.
     #[cfg(any(test, feature = "fuzzing"))]
-    pub(super) fn read(buf: &mut BytesMut) -> Head<RequestHead> {
+    pub(crate) fn read(buf: &mut BytesMut) -> Head<RequestHead> {
         match RequestHead::parse(buf) {
             Head::Complete(mut head, len) => match head.own(buf, len) {
                 true => Head::Complete(head, len),
@@ -364,7 +359,7 @@ impl RequestHead {
     /// Takes the head's bytes, the `len` that [`parse`](Self::parse) found at the start of
     /// the buffer it parsed (the buffer keeps what follows), and reads its target: false
     /// when it is in none of the forms a proxy takes (RFC 9112 §3.2).
-    pub(super) fn own(&mut self, buf: &mut BytesMut, len: usize) -> bool {
+    pub(crate) fn own(&mut self, buf: &mut BytesMut, len: usize) -> bool {
         let bytes = buf.split_to(len).freeze();
         let (at, n) = self.target_at;
         let raw = bytes.slice(at as usize..(at + n) as usize);
@@ -421,18 +416,18 @@ impl RequestHead {
 
     /// The target as the upstream gets it.
     #[cfg(any(test, feature = "fuzzing"))]
-    pub(super) fn raw_path(&self) -> &[u8] {
+    pub(crate) fn raw_path(&self) -> &[u8] {
         &self.target
     }
 
     /// The head's bytes as they came (an upgrade hands them to pingora-proxy).
-    pub(super) fn bytes(&self) -> &Bytes {
+    pub(crate) fn bytes(&self) -> &Bytes {
         &self.fields.bytes
     }
 
     /// Appends the request line and head as the upstream gets them: HTTP/1.1, the client's
     /// fields but those removed, and the fields in `set` (see [`Fields::write`]).
-    pub(super) fn write(&self, out: &mut BytesMut, set: &[Option<(&str, &[u8])>]) {
+    pub(crate) fn write(&self, out: &mut BytesMut, set: &[Option<(&str, &[u8])>]) {
         out.put_slice(self.method.as_str().as_bytes());
         out.put_u8(b' ');
         out.put_slice(&self.target);
@@ -476,31 +471,34 @@ mod tests {
     #[test]
     fn framing_follows_rfc_9112() {
         let f = |fields: &[(&str, &str)]| with(fields, 200).framing();
-        assert_eq!(f(&[]), Some(Framing::UntilClose));
-        assert_eq!(f(&[("content-length", "12")]), Some(Framing::Length(12)));
+        assert_eq!(f(&[]), Some(BodyFraming::UntilClose));
+        assert_eq!(
+            f(&[("content-length", "12")]),
+            Some(BodyFraming::Length(12))
+        );
         assert_eq!(
             f(&[("Content-Length", "1"), ("content-length", "1, 1")]),
-            Some(Framing::Length(1))
+            Some(BodyFraming::Length(1))
         );
         assert_eq!(f(&[("content-length", "1"), ("content-length", "2")]), None);
         assert_eq!(f(&[("content-length", "+1")]), None);
         assert_eq!(
             f(&[("transfer-encoding", "gzip, chunked")]),
-            Some(Framing::Chunked)
+            Some(BodyFraming::Chunked)
         );
         assert_eq!(
             f(&[("Transfer-Encoding", "chunked"), ("content-length", "3")]),
-            Some(Framing::Chunked)
+            Some(BodyFraming::Chunked)
         );
         assert_eq!(f(&[("transfer-encoding", "chunked, gzip")]), None);
         assert_eq!(
             f(&[("transfer-encoding", "chunked,")]),
-            Some(Framing::Chunked)
+            Some(BodyFraming::Chunked)
         );
-        assert_eq!(with(&[], 204).framing(), Some(Framing::Empty));
+        assert_eq!(with(&[], 204).framing(), Some(BodyFraming::Empty));
         assert_eq!(
             with(&[("content-length", "5")], 304).framing(),
-            Some(Framing::Empty)
+            Some(BodyFraming::Empty)
         );
         let only = |v: &str| with(&[("transfer-encoding", v)], 200).only_chunked();
         assert!(only("chunked") && only(" Chunked "));

@@ -4,21 +4,17 @@
 //! decoded when chunked — before the upstream is chosen, the rest left to stream. What a
 //! client got wrong is a [`ClientError`], which knows its status and its error body.
 
-use std::io;
-use std::time::Duration;
+use bytes::{Buf, BytesMut};
 
-use bytes::{Buf, BufMut, BytesMut};
-use tokio::io::AsyncWriteExt;
-
+use super::body::Chunked;
 use super::conn::Io;
-use super::direct::read_more;
-use super::h1::{self, Chunked};
 use super::head::RequestHead;
+use super::io::read_more;
 use crate::config::Limits;
 
 /// The body read before the upstream is chosen and a slot taken: a whole generation request
 /// as a rule (usage injection rewrites only a body read whole); a longer one streams on.
-pub(super) const READ_AHEAD: usize = 64 * 1024;
+pub(crate) const READ_AHEAD: usize = 64 * 1024;
 
 /// A request a client got wrong, answered with its status and the connection closed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -85,24 +81,24 @@ impl ClientError {
 
 /// How a request's body is framed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum BodyKind {
+pub(crate) enum BodyKind {
     None,
     Length(u64),
     Chunked,
 }
 
 /// A request head that passed the checks.
-pub(super) struct Checked {
-    pub(super) req: RequestHead,
-    pub(super) body: BodyKind,
+pub(crate) struct Checked {
+    pub(crate) req: RequestHead,
+    pub(crate) body: BodyKind,
     /// The client waits for `100 Continue` before it sends its body.
-    pub(super) expects_continue: bool,
+    pub(crate) expects_continue: bool,
     /// An upgrade (WebSocket and the like): pingora-proxy carries it.
-    pub(super) upgrade: bool,
+    pub(crate) upgrade: bool,
 }
 
 /// Checks a parsed request head (RFC 9112 §3, §6; RFC 9110 §7.2, §8.6).
-pub(super) fn check(req: RequestHead, max_body: u64) -> Result<Checked, ClientError> {
+pub(crate) fn check(req: RequestHead, max_body: u64) -> Result<Checked, ClientError> {
     let h = &req.fields;
     let http11 = req.http11;
     let hosts = h.get_all("host").count();
@@ -118,12 +114,12 @@ pub(super) fn check(req: RequestHead, max_body: u64) -> Result<Checked, ClientEr
         if length {
             return Err(ClientError::AmbiguousLength);
         }
-        if !http11 || !h1::only_chunked(h.get_all("transfer-encoding")) {
+        if !http11 || !super::only_chunked(h.get_all("transfer-encoding")) {
             return Err(ClientError::UnsupportedCoding);
         }
         BodyKind::Chunked
     } else if length {
-        match h1::content_length(h.get_all("content-length")) {
+        match super::content_length(h.get_all("content-length")) {
             Some(0) => BodyKind::Length(0),
             Some(n) => BodyKind::Length(n),
             None => return Err(ClientError::BadLength),
@@ -156,7 +152,7 @@ pub(super) fn check(req: RequestHead, max_body: u64) -> Result<Checked, ClientEr
 
 /// What a request's body still holds after the read-ahead.
 #[derive(Debug)]
-pub(super) enum Rest {
+pub(crate) enum Rest {
     /// The body was read whole.
     Done,
     /// This many bytes are still to come.
@@ -166,18 +162,18 @@ pub(super) enum Rest {
 }
 
 /// A body read ahead: its payload so far (decoded, when chunked) and what is still to come.
-pub(super) struct Ahead {
-    pub(super) bytes: BytesMut,
-    pub(super) rest: Rest,
+pub(crate) struct Ahead {
+    pub(crate) bytes: BytesMut,
+    pub(crate) rest: Rest,
     /// Bytes the client sent past its body (a pipelined next request).
-    pub(super) leftover: BytesMut,
+    pub(crate) leftover: BytesMut,
 }
 
 /// Reads the body ahead: until it ends or [`READ_AHEAD`] bytes of it are in, within
 /// `server.request_body_timeout_secs` in all. `read` holds what arrived after the head. A client waiting for
 /// `100 Continue` gets it first (the upstream then gets no `Expect`: it gets the body).
 /// `Ok(None)`: the client went away.
-pub(super) async fn read_ahead(
+pub(crate) async fn read_ahead(
     client: &mut Io,
     mut read: BytesMut,
     checked: &Checked,
@@ -192,7 +188,7 @@ pub(super) async fn read_ahead(
     };
     if checked.expects_continue && !whole_in_buffer {
         let continued = b"HTTP/1.1 100 Continue\r\n\r\n";
-        if write_within(client, continued, write_timeout)
+        if super::answer::write_within(client, continued, write_timeout)
             .await
             .is_err()
         {
@@ -271,75 +267,13 @@ async fn more(client: &mut Io, read: &mut BytesMut) -> bool {
     matches!(read_more(client, read).await, Ok(n) if n > 0)
 }
 
-/// The error body of a response tokentap makes itself (OpenAI's shape).
-pub(super) fn error_body(message: &str, kind: &str, code: &str) -> String {
-    serde_json::json!({"error": {"message": message, "type": kind, "code": code}}).to_string()
-}
-
-/// A whole response tokentap makes itself: a JSON body, `extra` fields, and `Connection`.
-pub(super) fn json_response(
-    status: u16,
-    body: &str,
-    extra: &[(&str, &str)],
-    keep_alive: bool,
-) -> BytesMut {
-    let reason = http::StatusCode::from_u16(status)
-        .ok()
-        .and_then(|s| s.canonical_reason())
-        .unwrap_or("");
-    let mut out = BytesMut::with_capacity(256 + body.len());
-    out.put_slice(format!("HTTP/1.1 {status} {reason}\r\n").as_bytes());
-    out.put_slice(b"Content-Type: application/json\r\n");
-    out.put_slice(format!("Content-Length: {}\r\n", body.len()).as_bytes());
-    out.put_slice(b"Date: ");
-    out.put_slice(pingora::protocols::http::date::get_cached_date().as_bytes());
-    out.put_slice(b"\r\n");
-    for (name, value) in extra {
-        out.put_slice(format!("{name}: {value}\r\n").as_bytes());
-    }
-    out.put_slice(if keep_alive {
-        b"Connection: keep-alive\r\n\r\n".as_slice()
-    } else {
-        b"Connection: close\r\n\r\n".as_slice()
-    });
-    out.put_slice(body.as_bytes());
-    out
-}
-
-/// Answers a client's mistake; the connection is closed after.
-pub(super) async fn refuse(client: &mut Io, e: ClientError, write_timeout: Duration) -> u64 {
-    let body = error_body(&format!("tokentap: {e}"), "invalid_request_error", e.code());
-    let out = json_response(e.status(), &body, &[], false);
-    answer(client, &out, write_timeout).await
-}
-
-/// Writes a whole answer tokentap made, within the client write timeout; the bytes that
-/// reached the client (none counted if the write failed).
-pub(super) async fn answer(client: &mut Io, bytes: &[u8], limit: Duration) -> u64 {
-    match write_within(client, bytes, limit).await {
-        Ok(()) => bytes.len() as u64,
-        Err(_) => 0,
-    }
-}
-
-/// Writes a whole answer tokentap made, within the client write timeout.
-pub(super) async fn write_within(client: &mut Io, bytes: &[u8], limit: Duration) -> io::Result<()> {
-    let write = async {
-        client.write_all(bytes).await?;
-        client.flush().await
-    };
-    tokio::time::timeout(limit, write)
-        .await
-        .unwrap_or_else(|_| Err(io::ErrorKind::TimedOut.into()))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn head(raw: &str) -> Result<Checked, ClientError> {
         match RequestHead::read(&mut BytesMut::from(raw)) {
-            h1::Head::Complete(req, _) => check(req, 1000),
+            crate::service::http1::Head::Complete(req, _) => check(req, 1000),
             _ => Err(ClientError::BadHead),
         }
     }

@@ -29,7 +29,7 @@ use tokio::net::TcpStream;
 
 /// A connection on the direct path.
 #[derive(Debug)]
-pub(super) enum Io {
+pub(crate) enum Io {
     /// A plain TCP connection.
     Tcp(TcpStream),
     /// A TLS upstream, or a client connection back from pingora-proxy.
@@ -38,7 +38,7 @@ pub(super) enum Io {
 
 impl Io {
     /// The connection as pingora-proxy takes it.
-    pub(super) fn into_pingora(self) -> pingora::protocols::Stream {
+    pub(crate) fn into_pingora(self) -> pingora::protocols::Stream {
         match self {
             Io::Tcp(tcp) => Box::new(pingora::protocols::l4::stream::Stream::from(tcp)),
             Io::Pingora(stream) => stream,

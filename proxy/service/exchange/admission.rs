@@ -1,0 +1,114 @@
+//! Routing and admission: the upstream a request goes to, and for a generation request a
+//! concurrency slot — a free one, else the upstream's FIFO queue (the client watched, and
+//! gone the moment it leaves), then with `[cluster]` the fleet's lease — or a 429.
+
+use std::time::Instant;
+
+use bytes::BytesMut;
+use pingora::prelude::*;
+
+use super::Ctx;
+use crate::limit::fleet::Slot;
+use crate::limit::{Permit, Rejected};
+use crate::routing::Choice;
+use crate::service::http1::answer::{self, error_body, json_response};
+use crate::service::http1::conn::Io;
+use crate::service::http1::head::RequestHead;
+use crate::service::http1::io::watching;
+use crate::service::record::REQUEST_ID_HEADER;
+use crate::service::UPSTREAM_HEADER;
+use crate::state::{Shared, Upstream};
+
+/// The upstream of a request, if a route matches.
+pub(super) fn route(shared: &Shared, req: &RequestHead) -> Option<Choice> {
+    let upstreams = &shared.upstreams;
+    shared
+        .router
+        .choose(req.uri.path(), &req.fields, |u| upstreams[u].has_headroom())
+}
+
+/// Answers 429 with `Retry-After` and an OpenAI-style error body; the bytes written.
+pub(super) async fn reject(
+    client: &mut Io,
+    ctx: &Ctx,
+    choice: Choice,
+    why: Rejected,
+    keep_alive: bool,
+) -> u64 {
+    let shared = &ctx.shared;
+    let upstream = &shared.upstreams[choice.upstream];
+    let name = &upstream.config.name;
+    let limit = upstream
+        .limiter
+        .limit()
+        .map_or("-".to_owned(), |l| l.to_string());
+    let message = match why {
+        Rejected::QueueFull => format!(
+            "tokentap: upstream {name} is at its concurrency limit ({limit}) and its queue is full"
+        ),
+        Rejected::QueueTimeout => {
+            format!("tokentap: no slot on upstream {name} (limit {limit}) within the queue timeout")
+        }
+    };
+    let body = error_body(&message, "rate_limit_exceeded", why.label());
+    let extra = [
+        ("Retry-After", "1"),
+        (UPSTREAM_HEADER, name.as_str()),
+        (REQUEST_ID_HEADER, ctx.request_id.as_str()),
+    ];
+    let out = json_response(429, &body, &extra, keep_alive);
+    let cwt = shared.config.limits.client_write_timeout;
+    answer::answer(client, &out, cwt).await
+}
+
+/// A concurrency slot on `upstream` for a generation request: the local slot, then (with
+/// `[cluster]`) the fleet's, both within the queue's timeout; `Ok(Err(why))` when refused.
+/// A queued client whose body was read whole is watched (`waiting`: whether it still is,
+/// and the bytes it sent past its request), and leaves the queue the moment it goes away
+/// (`Err`); one still sending waits unwatched (its body bytes are not read here), bounded
+/// by the queue timeout.
+pub(super) async fn slot(
+    upstream: &Upstream,
+    client: &mut Io,
+    (watch, leftover): (&mut bool, &mut BytesMut),
+    read_whole: bool,
+) -> Result<Result<Slot, Rejected>> {
+    let limiter = &upstream.limiter;
+    let deadline = Instant::now() + upstream.config.queue_timeout;
+    // Boxed: taking a fleet slot (Redis calls) is a large future, and inline it would make
+    // every request's state, streaming or not, ~5 KiB larger.
+    let slot = |permit: Permit| async move {
+        match &upstream.fleet {
+            Some(fleet) => Box::pin(fleet.slot(limiter, permit, deadline)).await,
+            None => Ok(Slot::local(permit)),
+        }
+    };
+    match (limiter.try_acquire(), &upstream.fleet) {
+        (Some(permit), None) => Ok(Ok(Slot::local(permit))),
+        (Some(permit), Some(_)) if read_whole => {
+            let acquire = async { Ok(slot(permit).await) };
+            watching(client, watch, leftover, acquire).await
+        }
+        (Some(permit), Some(_)) => Ok(slot(permit).await),
+        (None, _) if read_whole => {
+            let acquire = async {
+                Ok(match limiter.acquire().await {
+                    Ok(permit) => slot(permit).await,
+                    Err(why) => Err(why),
+                })
+            };
+            watching(client, watch, leftover, acquire).await
+        }
+        (None, _) => Ok(match limiter.acquire().await {
+            Ok(permit) => slot(permit).await,
+            Err(why) => Err(why),
+        }),
+    }
+}
+
+/// Routing reads the request's fields through [`crate::routing::Fields`].
+impl crate::routing::Fields for crate::service::http1::head::Fields {
+    fn first(&self, name: &str) -> Option<&[u8]> {
+        self.get(name)
+    }
+}

@@ -1,0 +1,449 @@
+//! The request's flow: the one path every request takes (but upgrades), on tokio's sockets
+//! and pingora's runtime. A metered generation request, queued or not, with a
+//! `Content-Length` or a chunked body, from an HTTP/1.0 or 1.1 client, goes through the
+//! same code as a model list or a health check; only metering and the concurrency cap
+//! depend on what the request is.
+//!
+//! [`Front`](super::front::Front) hands over a request whose head passed the checks and
+//! whose body was read ahead (up to 64 KiB). Here it is routed and admitted
+//! ([`admission`]: a free slot, else the FIFO queue, watching for the client to leave, else
+//! 429), and sent ([`upstream`]: the client's head minus its hop-by-hop fields, with the
+//! upstream's `Host` and the body's framing tokentap chose, so framing cannot be smuggled).
+//! The response head is read and written for the client (its hop-by-hop fields removed,
+//! `Date` and `Connection` set), and the body relayed ([`relay`]): each fragment written
+//! from the worker thread's scratch buffer and then handed to the tap. An open stream holds
+//! no buffer of its own except bytes a slow client has not taken yet.
+//!
+//! A request goes through [`TokenTap::exchange`] in phases, each holding only what it needs
+//! while it waits: `prepare` (routing, admission, tokentap's own answers, the upstream
+//! request's bytes; boxed, freed before anything is awaited from the upstream), `deliver`
+//! (connecting and sending; boxed, freed once sent), `receive` (the response head, read in
+//! the scratch buffer) and `relay`. What a phase holds through a wait that thousands of
+//! streams share when they open at once is left behind as holes in the allocator once it
+//! is freed, so those phases are kept small (docs/performance-history.md).
+//!
+//! This layer reads and writes only through [`http1`](super::http1), and meters only
+//! through the [`tap`](super::tap).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::BytesMut;
+use pingora::prelude::*;
+use pingora::upstreams::peer::Peer;
+use pingora::ErrorSource;
+
+use super::ctx::Ctx;
+use super::failure::{self, Failure};
+use super::http1::answer::{self, error_body, json_response};
+use super::http1::conn::Io;
+use super::http1::io::watching;
+use super::http1::request::{Ahead, Checked, ClientError, Rest};
+use super::record::{self, model_of, RequestId, Seen, REQUEST_ID_HEADER};
+use super::{TokenTap, UPSTREAM_HEADER};
+use crate::dialect::Dialect;
+use crate::estimate::Estimate;
+use crate::meter::Nanos;
+use crate::routing::Choice;
+use admission::{reject, route};
+use relay::Relay;
+use upstream::{send_rest, Outgoing};
+
+mod admission;
+mod relay;
+mod upstream;
+
+/// A request [`Front`](super::front::Front) read and checked, its body read ahead. Passed
+/// boxed: an async fn keeps room for its arguments for its whole life, and the request
+/// header is done with once it is sent.
+pub(super) struct Incoming {
+    pub(super) checked: Checked,
+    pub(super) ahead: Ahead,
+    /// When its head had arrived.
+    pub(super) t0: Nanos,
+    /// The client's address.
+    pub(super) peer: Option<std::net::SocketAddr>,
+}
+
+/// What the connection can do after a direct request.
+pub(super) enum After {
+    /// Serve the next request on it.
+    KeepAlive,
+    Close,
+    /// Close after a lingering read: the client sent bytes past its request.
+    Linger,
+}
+
+/// A request routed and admitted, its bytes for the upstream made: to connect and send.
+struct Ready {
+    /// The request head with the body read so far, as the upstream gets them.
+    wire: BytesMut,
+    /// The rest of the body, still to read from the client.
+    rest: Rest,
+    sent_so_far: u64,
+    watch: bool,
+    leftover: BytesMut,
+    opening: Opening,
+}
+
+/// A request sent upstream, whose response header is awaited.
+struct Sent {
+    up: Io,
+    /// The client is watched for going away (until it sends a pipelined request).
+    watch: bool,
+    /// Bytes the client sent past its request.
+    leftover: BytesMut,
+    opening: Opening,
+}
+
+/// What shapes the client's head besides the response's: the request's side.
+#[derive(Clone, Copy)]
+struct Opening {
+    keep_alive: bool,
+    http10: bool,
+    head_request: bool,
+}
+
+/// A request whose response header is on its way to the client and whose body is next.
+struct Open {
+    up: Io,
+    relay: Relay,
+    /// Bytes for the client not written yet (the response header first).
+    out: BytesMut,
+    /// The client is watched for going away (until it sends a pipelined request).
+    watch: bool,
+    /// Bytes the client sent past its request.
+    leftover: BytesMut,
+    keep_alive: bool,
+}
+
+/// A request ready to send, with its upstream and whether its body was read whole; or
+/// answered already, with the connection's fate and the failure if one.
+enum Prepared {
+    Ready(Ready, Choice, bool),
+    Done(After, Option<Failure>),
+}
+
+/// What becomes of the client connection after a request that ended with `result`.
+fn ended(result: Result<After>, read_whole: bool) -> After {
+    match result {
+        Ok(after) => after,
+        // A refused body (malformed, too large, too slow) may have more bytes coming.
+        Err(e) if e.esource() == &ErrorSource::Downstream && !read_whole => After::Linger,
+        Err(_) => After::Close,
+    }
+}
+
+// === impl TokenTap ===
+
+impl TokenTap {
+    /// Routes, admits and proxies a request; its outcome is recorded however it ends, and
+    /// logged (a failure line, the access log).
+    pub(super) async fn serve(
+        &self,
+        client: &mut Io,
+        incoming: Box<Incoming>,
+        shutdown: bool,
+    ) -> After {
+        let mut ctx = self.new_ctx();
+        let req = &incoming.checked.req;
+        ctx.request_id = RequestId::of(&req.fields);
+        if self.live.access.on() {
+            ctx.seen = Some(Box::new(Seen {
+                method: req.method.as_str().to_owned(),
+                path: req.uri.path().to_owned(),
+                client: incoming.peer,
+                model: model_of(&incoming.ahead.bytes),
+                ..Seen::default()
+            }));
+        }
+        let (after, failure) = Box::pin(self.exchange(client, &mut ctx, incoming, shutdown)).await;
+        let upstream = ctx
+            .choice
+            .map(|c| ctx.shared.upstreams[c.upstream].config.name.as_str());
+        if let (Some(f), Some(upstream)) = (&failure, upstream) {
+            record::log_failure(&self.live.throttle, &ctx.request_id, upstream, f);
+        }
+        if ctx.seen.is_some() {
+            self.log_access(&ctx, failure.as_ref());
+        }
+        after
+    }
+
+    /// [`TokenTap::serve`] but for the logging: the connection's fate, and why the request
+    /// failed if it did.
+    async fn exchange(
+        &self,
+        client: &mut Io,
+        ctx: &mut Ctx,
+        incoming: Box<Incoming>,
+        shutdown: bool,
+    ) -> (After, Option<Failure>) {
+        // Boxed, and gone before anything is awaited from the upstream: routing, admission
+        // and making the upstream request hold the request head and answers tokentap may
+        // make itself (~1.5 KiB), which a request waiting for its connection or response
+        // does not need. Freed at once, that room is taken again by the next request's;
+        // held through the wait (a connect retried after a full accept queue, the time to
+        // first token: a second when thousands of streams open at once), it would be left
+        // behind as holes among the open streams' memory.
+        let prepared = Box::pin(self.prepare(client, ctx, incoming, shutdown)).await;
+        let (ready, choice, read_whole) = match prepared {
+            Prepared::Ready(ready, choice, read_whole) => (ready, choice, read_whole),
+            Prepared::Done(after, failure) => return (after, failure),
+        };
+        // Boxed too (connecting is a large future, needed only until the request is sent).
+        let opened = match Box::pin(self.deliver(client, ctx, choice, ready)).await {
+            Ok(sent) => self.receive(ctx, client, choice, sent).await,
+            Err(e) => Err(e),
+        };
+        let mut open = match opened {
+            Ok(open) => open,
+            Err(e) => return Box::pin(self.unopened(client, ctx, choice, e, read_whole)).await,
+        };
+        let shared = Arc::clone(&ctx.shared);
+        let upstream = &shared.upstreams[choice.upstream];
+        let peer = &upstream.peer;
+        let relayed = self
+            .relay(client, ctx, &mut open, peer.options.read_timeout)
+            .await;
+        let failure = relayed
+            .as_ref()
+            .err()
+            .map(|e| failure::of(e, &upstream.config.name));
+        let result = relayed.map(|()| {
+            if open.relay.reusable {
+                let idle = upstream.config.idle_timeout;
+                match open.up {
+                    Io::Tcp(tcp) => {
+                        let now = std::time::Instant::now();
+                        let addr = upstream.config.addr;
+                        self.transport.pool.release(addr, tcp, now, idle);
+                    }
+                    Io::Pingora(tls) => {
+                        let hash = peer.reuse_hash();
+                        self.transport
+                            .connector
+                            .release_stream(tls, hash, Some(idle));
+                    }
+                }
+            }
+            if !open.watch || !open.leftover.is_empty() {
+                After::Linger
+            } else if open.keep_alive {
+                After::KeepAlive
+            } else {
+                After::Close
+            }
+        });
+        self.finish(ctx, result.as_ref().err().map(|e| &**e));
+        (ended(result, read_whole), failure)
+    }
+
+    /// Routes and admits the request and sends it upstream; or answers it (no route,
+    /// rejected, failed before any byte reached the client) and says what becomes of the
+    /// connection.
+    async fn prepare(
+        &self,
+        client: &mut Io,
+        ctx: &mut Ctx,
+        incoming: Box<Incoming>,
+        shutdown: bool,
+    ) -> Prepared {
+        let Incoming {
+            checked, ahead, t0, ..
+        } = *incoming;
+        let Checked {
+            req, body: kind, ..
+        } = checked;
+        let Ahead {
+            bytes,
+            rest,
+            mut leftover,
+        } = ahead;
+        let shared = Arc::clone(&ctx.shared);
+        let limits = shared.config.limits;
+        let read_whole = matches!(rest, Rest::Done);
+        let keep_alive = !shutdown && req.http11 && !req.fields.has_token("connection", "close");
+        // An answer tokentap makes itself keeps the connection only when the request was
+        // read whole and nothing came after it; the answer's `Connection`, and what follows.
+        let answered = |leftover: &BytesMut, watch: bool| {
+            let keep = keep_alive && read_whole && leftover.is_empty() && watch;
+            let after = if keep {
+                After::KeepAlive
+            } else if !read_whole || !leftover.is_empty() {
+                After::Linger // unread body bytes, or a pipelined request
+            } else {
+                After::Close
+            };
+            (keep, after)
+        };
+        ctx.t0 = t0;
+        if req.method == http::Method::POST {
+            ctx.dialect = Dialect::from_path(req.uri.path());
+        }
+        let Some(choice) = route(&shared, &req) else {
+            let body = error_body(
+                "tokentap: no route matches this request",
+                "invalid_request_error",
+                "no_route",
+            );
+            let (keep, after) = answered(&leftover, true);
+            let id = [(REQUEST_ID_HEADER, ctx.request_id.as_str())];
+            let out = json_response(404, &body, &id, keep);
+            ctx.status = 404;
+            ctx.bytes_out += answer::answer(client, &out, limits.client_write_timeout).await;
+            return Prepared::Done(after, None);
+        };
+        ctx.choice = Some(choice);
+        let upstream = &shared.upstreams[choice.upstream];
+        ctx.tokenize = upstream.config.estimate == Estimate::Tokenizer;
+
+        // Caps apply to generation requests only. A queued client whose body was read whole
+        // is watched, and leaves the queue the moment it goes away; one still sending waits
+        // unwatched (its body bytes are not read here), bounded by the queue timeout.
+        let mut watch = true;
+        if ctx.dialect.is_some() {
+            let queued = std::time::Instant::now();
+            let waiting = (&mut watch, &mut leftover);
+            let granted = admission::slot(upstream, client, waiting, read_whole).await;
+            if let Some(seen) = ctx.seen.as_mut() {
+                seen.queue_ms = queued.elapsed().as_secs_f64() * 1e3;
+            }
+            match granted {
+                Ok(Ok(permit)) => ctx.permit = Some(permit),
+                Ok(Err(why)) => {
+                    let (keep, after) = answered(&leftover, watch);
+                    ctx.status = 429;
+                    ctx.bytes_out += reject(client, ctx, choice, why, keep).await;
+                    return Prepared::Done(after, None);
+                }
+                Err(gone) => {
+                    self.finish(ctx, Some(&gone));
+                    let failure = failure::of(&gone, &upstream.config.name);
+                    return Prepared::Done(After::Close, Some(failure));
+                }
+            }
+        }
+
+        let outgoing = Outgoing {
+            req,
+            kind,
+            body: bytes,
+            rest,
+        };
+        match self.outgoing(ctx, choice, outgoing, leftover, watch, shutdown) {
+            Ok(ready) => Prepared::Ready(ready, choice, read_whole),
+            Err(e) => {
+                let (after, failure) = self.unopened(client, ctx, choice, e, read_whole).await;
+                Prepared::Done(after, failure)
+            }
+        }
+    }
+
+    /// Answers a request that failed before any byte reached the client, and records it.
+    async fn unopened(
+        &self,
+        client: &mut Io,
+        ctx: &mut Ctx,
+        choice: Choice,
+        e: Box<Error>,
+        read_whole: bool,
+    ) -> (After, Option<Failure>) {
+        let shared = Arc::clone(&ctx.shared);
+        let upstream = &shared.upstreams[choice.upstream];
+        let limits = shared.config.limits;
+        let mut failure = None;
+        let cwt = limits.client_write_timeout;
+        if let Some(mistake) = e.root_cause().downcast_ref::<ClientError>() {
+            // A client's mistake is answered as such; it is not a failure.
+            ctx.status = mistake.status();
+            ctx.bytes_out += answer::refuse(client, *mistake, cwt).await;
+        } else {
+            let f = failure::of(&e, &upstream.config.name);
+            if !f.client {
+                ctx.status = f.status;
+                ctx.bytes_out += answer_failure(client, ctx, choice, &f, cwt).await;
+            } // else gone: nobody to answer
+            failure = Some(f);
+        }
+        self.finish(ctx, Some(&e));
+        (ended(Err(e), read_whole), failure)
+    }
+
+    /// The connection, the request written, the rest of its body streamed. Nothing reaches
+    /// the client here (an error is answered); after the response header, an error cuts the
+    /// connection, as pingora-proxy does.
+    async fn deliver(
+        &self,
+        client: &mut Io,
+        ctx: &Ctx,
+        choice: Choice,
+        ready: Ready,
+    ) -> Result<Sent> {
+        let Ready {
+            wire,
+            rest,
+            sent_so_far,
+            mut watch,
+            mut leftover,
+            opening,
+        } = ready;
+        let shared = Arc::clone(&ctx.shared);
+        let upstream = &shared.upstreams[choice.upstream];
+        let read_whole = matches!(rest, Rest::Done);
+        let peer = &upstream.peer;
+        let send = self.connect_and_write(upstream.config.addr, peer, wire);
+        let up = if read_whole {
+            watching(client, &mut watch, &mut leftover, send).await?
+        } else {
+            let up = send.await?;
+            let mut up = up;
+            let limits = shared.config.limits;
+            let streamed = Box::pin(send_rest(
+                client,
+                &mut up,
+                rest,
+                &mut leftover,
+                peer.options.write_timeout,
+                (sent_so_far, limits),
+            ));
+            streamed.await?;
+            up
+        };
+        Ok(Sent {
+            up,
+            watch,
+            leftover,
+            opening,
+        })
+    }
+}
+
+/// Answers a request the upstream failed before its response began: the status and an
+/// OpenAI-style body naming the cause, with the upstream's name; closes. The bytes written.
+async fn answer_failure(
+    client: &mut Io,
+    ctx: &Ctx,
+    choice: Choice,
+    f: &Failure,
+    limit: Duration,
+) -> u64 {
+    let kind = if f.status == 500 {
+        "server_error"
+    } else {
+        "upstream_error"
+    };
+    let body = error_body(&format!("tokentap: {}", f.message), kind, f.code);
+    let name = &ctx.shared.upstreams[choice.upstream].config.name;
+    let extra = [
+        (UPSTREAM_HEADER, name.as_str()),
+        (REQUEST_ID_HEADER, ctx.request_id.as_str()),
+    ];
+    let out = json_response(f.status, &body, &extra, false);
+    answer::answer(client, &out, limit).await
+}
+
+/// A client's mistake found mid-request, as the error that ends it.
+fn client_error(e: ClientError) -> Box<Error> {
+    Error::because(HTTPStatus(e.status()), "request body", e).into_down()
+}

@@ -1,0 +1,404 @@
+//! The response: its head read and written for the client (`receive`, `opened`: the
+//! hop-by-hop fields removed, the client's framing chosen, `Date`, `Connection` and
+//! tokentap's fields set), then its body relayed: each upstream fragment read into the
+//! thread's scratch buffer, written to the client from there, then handed to the tap
+//! ([`Relay::fragment`]); the upstream's silence and the client's stall timed by one lazy
+//! timer.
+
+use std::cell::RefCell;
+use std::future::{poll_fn, Future};
+use std::ops::Range;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::{Buf, BytesMut};
+use pingora::prelude::*;
+use tokio::io::AsyncWrite;
+use tokio::time::Instant;
+
+use std::sync::Arc;
+
+use pingora::protocols::http::date::get_cached_date;
+
+use super::{Open, Opening, Sent};
+use crate::meter::Nanos;
+use crate::routing::Choice;
+use crate::service::http1::body::{self, BodyFraming, Chunked};
+use crate::service::http1::conn::Io;
+use crate::service::http1::head::ResponseHead;
+use crate::service::http1::io::{
+    down, down_io, forward, poll_client_gone, poll_read_with, up_err, up_io,
+};
+use crate::service::http1::response::{read_response_head, to_client, ToClient};
+use crate::service::record::REQUEST_ID_HEADER;
+use crate::service::{Ctx, TokenTap};
+
+thread_local! {
+    /// Where a chunked fragment's payload runs are, found while framing it and metered
+    /// after it was forwarded (the thread's, so that no request allocates for it).
+    static PAYLOAD_RUNS: RefCell<Vec<Range<usize>>> = const { RefCell::new(Vec::new()) };
+}
+
+/// A response body being relayed.
+pub(super) struct Relay {
+    pub(super) framing: BodyFraming,
+    pub(super) chunked: Chunked,
+    pub(super) to_client: ToClient,
+    /// The upstream body ended.
+    pub(super) done: bool,
+    /// The upstream connection can go back to the pool at the end.
+    pub(super) reusable: bool,
+}
+
+// === impl TokenTap ===
+
+impl TokenTap {
+    /// The response header, read and written for the client with the body bytes that came
+    /// with it: the request opened for its body. Nothing reaches the client here either.
+    pub(super) async fn receive(
+        &self,
+        ctx: &mut Ctx,
+        client: &mut Io,
+        choice: Choice,
+        sent: Sent,
+    ) -> Result<Open> {
+        let Sent {
+            mut up,
+            mut watch,
+            mut leftover,
+            opening,
+        } = sent;
+        let shared = Arc::clone(&ctx.shared);
+        let peer = &shared.upstreams[choice.upstream].peer;
+        // Boxed: the wait for the first byte needs it, an open stream does not.
+        let head = Box::pin(read_response_head(
+            &mut up,
+            (client, &mut watch, &mut leftover),
+            peer.options.read_timeout,
+            |resp, first, bare_lf, watched| {
+                self.opened(ctx, resp, first, bare_lf, opening, watched)
+            },
+        ));
+        let (relay, out, keep_alive) = head.await?;
+        Ok(Open {
+            up,
+            relay,
+            out,
+            watch,
+            leftover,
+            keep_alive,
+        })
+    }
+
+    /// The client's head for the upstream's `resp`, and the body bytes that came with it
+    /// (`first`, read in the thread's scratch buffer), metered and framed after it: the
+    /// relay, the bytes for the client and whether the connection is kept. `watched`: the
+    /// client is still watched and sent nothing past its request.
+    fn opened(
+        &self,
+        ctx: &mut Ctx,
+        mut resp: ResponseHead,
+        first: &[u8],
+        bare_lf: bool,
+        opening: Opening,
+        watched: bool,
+    ) -> Result<(Relay, BytesMut, bool)> {
+        let Opening {
+            mut keep_alive,
+            http10,
+            head_request,
+        } = opening;
+        let framing = match resp.framing() {
+            _ if head_request => BodyFraming::Empty,
+            Some(framing) => framing,
+            None => return Err(up_err(InvalidHTTPHeader, "upstream response framing")),
+        };
+        let reusable = resp.http11
+            && framing != BodyFraming::UntilClose
+            && !resp.fields.has_token("connection", "close");
+        resp.fields.remove_hop_by_hop("transfer-encoding");
+        // A transfer coding under the chunks (`gzip, chunked`): neither read nor rewritten,
+        // and forwarded as it came (re-framing it would lose the coding).
+        let coded = framing == BodyFraming::Chunked && !resp.only_chunked();
+        let content_type = resp.fields.get("content-type");
+        let content_encoding = resp.fields.get("content-encoding");
+        self.on_response(ctx, resp.status, content_type, (content_encoding, coded));
+        if framing == BodyFraming::Chunked {
+            // RFC 9112 §6.3: `Transfer-Encoding` overrides a `Content-Length`, which a proxy
+            // removes (as pingora does).
+            resp.fields.remove("content-length");
+            if coded {
+                ctx.ignore_body();
+            }
+        }
+        if coded && http10 {
+            // No transfer coding can reach an HTTP/1.0 client.
+            return Err(up_err(
+                InvalidHTTPHeader,
+                "a transfer coding an HTTP/1.0 client cannot take",
+            ));
+        }
+        let rewritten = ctx.strip_usage.is_some() && framing != BodyFraming::Empty;
+        let to_client = to_client(framing, http10, rewritten, bare_lf && !coded);
+        match to_client {
+            ToClient::AsIs => {}
+            ToClient::Chunked => resp.fields.remove("content-length"),
+            ToClient::Close => {
+                resp.fields.remove("content-length");
+                resp.fields.remove("transfer-encoding");
+                keep_alive = false;
+            }
+        }
+        keep_alive &= watched;
+        let connection: &[u8] = if keep_alive { b"keep-alive" } else { b"close" };
+        let date = get_cached_date();
+        let [upstream, id] = ctx.added_fields(resp.fields.contains(REQUEST_ID_HEADER));
+        let chunked = to_client == ToClient::Chunked;
+        let mut out = BytesMut::with_capacity(512 + first.len());
+        resp.write(
+            &mut out,
+            &[
+                upstream.map(|(n, v)| (n, v.as_bytes())),
+                id.map(|(n, v)| (n, v.as_bytes())),
+                chunked.then_some(("Transfer-Encoding", b"chunked")),
+                Some(("Date", date.as_bytes())),
+                Some(("Connection", connection)),
+            ],
+        );
+        drop(resp);
+
+        let mut relay = Relay {
+            framing,
+            chunked: Chunked::default(),
+            to_client,
+            done: false,
+            reusable,
+        };
+        // The body bytes that came with the header (an empty read is the end of stream).
+        if !first.is_empty() || matches!(framing, BodyFraming::Empty | BodyFraming::Length(0)) {
+            relay
+                .fragment(self, ctx, self.now(), first, &mut out, None)
+                .map_err(|e| e.into_up())?;
+        }
+        Ok((relay, out, keep_alive))
+    }
+
+    /// Forwards the response body until it ends: each upstream fragment is written to the
+    /// client from the thread's scratch buffer and metered; only what the client has not
+    /// taken yet is copied, into `out`, and the upstream is not read again until it has. A
+    /// client that takes nothing for `client_write_timeout` is cut.
+    pub(super) async fn relay(
+        &self,
+        client: &mut Io,
+        ctx: &mut Ctx,
+        open: &mut Open,
+        read_timeout: Option<Duration>,
+    ) -> Result<()> {
+        let Open {
+            up,
+            relay,
+            out,
+            watch,
+            leftover,
+            ..
+        } = open;
+        let stall_limit = ctx.shared.config.limits.client_write_timeout;
+        // The timeouts, kept lazily: one timer, which when it fires checks the time of the
+        // last fragment written (the upstream's silence) or of the stall's start (the
+        // client's).
+        let mut last = Instant::now();
+        let mut stalled: Option<Instant> = None;
+        let timer = tokio::time::sleep(read_timeout.unwrap_or(Duration::MAX / 4));
+        tokio::pin!(timer);
+        let mut flushing = false;
+        poll_fn(|cx| loop {
+            while !out.is_empty() {
+                match Pin::new(&mut *client).poll_write(cx, out) {
+                    Poll::Ready(Ok(0)) => {
+                        return Poll::Ready(Err(down(WriteError, "client took 0 bytes")))
+                    }
+                    Poll::Ready(Ok(n)) if n == out.len() => {
+                        ctx.bytes_out += n as u64;
+                        *out = BytesMut::new(); // its memory too
+                    }
+                    Poll::Ready(Ok(n)) => {
+                        ctx.bytes_out += n as u64;
+                        out.advance(n);
+                    }
+                    Poll::Ready(Err(e)) => return Poll::Ready(Err(down_io(WriteError, e))),
+                    Poll::Pending => {
+                        return stall(cx, timer.as_mut(), &mut stalled, stall_limit);
+                    }
+                }
+                stalled = None;
+                flushing = true;
+            }
+            if flushing {
+                match Pin::new(&mut *client).poll_flush(cx) {
+                    Poll::Ready(Ok(())) => flushing = false,
+                    Poll::Ready(Err(e)) => return Poll::Ready(Err(down_io(WriteError, e))),
+                    Poll::Pending => {
+                        return stall(cx, timer.as_mut(), &mut stalled, stall_limit);
+                    }
+                }
+                stalled = None;
+                // After the write: time spent on a slow client is not upstream silence.
+                last = Instant::now();
+            }
+            if relay.done {
+                return Poll::Ready(Ok(()));
+            }
+            let read = poll_read_with(up, cx, |data, cx| {
+                let now = self.now();
+                relay.fragment(self, ctx, now, data, out, Some((&mut *client, cx)))
+            });
+            match read {
+                Poll::Ready(Ok(Ok(()))) => {
+                    flushing = true;
+                    continue;
+                }
+                Poll::Ready(Ok(Err(e))) => return Poll::Ready(Err(e.into_up())),
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(up_io(ReadError, e))),
+                Poll::Pending => {}
+            }
+            if let Some(gone) = poll_client_gone(client, cx, watch, leftover) {
+                return Poll::Ready(Err(gone));
+            }
+            if let Some(period) = read_timeout {
+                while timer.as_mut().poll(cx).is_ready() {
+                    let deadline = last + period;
+                    if Instant::now() >= deadline {
+                        let e = Error::explain(ReadTimedout, "reading the upstream response body");
+                        return Poll::Ready(Err(e.into_up()));
+                    }
+                    timer.as_mut().reset(deadline);
+                }
+            }
+            return Poll::Pending;
+        })
+        .await
+    }
+}
+
+/// The client accepts no more bytes for now: pending until it does, or an error once it
+/// has taken nothing for `limit` since the stall began.
+fn stall<T>(
+    cx: &mut Context<'_>,
+    mut timer: Pin<&mut tokio::time::Sleep>,
+    stalled: &mut Option<Instant>,
+    limit: Duration,
+) -> Poll<Result<T>> {
+    let since = *stalled.get_or_insert_with(|| {
+        let now = Instant::now();
+        if now + limit < timer.deadline() {
+            timer.as_mut().reset(now + limit);
+        }
+        now
+    });
+    while timer.as_mut().poll(cx).is_ready() {
+        let deadline = since + limit;
+        if Instant::now() >= deadline {
+            let e = down(
+                WriteTimedout,
+                "client accepted no bytes for client_write_timeout_secs",
+            );
+            return Poll::Ready(Err(e));
+        }
+        timer.as_mut().reset(deadline);
+    }
+    Poll::Pending
+}
+
+// === impl Relay ===
+
+impl Relay {
+    /// Meters one upstream fragment (empty at end of stream) and forwards it: appended to
+    /// `out`, or, when `out` is empty and `client` is given, written to the client at once.
+    pub(super) fn fragment(
+        &mut self,
+        tap: &TokenTap,
+        ctx: &mut Ctx,
+        now: Nanos,
+        data: &[u8],
+        out: &mut BytesMut,
+        client: Option<(&mut Io, &mut Context<'_>)>,
+    ) -> Result<()> {
+        if self.done {
+            return Ok(());
+        }
+        let nothing_left = matches!(self.framing, BodyFraming::Empty | BodyFraming::Length(0));
+        if data.is_empty() && !nothing_left && self.framing != BodyFraming::UntilClose {
+            return Error::e_explain(ConnectionClosed, "upstream closed mid-body");
+        }
+        // Where the body is in `data`, and in a chunked body where its payload is.
+        let n = match self.framing {
+            BodyFraming::Empty => 0,
+            BodyFraming::Length(left) => {
+                let n = data.len().min(usize::try_from(left).unwrap_or(usize::MAX));
+                self.framing = BodyFraming::Length(left - n as u64);
+                n
+            }
+            BodyFraming::Chunked => PAYLOAD_RUNS
+                .with_borrow_mut(|runs| {
+                    runs.clear();
+                    self.chunked.feed_ranges(data, |run| runs.push(run))
+                })
+                .or_else(|_| Error::e_explain(InvalidHTTPHeader, "malformed chunked body"))?,
+            BodyFraming::UntilClose => data.len(),
+        };
+        self.done = match self.framing {
+            BodyFraming::Empty => true,
+            BodyFraming::Length(left) => left == 0,
+            BodyFraming::Chunked => self.chunked.done(),
+            BodyFraming::UntilClose => data.is_empty(),
+        };
+        let body = &data[..n];
+        if n < data.len() {
+            self.reusable = false; // bytes past the body: the connection is not clean
+        }
+        let mode = self.to_client;
+        // Forwarded as it came before it is metered: the client does not wait on the meter.
+        let mut client = client;
+        if mode == ToClient::AsIs {
+            ctx.bytes_out += forward(body, out, client.take());
+        }
+        // Handed to the tap; otherwise framed by tokentap: `kept` is what the client gets
+        // (with the usage chunk being taken out, what the tap lets through).
+        let mut kept = BytesMut::new();
+        let mut emit = |bytes: &[u8]| match mode {
+            ToClient::AsIs => {}
+            ToClient::Chunked => body::put_chunk(&mut kept, bytes),
+            ToClient::Close => kept.extend_from_slice(bytes),
+        };
+        let mut payload = |payload: &[u8]| {
+            match tap.on_body(ctx, now, payload, false) {
+                Some(instead) => emit(&instead),
+                None => emit(payload),
+            }
+        };
+        if self.framing == BodyFraming::Chunked {
+            PAYLOAD_RUNS.with_borrow(|runs| {
+                for run in runs {
+                    payload(&body[run.clone()]);
+                }
+            });
+        } else if !body.is_empty() {
+            payload(body);
+        }
+        if self.done {
+            // What a stripper held back, and the end of a JSON or NDJSON body.
+            if let Some(k) = tap.on_body(ctx, now, &[], true) {
+                emit(&k);
+            }
+            if mode == ToClient::Chunked {
+                kept.extend_from_slice(body::LAST_CHUNK);
+            }
+        }
+        TokenTap::fragment_read(ctx);
+        if mode != ToClient::AsIs {
+            ctx.bytes_out += forward(&kept, out, client);
+        }
+        Ok(())
+    }
+}

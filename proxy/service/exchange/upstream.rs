@@ -1,0 +1,308 @@
+//! The request sent upstream: its bytes made (`outgoing`: usage asked for, the record
+//! begun), the connection (pooled plain TCP, or pingora's TLS
+//! connector), a connect that failed tried once more, the head written for the upstream
+//! with the body read ahead, and the rest of the body streamed.
+
+use std::io::{self, Write as _};
+use std::time::Duration;
+
+use bytes::BytesMut;
+use pingora::prelude::*;
+use pingora::upstreams::peer::HttpPeer;
+use tokio::io::AsyncWriteExt;
+use tokio::time::timeout;
+
+use std::sync::Arc;
+
+use super::{client_error, Opening, Ready};
+use crate::config::Limits;
+use crate::dialect::Dialect;
+use crate::routing::Choice;
+use crate::service::ctx::Ctx;
+use crate::service::http1::body;
+use crate::service::http1::conn::Io;
+use crate::service::http1::head::RequestHead;
+use crate::service::http1::io::{down, down_io, read_more, up_err, up_io};
+use crate::service::http1::request::BodyKind;
+use crate::service::http1::request::{ClientError, Rest};
+use crate::service::record::model_of;
+use crate::service::record::REQUEST_ID_HEADER;
+use crate::service::TokenTap;
+use crate::usage::{self, UsageStripper};
+
+/// Attempts at connecting: a connect that failed in a way pingora marks retryable is tried
+/// once more. A request that was sent is never sent again (a generation would run twice),
+/// as on pingora-proxy's path and nginx's default for POST.
+const ATTEMPTS: usize = 2;
+
+/// How the upstream request's body is framed.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum UpBody {
+    None,
+    Length(u64),
+    Chunked,
+}
+
+/// What goes upstream: the client's head and body as read so far.
+pub(super) struct Outgoing {
+    pub(super) req: RequestHead,
+    pub(super) kind: BodyKind,
+    pub(super) body: BytesMut,
+    pub(super) rest: Rest,
+}
+
+// === impl TokenTap ===
+
+impl TokenTap {
+    /// The upstream request's bytes (usage injected), and the request's record begun.
+    pub(super) fn outgoing(
+        &self,
+        ctx: &mut Ctx,
+        choice: Choice,
+        outgoing: Outgoing,
+        leftover: BytesMut,
+        watch: bool,
+        shutdown: bool,
+    ) -> Result<Ready> {
+        let Outgoing {
+            req,
+            kind,
+            body,
+            rest,
+        } = outgoing;
+        let http10 = !req.http11;
+        let head_request = req.method == http::Method::HEAD;
+        let keep_alive = !shutdown && !http10 && !req.fields.has_token("connection", "close");
+        let mut body = body.freeze();
+        let read_whole = matches!(rest, Rest::Done);
+        let shared = Arc::clone(&ctx.shared);
+        let upstream = &shared.upstreams[choice.upstream];
+        if read_whole && ctx.dialect == Some(Dialect::OpenAi) && upstream.config.inject_usage {
+            if let Some(rewritten) = usage::request_with_usage(&body) {
+                body = rewritten;
+                ctx.strip_usage = Some(UsageStripper::new(shared.config.max_event_bytes));
+            }
+        }
+        let expects_body = matches!(
+            req.method,
+            http::Method::POST | http::Method::PUT | http::Method::PATCH
+        );
+        let up_body = match (kind, &rest) {
+            // RFC 9110 §8.6: a method that has a body gets a length, 0 for none (some servers
+            // answer 411 without one).
+            (BodyKind::None, _) if expects_body => UpBody::Length(0),
+            (BodyKind::None, _) => UpBody::None,
+            (_, Rest::Done) => UpBody::Length(body.len() as u64),
+            (BodyKind::Length(n), _) => UpBody::Length(n),
+            (BodyKind::Chunked, _) => UpBody::Chunked,
+        };
+        // The client's own id goes as it came; tokentap's only when asked to.
+        let ours = ctx.request_id.is_ours() && shared.config.request_id_upstream;
+        let id = ours.then(|| ctx.request_id.as_str());
+        let mut wire = BytesMut::with_capacity(512 + body.len());
+        upstream_request(req, &upstream.config.host_header, id, up_body, &mut wire);
+        if up_body == UpBody::Chunked {
+            body::put_chunk(&mut wire, &body);
+        } else {
+            wire.extend_from_slice(&body);
+        }
+        let sent_so_far = body.len() as u64;
+        let model = (shared.config.model_label && ctx.dialect.is_some())
+            .then(|| model_of(&body).unwrap_or_else(|| "unknown".into()));
+        drop(body);
+
+        if ctx.dialect.is_some() {
+            let mut stream = upstream.meter.begin(ctx.t0, self.now());
+            stream.set_model(model);
+            ctx.stream = Some(stream);
+        }
+        Ok(Ready {
+            wire,
+            rest,
+            sent_so_far,
+            watch,
+            leftover,
+            opening: Opening {
+                keep_alive,
+                http10,
+                head_request,
+            },
+        })
+    }
+
+    /// A pooled connection to `upstream`, else a new one. Plain TCP is tokio's own, pooled
+    /// in [`Pool`](super::Pool); TLS is pingora's connector and pool. (pingora's connect
+    /// future, with TLS, proxies and socket options tokentap does not set, is 8.5 KiB: a
+    /// burst of thousands of new streams would leave that much per stream behind in the
+    /// allocator.)
+    async fn connect(&self, addr: std::net::SocketAddr, peer: &HttpPeer) -> Result<Io> {
+        if peer.is_tls() {
+            // Boxed: pingora's pool and connector are large futures, and a plain request
+            // waiting for its connection would hold their room.
+            return Box::pin(async {
+                let connector = &self.transport.connector;
+                if let Some(pooled) = connector.reused_stream(peer).await {
+                    return Ok(Io::Pingora(pooled));
+                }
+                connector.new_stream(peer).await.map(Io::Pingora)
+            })
+            .await;
+        }
+        if let Some(pooled) = self.transport.pool.take(addr, std::time::Instant::now()) {
+            return Ok(Io::Tcp(pooled));
+        }
+        let connect = tokio::net::TcpStream::connect(addr);
+        let connected = match peer.options.connection_timeout {
+            Some(t) => timeout(t, connect).await.unwrap_or_else(|_| {
+                Err(io::Error::new(io::ErrorKind::TimedOut, "connect timed out"))
+            }),
+            None => connect.await,
+        };
+        let tcp = connected.map_err(|e| {
+            let kind = match e.kind() {
+                io::ErrorKind::TimedOut => ConnectTimedout,
+                io::ErrorKind::ConnectionRefused => ConnectRefused,
+                _ => ConnectError,
+            };
+            let mut e = Error::because(kind, format!("connecting to {addr}"), e);
+            e.set_retry(true); // nothing was sent
+            e
+        })?;
+        let _ = tcp.set_nodelay(true);
+        Ok(Io::Tcp(tcp))
+    }
+
+    /// Connects (a connect that failed is tried once more: nothing was sent) and writes the
+    /// request head with the body read so far, in one write.
+    pub(super) async fn connect_and_write(
+        &self,
+        addr: std::net::SocketAddr,
+        peer: &HttpPeer,
+        wire: BytesMut,
+    ) -> Result<Io> {
+        let mut attempt = 0;
+        let mut up = loop {
+            attempt += 1;
+            match self.connect(addr, peer).await {
+                Ok(up) => break up,
+                Err(mut e) => {
+                    e.retry.decide_reuse(false);
+                    if e.retry() && attempt < ATTEMPTS {
+                        continue;
+                    }
+                    return Err(e.into_up());
+                }
+            }
+        };
+        write_up(&mut up, &wire, peer.options.write_timeout).await?;
+        Ok(up)
+    }
+}
+
+/// Appends the request as the upstream gets it (with tokentap's request `id` when the
+/// client sent none): HTTP/1.1, without hop-by-hop fields and `Expect` (the body is on its
+/// way already), its `Host` the upstream's, its body framed by tokentap.
+pub(super) fn upstream_request(
+    mut req: RequestHead,
+    host: &str,
+    id: Option<&str>,
+    body: UpBody,
+    out: &mut BytesMut,
+) {
+    let h = &mut req.fields;
+    h.remove_hop_by_hop("");
+    h.remove("expect");
+    h.remove("content-length");
+    let mut digits = [0u8; 20];
+    let framing: Option<(&str, &[u8])> = match body {
+        UpBody::None => None,
+        UpBody::Length(n) => {
+            let mut w = &mut digits[..];
+            let _ = write!(w, "{n}"); // a u64 has at most 20 digits
+            let len = 20 - w.len();
+            Some(("Content-Length", &digits[..len]))
+        }
+        UpBody::Chunked => Some(("Transfer-Encoding", b"chunked")),
+    };
+    req.write(
+        out,
+        &[
+            Some(("Host", host.as_bytes())),
+            id.map(|id| (REQUEST_ID_HEADER, id.as_bytes())),
+            framing,
+        ],
+    );
+}
+
+/// Writes to the upstream within its write timeout.
+async fn write_up(up: &mut Io, bytes: &[u8], write_timeout: Option<Duration>) -> Result<()> {
+    let write = async {
+        up.write_all(bytes).await?;
+        up.flush().await
+    };
+    match write_timeout {
+        Some(t) => match timeout(t, write).await {
+            Ok(r) => r.map_err(|e| up_io(WriteError, e)),
+            Err(_) => Err(up_err(WriteTimedout, "writing the request")),
+        },
+        None => write.await.map_err(|e| up_io(WriteError, e)),
+    }
+}
+
+/// Streams the rest of a request body the read-ahead did not hold to the upstream: a
+/// length's worth as it comes, or chunks decoded strictly and framed again, so that nothing
+/// past a malformed chunk is sent. Each read must come within
+/// `server.request_body_timeout_secs`; bytes past the body go to `leftover`. `sent`: the
+/// payload sent so far, against `server.max_request_body_bytes`.
+pub(super) async fn send_rest(
+    client: &mut Io,
+    up: &mut Io,
+    rest: Rest,
+    leftover: &mut BytesMut,
+    write_timeout: Option<Duration>,
+    (mut sent, limits): (u64, Limits),
+) -> Result<()> {
+    let limit = limits.max_request_body_bytes;
+    let mut read = BytesMut::new();
+    let next = async |client: &mut Io, read: &mut BytesMut| {
+        read.clear();
+        match timeout(limits.request_body_timeout, read_more(client, read)).await {
+            Ok(Ok(0)) => Err(down(ConnectionClosed, "client closed mid-body")),
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(down_io(ReadError, e)),
+            Err(_) => Err(client_error(ClientError::BodyTimeout)),
+        }
+    };
+    match rest {
+        Rest::Done => Ok(()),
+        Rest::Length(mut left) => {
+            while left > 0 {
+                next(client, &mut read).await?;
+                let take = read.len().min(usize::try_from(left).unwrap_or(usize::MAX));
+                leftover.extend_from_slice(&read[take..]);
+                write_up(up, &read[..take], write_timeout).await?;
+                left -= take as u64;
+            }
+            Ok(())
+        }
+        Rest::Chunked(mut decoder) => loop {
+            next(client, &mut read).await?;
+            let mut out = BytesMut::with_capacity(read.len() + 16);
+            let used = decoder
+                .feed(&read, |payload| {
+                    sent += payload.len() as u64;
+                    body::put_chunk(&mut out, payload);
+                })
+                .map_err(|_| client_error(ClientError::BadChunk))?;
+            if sent > limit {
+                return Err(client_error(ClientError::BodyTooLarge));
+            }
+            if decoder.done() {
+                out.extend_from_slice(body::LAST_CHUNK);
+                leftover.extend_from_slice(&read[used..]);
+                return write_up(up, &out, write_timeout).await;
+            }
+            write_up(up, &out, write_timeout).await?;
+        },
+    }
+}

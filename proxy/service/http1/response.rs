@@ -1,0 +1,167 @@
+//! The response head as the upstream sends it and as the client gets it: read past any
+//! 1xx within its deadline (the client watched meanwhile), and the client's framing decided
+//! from the response's and the request's side ([`to_client`]).
+
+use std::future::{poll_fn, Future};
+use std::task::Poll;
+use std::time::Duration;
+
+use bytes::{Buf, BytesMut};
+use pingora::prelude::*;
+
+use super::body::BodyFraming;
+use super::conn::Io;
+use super::head::ResponseHead;
+use super::io::{poll_client_gone, poll_read_with, up_err, up_io};
+use super::{Head, MAX_RESPONSE_HEAD};
+
+/// How the client gets the response body.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ToClient {
+    /// The upstream's bytes as they came.
+    AsIs,
+    /// Chunks tokentap frames (usage stripped, or an upstream body ended by close).
+    Chunked,
+    /// The payload alone, ended by closing the connection (an HTTP/1.0 client).
+    Close,
+}
+
+/// Reads the response header, past any 1xx, while watching the client (see [`watching`]);
+/// hands it, the body bytes read with it and whether its lines ended in a bare LF (a server
+/// that ends its chunk lines so too) to `then`, with whether the client is still watched
+/// and sent nothing more. A head that comes in one read (the usual case) is parsed in the
+/// thread's scratch buffer, and the bytes after it are given from there: only a head split
+/// across reads is gathered into a buffer of its own. The first byte of a head must come
+/// within `read_timeout`, and the rest of it within `read_timeout` of that byte (a 504).
+pub(crate) async fn read_response_head<T>(
+    up: &mut Io,
+    (client, watch, leftover): (&mut Io, &mut bool, &mut BytesMut),
+    read_timeout: Option<Duration>,
+    then: impl FnOnce(ResponseHead, &[u8], bool, bool) -> Result<T>,
+) -> Result<T> {
+    let mut then = Some(then);
+    let mut buf = BytesMut::new();
+    let mut head_begun = false;
+    let timer = tokio::time::sleep(read_timeout.unwrap_or(Duration::MAX / 4));
+    tokio::pin!(timer);
+    poll_fn(|cx| loop {
+        let watched = leftover.is_empty() && *watch;
+        let mut found = |bytes: &[u8], at: usize, resp, bare_lf| match then.take() {
+            Some(then) => then(resp, &bytes[at..], bare_lf, watched).map(Some),
+            None => Err(Error::explain(InternalError, "response header read twice")),
+        };
+        let read = poll_read_with(up, cx, |data, _| {
+            if data.is_empty() {
+                return Err(up_err(
+                    ConnectionClosed,
+                    "upstream closed before its header",
+                ));
+            }
+            if buf.is_empty() {
+                match find_head(data)? {
+                    Found::Head(resp, at, bare_lf) => return found(data, at, resp, bare_lf),
+                    Found::Partial(at) => buf.extend_from_slice(&data[at..]),
+                }
+            } else {
+                buf.extend_from_slice(data);
+                match find_head(&buf)? {
+                    Found::Head(resp, at, bare_lf) => return found(&buf, at, resp, bare_lf),
+                    Found::Partial(at) => buf.advance(at),
+                }
+            }
+            Ok(None)
+        });
+        match read {
+            Poll::Ready(Ok(Ok(Some(opened)))) => return Poll::Ready(Ok(opened)),
+            Poll::Ready(Ok(Ok(None))) => {
+                // Waiting for a head's first byte (a backend's prefill), each read has
+                // `read_timeout`; once a head has begun, all of it must arrive within
+                // `read_timeout` of its first byte, however it trickles.
+                let begun = !buf.is_empty();
+                if let (Some(t), false) = (read_timeout, begun && head_begun) {
+                    timer.as_mut().reset(tokio::time::Instant::now() + t);
+                }
+                head_begun = begun;
+                continue;
+            }
+            Poll::Ready(Ok(Err(e))) => return Poll::Ready(Err(e)),
+            Poll::Ready(Err(e)) => return Poll::Ready(Err(up_io(ReadError, e))),
+            Poll::Pending => {}
+        }
+        if let Some(gone) = poll_client_gone(client, cx, watch, leftover) {
+            return Poll::Ready(Err(gone));
+        }
+        if read_timeout.is_some() && timer.as_mut().poll(cx).is_ready() {
+            return Poll::Ready(Err(up_err(ReadTimedout, "reading the response header")));
+        }
+        return Poll::Pending;
+    })
+    .await
+}
+
+/// How the client gets a body framed by `framing`: `http10`, the client is HTTP/1.0;
+/// `rewritten`, tokentap changes the body (a usage chunk taken out), so its length is not
+/// the upstream's; `bare_lf`, the upstream ended its chunk lines with a bare LF (and no other
+/// coding is under the chunks).
+pub(crate) fn to_client(
+    framing: BodyFraming,
+    http10: bool,
+    rewritten: bool,
+    bare_lf: bool,
+) -> ToClient {
+    match framing {
+        // RFC 9112 §7: an HTTP/1.0 client gets no chunks, but a body ended by close.
+        BodyFraming::Chunked | BodyFraming::UntilClose if http10 => ToClient::Close,
+        _ if rewritten && http10 => ToClient::Close,
+        // As pingora-proxy: a body without a length goes on chunked, so the client
+        // connection survives it; so does a body whose length stripping changes.
+        BodyFraming::UntilClose => ToClient::Chunked,
+        _ if rewritten => ToClient::Chunked,
+        // Chunk lines ended by a bare LF are read, and framed again for the client.
+        BodyFraming::Chunked if bare_lf => ToClient::Chunked,
+        _ => ToClient::AsIs,
+    }
+}
+
+/// What [`find_head`] found.
+enum Found {
+    /// The final head, the offset of the bytes after it, and whether a line of it ended in
+    /// a bare LF.
+    Head(ResponseHead, usize, bool),
+    /// No final head yet: more is needed, from this offset on (past any whole 1xx heads).
+    Partial(usize),
+}
+
+/// The final response head at the start of `bytes`, past any informational ones (the client
+/// gets the final one).
+fn find_head(bytes: &[u8]) -> Result<Found> {
+    let mut at = 0;
+    loop {
+        let rest = &bytes[at..];
+        match ResponseHead::parse(rest) {
+            Head::Complete(resp, _) if resp.status == http::StatusCode::SWITCHING_PROTOCOLS => {
+                return Err(up_err(
+                    InvalidHTTPHeader,
+                    "101 to a request without Upgrade",
+                ));
+            }
+            Head::Complete(mut resp, len) => {
+                let bare_lf = memchr::memchr_iter(b'\n', &rest[..len])
+                    .any(|i| i == 0 || rest[i - 1] != b'\r');
+                if !resp.status.is_informational() {
+                    resp.copy(rest, len);
+                    return Ok(Found::Head(resp, at + len, bare_lf));
+                }
+                at += len;
+            }
+            Head::Invalid => return Err(up_err(InvalidHTTPHeader, "upstream response header")),
+            Head::Partial if rest.len() > MAX_RESPONSE_HEAD => {
+                return Err(up_err(
+                    InvalidHTTPHeader,
+                    "upstream response header too large",
+                ))
+            }
+            Head::Partial => return Ok(Found::Partial(at)),
+        }
+    }
+}

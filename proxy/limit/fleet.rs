@@ -33,6 +33,7 @@ use redis::aio::ConnectionManager;
 use super::{Limiter, Permit, Rejected};
 
 mod control;
+mod wire;
 use control::Control;
 pub use control::Steer;
 

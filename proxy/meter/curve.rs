@@ -6,13 +6,17 @@
 //! `retired`), so its counters only grow.
 //!
 //! [`Events`] is the per-event half, one per shard; [`Times`] the per-request half (time
-//! and ∫ concurrency dt per bucket), one per upstream.
+//! and ∫ concurrency dt per bucket), one per upstream. A read merges the shards' buckets
+//! and hands them here with the times, for the points of `/stats` ([`points`]), the totals
+//! of `/metrics` ([`totals`]) and the SLO-bounded throughput.
 
 use std::collections::VecDeque;
 use std::time::Duration;
 
 use hdrhistogram::Histogram;
 
+use super::hist::quantile_us;
+use super::stats::CurvePoint;
 use super::Nanos;
 
 /// Concurrency buckets of the curve: 1, 2, 4, …, 2^(CURVE_BUCKETS-1).
@@ -47,7 +51,7 @@ impl Bucket {
         if let Some(g) = &other.gaps {
             let _ = self
                 .gaps
-                .get_or_insert_with(super::window::histogram64)
+                .get_or_insert_with(super::hist::histogram64)
                 .add(g);
         }
     }
@@ -223,4 +227,105 @@ impl Times {
     pub(super) fn reset(&mut self, window: Duration) {
         self.0.reset(window);
     }
+}
+
+// === export ===
+
+/// One concurrency bucket of the curve, since start, in a form that adds up across
+/// replicas: its tokens, the time spent in it and its per-token gaps.
+pub struct CurveTotals {
+    /// The bucket's upper bound (1, 2, 4, …).
+    pub concurrency: u64,
+    pub tokens: u64,
+    pub seconds: f64,
+    /// Per-token gaps, µs, two significant figures; `None` before the bucket's first gap.
+    pub gaps_us: Option<Histogram<u64>>,
+    pub gap_sum_us: f64,
+}
+
+/// The curve's points from the shards' `buckets` and the `times` spent in each: every
+/// bucket with tokens, `sparse` when it lacks the support of a point.
+pub(super) fn points(buckets: &[Bucket], times: [Time; CURVE_BUCKETS]) -> Vec<CurvePoint> {
+    buckets
+        .iter()
+        .zip(times)
+        .enumerate()
+        .filter(|(_, (b, _))| b.tokens > 0)
+        .map(|(i, (b, t))| {
+            let samples = b.gaps.as_ref().map_or(0, Histogram::len);
+            let q = |p: f64| {
+                b.gaps
+                    .as_ref()
+                    .filter(|h| !h.is_empty())
+                    .map(|h| quantile_us(h, p) / 1e3)
+            };
+            let mean_ms = (samples > 0).then(|| b.gap_sum_us / samples as f64 / 1e3);
+            let single = mean_ms.filter(|m| *m > 0.0).map(|m| 1000.0 / m);
+            let mean_concurrency = (t.ns > 0).then(|| t.busy as f64 / t.ns as f64);
+            // Counted by the backend, this tokentap's tokens are only its share of the
+            // batch: the backend's rate is its mean batch × the per-stream rate.
+            let by_backend = t.backend_ns * 2 > t.ns;
+            let system_tps = match (t.ns > 0, by_backend) {
+                (false, _) => None,
+                (true, true) => single.zip(mean_concurrency).map(|(s, c)| s * c),
+                (true, false) => Some(b.tokens as f64 / (t.ns as f64 / 1e9)),
+            };
+            CurvePoint {
+                concurrency: 1 << i,
+                tpot_ms_p50: q(0.5),
+                tpot_ms_p90: q(0.9),
+                single_stream_tps: single,
+                system_tps,
+                mean_concurrency,
+                samples,
+                sparse: sparse(b, &t),
+            }
+        })
+        .collect()
+}
+
+/// The curve since start: the buckets with the support of a point (once a bucket has it,
+/// it always has).
+pub(super) fn totals(buckets: Vec<Bucket>, times: [Time; CURVE_BUCKETS]) -> Vec<CurveTotals> {
+    buckets
+        .into_iter()
+        .zip(times)
+        .enumerate()
+        .filter(|(_, (b, t))| !sparse(b, t))
+        .map(|(i, (b, t))| CurveTotals {
+            concurrency: 1 << i,
+            tokens: b.tokens,
+            seconds: t.ns as f64 / 1e9,
+            gaps_us: b.gaps,
+            gap_sum_us: b.gap_sum_us,
+        })
+        .collect()
+}
+
+/// The highest system T/s among `points` whose bucket's `percentile` of per-token gaps
+/// meets `tpot_ms`.
+pub(super) fn slo_bounded_system_tps(
+    points: &[CurvePoint],
+    buckets: &[Bucket],
+    tpot_ms: f64,
+    percentile: f64,
+) -> Option<f64> {
+    let meets = |b: &Bucket| {
+        b.gaps
+            .as_ref()
+            .is_some_and(|h| !h.is_empty() && quantile_us(h, percentile / 100.0) / 1e3 <= tpot_ms)
+    };
+    points
+        .iter()
+        .filter(|p| !p.sparse)
+        .filter(|p| meets(&buckets[p.concurrency.trailing_zeros() as usize]))
+        .filter_map(|p| p.system_tps)
+        .max_by(f64::total_cmp)
+}
+
+/// Whether a bucket lacks the support of a point: [`MIN_SECS`] spent there and
+/// [`MIN_GAPS`] per-token gaps.
+fn sparse(b: &Bucket, t: &Time) -> bool {
+    let gaps = b.gaps.as_ref().map_or(0, Histogram::len);
+    (t.ns as f64 / 1e9) < MIN_SECS || gaps < MIN_GAPS
 }

@@ -10,145 +10,34 @@
 //! or ends). Beginning and ending a request take the upstream's own lock; the admin API and
 //! the SLO controller take it and every shard's in turn to read.
 
+mod clock;
 mod curve;
+mod hist;
+mod records;
+mod samples;
+mod shard;
 mod stats;
+mod stream;
 mod window;
 
 use std::cell::Cell;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+pub use clock::{Clock, Nanos, Outcome};
+pub use curve::CurveTotals;
+pub use samples::{ControlSample, Gaps};
+use shard::Shard;
 pub use stats::{CurvePoint, MeterStats, Percentiles, TokensPerEvent};
-pub use window::{ControlSample, Gaps};
-use window::{Shard, Sums, Windows};
+pub use stream::{Stream, Summary};
+use window::{Sums, Windows};
 
 /// The curve bucket (0 for 1, 1 for 2, 2 for 3–4, …; labelled `1 << bucket`) of a mean
 /// concurrency.
 pub fn bucket_of(concurrency: f64) -> usize {
     window::bucket(concurrency.round().max(1.0) as u64)
-}
-
-/// Nanoseconds since a [`Clock`]'s origin.
-pub type Nanos = u64;
-
-/// A monotonic clock whose readings are [`Nanos`] since it was made.
-#[derive(Debug, Clone, Copy)]
-pub struct Clock {
-    origin: Instant,
-    /// In tests, a clock that always reads this.
-    #[cfg(test)]
-    frozen: Option<Nanos>,
-}
-
-// === impl Clock ===
-
-impl Clock {
-    pub fn new() -> Self {
-        Clock {
-            origin: Instant::now(),
-            #[cfg(test)]
-            frozen: None,
-        }
-    }
-
-    /// A clock that always reads `at`: what a meter reads for itself (its start, the
-    /// curve's window) does not depend on when a test ran.
-    #[cfg(test)]
-    pub fn frozen(at: Nanos) -> Self {
-        Clock {
-            frozen: Some(at),
-            ..Clock::new()
-        }
-    }
-
-    pub fn now(&self) -> Nanos {
-        #[cfg(test)]
-        if let Some(at) = self.frozen {
-            return at;
-        }
-        u64::try_from(self.origin.elapsed().as_nanos()).unwrap_or(u64::MAX)
-    }
-}
-
-impl Default for Clock {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
-/// How a request ended; the `status` label of `tokentap_requests_total`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Outcome {
-    /// A complete response (2xx/3xx; a stream that reached its terminal event).
-    Ok,
-    /// The upstream answered 4xx: the request was refused, the backend did its job.
-    ClientError,
-    /// The upstream answered 5xx.
-    ServerError,
-    /// The client went away before the response ended.
-    Aborted,
-    /// The upstream could not be reached, or failed (reset, timeout) mid-response.
-    UpstreamError,
-    /// A stream that ended without its terminal event (finish reason or `[DONE]`).
-    Truncated,
-    /// The stream reported an error in-band (`{"error":…}` event).
-    StreamError,
-    /// tokentap itself failed the request (not the backend's fault).
-    ProxyError,
-}
-
-// === impl Outcome ===
-
-impl Outcome {
-    pub const ALL: [Outcome; 8] = [
-        Outcome::Ok,
-        Outcome::ClientError,
-        Outcome::ServerError,
-        Outcome::Aborted,
-        Outcome::UpstreamError,
-        Outcome::Truncated,
-        Outcome::StreamError,
-        Outcome::ProxyError,
-    ];
-
-    pub fn label(self) -> &'static str {
-        match self {
-            Outcome::Ok => "ok",
-            Outcome::ClientError => "4xx",
-            Outcome::ServerError => "5xx",
-            Outcome::Aborted => "aborted",
-            Outcome::UpstreamError => "upstream_error",
-            Outcome::Truncated => "truncated",
-            Outcome::StreamError => "stream_error",
-            Outcome::ProxyError => "proxy_error",
-        }
-    }
-
-    /// Errors are the backend's failures; a refused request or a client that left is not one.
-    pub fn is_error(self) -> bool {
-        matches!(
-            self,
-            Outcome::ServerError
-                | Outcome::UpstreamError
-                | Outcome::Truncated
-                | Outcome::StreamError
-        )
-    }
-
-    /// The outcome of a response that arrived whole with this HTTP status.
-    pub fn from_status(status: u16) -> Outcome {
-        match status {
-            500.. => Outcome::ServerError,
-            400..=499 => Outcome::ClientError,
-            _ => Outcome::Ok,
-        }
-    }
-
-    fn index(self) -> usize {
-        self as usize
-    }
 }
 
 /// Prometheus histogram handles an upstream's finished requests feed (no-ops in unit
@@ -180,18 +69,6 @@ pub struct Distributions {
     pub itl_sum_us: f64,
     /// Tokens per token-bearing fragment.
     pub tokens_per_event: hdrhistogram::Histogram<u64>,
-}
-
-/// One concurrency bucket of the curve, since start, in a form that adds up across
-/// replicas: its tokens, the time spent in it and its per-token gaps.
-pub struct CurveTotals {
-    /// The bucket's upper bound (1, 2, 4, …).
-    pub concurrency: u64,
-    pub tokens: u64,
-    pub seconds: f64,
-    /// Per-token gaps, µs, two significant figures; `None` before the bucket's first gap.
-    pub gaps_us: Option<hdrhistogram::Histogram<u64>>,
-    pub gap_sum_us: f64,
 }
 
 /// Requests and output tokens of one model on one upstream.
@@ -270,7 +147,7 @@ pub struct UpstreamMeter {
     curve_window: Mutex<Duration>,
 }
 
-const UNKNOWN: u64 = u64::MAX;
+pub(super) const UNKNOWN: u64 = u64::MAX;
 
 /// `metrics.curve_window_secs`' default.
 pub const DEFAULT_CURVE_WINDOW: Duration = Duration::from_secs(900);
@@ -367,24 +244,7 @@ impl UpstreamMeter {
         }
         let shard = shard_of_thread(self.shards.len());
         let key = self.shard(shard).begin(t0, now);
-        Stream {
-            meter: Arc::clone(self),
-            shard,
-            key,
-            t0,
-            first: None,
-            last: 0,
-            tokens: 0,
-            exact: None,
-            done: false,
-            concurrency_sum: 0,
-            events: 0,
-            held: 0,
-            held_n: 0,
-            input: None,
-            model: None,
-            unread: false,
-        }
+        Stream::new(Arc::clone(self), shard, key, t0)
     }
 
     /// The backend's running count, read from its own metrics (`None`: unknown or stale).
@@ -575,212 +435,6 @@ impl UpstreamMeter {
             .map(|i| self.shard(i).records_held())
             .sum()
     }
-}
-
-/// One metered request: its in-flight slot and its record. Finish it with
-/// [`Stream::finish`]; dropped unfinished (a panic, a path that forgot), it ends as
-/// [`Outcome::Aborted`], so the slot is never leaked.
-pub struct Stream {
-    meter: Arc<UpstreamMeter>,
-    /// The shard holding its record: the one of the thread it began on.
-    shard: usize,
-    key: usize,
-    t0: Nanos,
-    first: Option<Nanos>,
-    last: Nanos,
-    tokens: u64,
-    exact: Option<u64>,
-    done: bool,
-    /// Σ in-flight over its token events, and their number.
-    concurrency_sum: u64,
-    events: u64,
-    /// Events held back by [`Stream::tokens`]: `held` more of `held_n` tokens each, at
-    /// `last`, to be recorded together by [`Stream::flush`].
-    held: u32,
-    held_n: u32,
-    /// Prompt tokens, when the stream reported them.
-    input: Option<u64>,
-    /// The request's model, counted per model at the end (`metrics.model_label`).
-    model: Option<Box<str>>,
-    /// Its body could not be read (a content or transfer coding): its tokens are unknown.
-    unread: bool,
-}
-
-/// One request's figures, for the access log.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Summary {
-    pub ttft_ms: Option<f64>,
-    pub tpot_ms: Option<f64>,
-    pub output_tokens: u64,
-    /// The stream reported its count; else it is estimated.
-    pub exact: bool,
-}
-
-// === impl Stream ===
-
-impl Stream {
-    /// An event carrying `n` tokens arrived at `now`.
-    ///
-    /// Events that arrive at the same instant as the one before them (those of one upstream
-    /// fragment) and carry as many tokens as each other are held back and recorded
-    /// together by [`Stream::flush`], which the proxy calls once a fragment is read: one
-    /// meter update for a fragment's burst, counting each of its events as its own.
-    pub fn tokens(&mut self, now: Nanos, n: u32) {
-        if n == 0 || self.done {
-            return;
-        }
-        let same_instant = self.first.is_some() && now == self.last;
-        if same_instant && (self.held == 0 || n == self.held_n) && self.held < u32::MAX {
-            self.held += 1;
-            self.held_n = n;
-            self.tokens += u64::from(n);
-            return;
-        }
-        self.flush();
-        self.record(now, n, 1);
-        self.tokens += u64::from(n);
-    }
-
-    /// Records the events [`Stream::tokens`] held back (also done when the stream ends).
-    pub fn flush(&mut self) {
-        if self.held > 0 && !self.done {
-            let (n, events) = (self.held_n, self.held);
-            self.held = 0;
-            self.record(self.last, n, events);
-        }
-    }
-
-    /// `events` events of `n` tokens each at `now`, in the shard and the histograms (the
-    /// caller counts their tokens).
-    fn record(&mut self, now: Nanos, n: u32, events: u32) {
-        let in_flight = self.meter.in_flight.load(Relaxed);
-        let curve_at = match self.meter.backend_running.load(Relaxed) {
-            UNKNOWN => in_flight,
-            backend => backend,
-        };
-        let gap = self
-            .meter
-            .shard(self.shard)
-            .tokens(self.key, now, n, events, curve_at);
-        self.concurrency_sum += in_flight * u64::from(events);
-        self.events += u64::from(events);
-        if gap.is_none() {
-            self.first = Some(now);
-            self.meter
-                .hist
-                .ttft
-                .record(secs(now.saturating_sub(self.t0)));
-        }
-        self.last = now;
-    }
-
-    /// The stream reported an exact output-token count (cumulative: the last one wins).
-    pub fn exact_total(&mut self, total: u64) {
-        self.exact = Some(total);
-    }
-
-    /// Its body cannot be read (a coding tokentap does not undo): a generation that
-    /// completes counts as not counted exactly, with whatever was estimated (nothing).
-    pub fn unreadable(&mut self) {
-        self.unread = true;
-    }
-
-    /// The stream reported its prompt tokens (the last report wins).
-    pub fn input_tokens(&mut self, n: u64) {
-        self.input = Some(n);
-    }
-
-    /// Counts this request under `model` when it ends.
-    pub fn set_model(&mut self, model: Option<String>) {
-        self.model = model.map(String::into_boxed_str);
-    }
-
-    /// Tokens recorded from events so far (estimated, or from a running exact count).
-    pub fn counted_tokens(&self) -> u64 {
-        self.tokens
-    }
-
-    /// Tokens counted so far (the exact count once one arrived).
-    pub fn output_tokens(&self) -> u64 {
-        self.exact.unwrap_or(self.tokens)
-    }
-
-    /// What the request's record says so far: TTFT, TPOT, output tokens and whether they
-    /// are exact.
-    pub fn summary(&self) -> Summary {
-        let total = self.output_tokens();
-        Summary {
-            ttft_ms: self.first.map(|f| f.saturating_sub(self.t0) as f64 / 1e6),
-            tpot_ms: self
-                .first
-                .filter(|&f| total >= 2 && self.last > f)
-                .map(|f| (self.last - f) as f64 / 1e6 / (total - 1) as f64),
-            output_tokens: total,
-            exact: self.exact.is_some(),
-        }
-    }
-
-    /// The response ended at `now`.
-    pub fn finish(mut self, now: Nanos, outcome: Outcome) {
-        self.end(now, outcome);
-    }
-
-    fn end(&mut self, now: Nanos, outcome: Outcome) {
-        if self.done {
-            return;
-        }
-        self.flush();
-        self.done = true;
-        let total = self.output_tokens();
-        self.meter
-            .shard(self.shard)
-            .finish(self.key, now, self.tokens, self.exact);
-        {
-            let mut windows = self.meter.lock();
-            let in_flight = windows.finish(
-                now,
-                outcome,
-                (self.tokens, self.unread),
-                self.exact,
-                self.input,
-            );
-            self.meter.in_flight.store(in_flight, Relaxed);
-        }
-        self.meter
-            .hist
-            .e2e
-            .record(secs(now.saturating_sub(self.t0)));
-        if let Some(model) = self.model.take() {
-            self.meter.count_model(&model, total);
-        }
-        if let Some(first) = self.first {
-            if total >= 2 && self.last > first {
-                let tpot = secs(self.last - first) / (total - 1) as f64;
-                self.meter.hist.tpot.record(tpot);
-                if outcome == Outcome::Ok {
-                    self.meter.push_sample(RequestSample {
-                        at: now,
-                        concurrency: self.concurrency_sum as f64 / self.events.max(1) as f64,
-                        ttft_ms: first.saturating_sub(self.t0) as f64 / 1e6,
-                        tpot_ms: tpot * 1e3,
-                    });
-                }
-            }
-        }
-    }
-}
-
-impl Drop for Stream {
-    fn drop(&mut self) {
-        if !self.done {
-            let now = self.meter.clock.now();
-            self.end(now, Outcome::Aborted);
-        }
-    }
-}
-
-fn secs(ns: Nanos) -> f64 {
-    ns as f64 / 1e9
 }
 
 #[cfg(test)]

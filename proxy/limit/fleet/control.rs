@@ -14,6 +14,7 @@ use std::collections::HashMap;
 use std::sync::PoisonError;
 use std::time::Duration;
 
+use super::wire::Record;
 use super::{millis, timed, Fleet};
 use crate::limit::controller::Tick;
 use crate::meter::{ControlSample, Gaps};
@@ -93,45 +94,6 @@ pub enum Steer {
     Follow(Option<u64>),
     /// Redis is away: this replica steers alone.
     Alone,
-}
-
-/// One replica's control tick, as it travels: `seq in_flight concurrency queued gaps`
-/// (Redis puts its clock's time in front).
-#[derive(Debug, Clone, PartialEq)]
-struct Record {
-    seq: u64,
-    in_flight: u64,
-    concurrency: f64,
-    queued: bool,
-    gaps: Gaps,
-}
-
-impl Record {
-    fn encode(&self) -> String {
-        format!(
-            "{} {} {:.3} {} {}",
-            self.seq,
-            self.in_flight,
-            self.concurrency,
-            u8::from(self.queued),
-            self.gaps.encode()
-        )
-    }
-
-    /// A stored record (`at seq in_flight concurrency queued gaps`); `None` if malformed
-    /// (a replica of another version: left out).
-    fn decode(s: &str) -> Option<Record> {
-        let mut f = s.split(' ');
-        let _at: u64 = f.next()?.parse().ok()?;
-        let r = Record {
-            seq: f.next()?.parse().ok()?,
-            in_flight: f.next()?.parse().ok()?,
-            concurrency: f.next()?.parse().ok().filter(|c: &f64| c.is_finite())?,
-            queued: f.next()? == "1",
-            gaps: Gaps::decode(f.next().unwrap_or(""))?,
-        };
-        f.next().is_none().then_some(r)
-    }
 }
 
 // === impl Fleet ===
@@ -240,40 +202,5 @@ impl Fleet {
 
     fn lock_control(&self) -> std::sync::MutexGuard<'_, Control> {
         self.control.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_record_travels_and_a_stranger_s_is_left_out() {
-        let r = Record {
-            seq: 7,
-            in_flight: 12,
-            concurrency: 11.5,
-            queued: true,
-            gaps: Gaps::decode("20000:3,21000:1").unwrap(),
-        };
-        assert_eq!(
-            Record::decode(&format!("1700000000000 {}", r.encode())),
-            Some(r)
-        );
-        let idle = Record {
-            gaps: Gaps::default(),
-            queued: false,
-            ..Record::decode("1 7 12 11.5 1 20000:3").unwrap()
-        };
-        assert_eq!(Record::decode(&format!("1 {}", idle.encode())), Some(idle));
-        for bad in [
-            "",
-            "1 2 3",
-            "1 2 3 NaN 0 ",
-            "1 2 3 4.0 0 1:2 extra",
-            "a 2 3 4 0 ",
-        ] {
-            assert_eq!(Record::decode(bad), None, "{bad:?}");
-        }
     }
 }

@@ -371,11 +371,9 @@ impl Relay {
             ToClient::Chunked => body::put_chunk(&mut kept, bytes),
             ToClient::Close => kept.extend_from_slice(bytes),
         };
-        let mut payload = |payload: &[u8]| {
-            match tap.on_body(ctx, now, payload, false) {
-                Some(instead) => emit(&instead),
-                None => emit(payload),
-            }
+        let mut payload = |payload: &[u8]| match tap.on_body(ctx, now, payload, false) {
+            Some(instead) => emit(&instead),
+            None => emit(payload),
         };
         if self.framing == BodyFraming::Chunked {
             PAYLOAD_RUNS.with_borrow(|runs| {

@@ -1,0 +1,116 @@
+//! The fleet's wire format in Redis: a replica's control tick as one line of text
+//! ([`Record`]), its per-token gaps as `µs:count` pairs. A record that does not read
+//! (another version's) is left out, never misread.
+
+use std::fmt::Write as _;
+
+use crate::meter::Gaps;
+
+/// One replica's control tick, as it travels: `seq in_flight concurrency queued gaps`
+/// (Redis puts its clock's time in front).
+#[derive(Debug, Clone, PartialEq)]
+pub(super) struct Record {
+    pub(super) seq: u64,
+    pub(super) in_flight: u64,
+    pub(super) concurrency: f64,
+    pub(super) queued: bool,
+    pub(super) gaps: Gaps,
+}
+
+impl Record {
+    pub(super) fn encode(&self) -> String {
+        format!(
+            "{} {} {:.3} {} {}",
+            self.seq,
+            self.in_flight,
+            self.concurrency,
+            u8::from(self.queued),
+            encode_gaps(&self.gaps)
+        )
+    }
+
+    /// A stored record (`at seq in_flight concurrency queued gaps`); `None` if malformed
+    /// (a replica of another version: left out).
+    pub(super) fn decode(s: &str) -> Option<Record> {
+        let mut f = s.split(' ');
+        let _at: u64 = f.next()?.parse().ok()?;
+        let r = Record {
+            seq: f.next()?.parse().ok()?,
+            in_flight: f.next()?.parse().ok()?,
+            concurrency: f.next()?.parse().ok().filter(|c: &f64| c.is_finite())?,
+            queued: f.next()? == "1",
+            gaps: decode_gaps(f.next().unwrap_or(""))?,
+        };
+        f.next().is_none().then_some(r)
+    }
+}
+
+/// Gaps as `µs:count` pairs, comma-separated.
+pub(super) fn encode_gaps(gaps: &Gaps) -> String {
+    let pairs = gaps.pairs();
+    let mut s = String::with_capacity(pairs.len() * 10);
+    for (i, (v, n)) in pairs.iter().enumerate() {
+        let _ = write!(s, "{}{v}:{n}", if i > 0 { "," } else { "" });
+    }
+    s
+}
+
+/// What [`encode_gaps`] wrote; `None` for anything else.
+pub(super) fn decode_gaps(s: &str) -> Option<Gaps> {
+    if s.is_empty() {
+        return Some(Gaps::default());
+    }
+    s.split(',')
+        .map(|pair| {
+            let (v, n) = pair.split_once(':')?;
+            Some((v.parse().ok()?, n.parse().ok()?))
+        })
+        .collect::<Option<Vec<_>>>()
+        .map(Gaps::from_pairs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_record_travels_and_a_stranger_s_is_left_out() {
+        let r = Record {
+            seq: 7,
+            in_flight: 12,
+            concurrency: 11.5,
+            queued: true,
+            gaps: decode_gaps("20000:3,21000:1").unwrap(),
+        };
+        assert_eq!(
+            Record::decode(&format!("1700000000000 {}", r.encode())),
+            Some(r)
+        );
+        let idle = Record {
+            gaps: Gaps::default(),
+            queued: false,
+            ..Record::decode("1 7 12 11.5 1 20000:3").unwrap()
+        };
+        assert_eq!(Record::decode(&format!("1 {}", idle.encode())), Some(idle));
+        for bad in [
+            "",
+            "1 2 3",
+            "1 2 3 NaN 0 ",
+            "1 2 3 4.0 0 1:2 extra",
+            "a 2 3 4 0 ",
+        ] {
+            assert_eq!(Record::decode(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn gaps_travel_as_text_and_refuse_garbage() {
+        let g = decode_gaps("20000:2,31000:1,2000000:1").unwrap();
+        assert_eq!(g.pairs(), [(20_000, 2), (31_000, 1), (2_000_000, 1)]);
+        assert_eq!(decode_gaps(&encode_gaps(&g)), Some(g));
+        assert_eq!(decode_gaps(""), Some(Gaps::default()));
+        for bad in ["1:2,", "x:1", "1:-1", "1", "1:2:3"] {
+            assert_eq!(decode_gaps(bad), None, "{bad}");
+        }
+    }
+}

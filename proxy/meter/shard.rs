@@ -1,0 +1,323 @@
+//! The per-event half of an upstream's meter, one per worker thread: a token event locks
+//! only its own thread's shard. It holds the ring of slots (tokens and per-token gaps), the
+//! records of the requests begun on this thread, and the curve's per-event part.
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use hdrhistogram::Histogram;
+use slab::Slab;
+
+use super::curve::{Events, Scope, CURVE_BUCKETS};
+use super::hist::{histogram, histogram64, HIST_MAX_US};
+use super::records::{into_slot_us, window_tpot, Record, Retired, Segment};
+use super::window::{bucket, ms, slot_ns, Span, Sums, SLOTS};
+use super::Nanos;
+
+/// One slot of a shard's ring: its tokens and per-token gaps.
+struct Slot {
+    epoch: u64,
+    tokens: u64,
+    /// Per-token gaps (ITL), µs.
+    itl: Histogram<u32>,
+}
+
+/// The per-event state of one upstream on one worker thread.
+pub(super) struct Shard {
+    slot_ns: Nanos,
+    /// The latest time seen: timestamps taken just before the lock may arrive out of order.
+    latest: Nanos,
+    ring: Vec<Slot>,
+    /// The requests in flight.
+    records: Slab<Record>,
+    /// Finished requests in finishing order, dropped once they leave the window.
+    retired: VecDeque<Retired>,
+    curve: Events,
+    /// Per-token gaps since the SLO controller's last read.
+    control_gaps: Histogram<u32>,
+    /// Tokens per token-bearing fragment, since start.
+    tokens_per_event: Histogram<u64>,
+    /// Tokens counted so far by this shard's requests in flight.
+    running: u64,
+}
+
+// === impl Shard ===
+
+impl Shard {
+    pub(super) fn new(window: Duration, curve_window: Duration) -> Self {
+        Shard {
+            slot_ns: slot_ns(window),
+            latest: 0,
+            ring: (0..SLOTS)
+                .map(|_| Slot {
+                    epoch: u64::MAX,
+                    tokens: 0,
+                    itl: histogram(),
+                })
+                .collect(),
+            records: Slab::new(),
+            retired: VecDeque::new(),
+            curve: Events::new(curve_window),
+            control_gaps: histogram(),
+            tokens_per_event: histogram64(),
+            running: 0,
+        }
+    }
+
+    /// Tokens counted so far by requests in flight.
+    pub(super) fn running_tokens(&self) -> u64 {
+        self.running
+    }
+
+    /// The record of a request whose client started it at `t0`, sent upstream at `now`.
+    pub(super) fn begin(&mut self, t0: Nanos, now: Nanos) -> usize {
+        let now = self.clamp(now);
+        self.records.insert(Record {
+            t0,
+            first: None,
+            last: now,
+            epoch0: now / self.slot_ns,
+            segments: [Segment::default(); SLOTS],
+            by_bucket: [0; CURVE_BUCKETS],
+        })
+    }
+
+    /// Records `events` token events of `n` tokens each of request `key`, all at `now`, the
+    /// curve's concurrency being `in_flight` (tokentap's, or the backend's own count).
+    /// Exactly what `events` calls for one event each would record: the first event's gap
+    /// is the time since the request's previous event, the others' gaps are 0. Returns the
+    /// first event's gap (`None` for the request's first event).
+    pub(super) fn tokens(
+        &mut self,
+        key: usize,
+        now: Nanos,
+        n: u32,
+        events: u32,
+        in_flight: u64,
+    ) -> Option<Nanos> {
+        let now = self.clamp(now);
+        let epoch = now / self.slot_ns;
+        let rec = self.records.get_mut(key)?;
+        let tokens = n.saturating_mul(events);
+        let all = u64::from(n) * u64::from(events);
+        let b = bucket(in_flight);
+        rec.by_bucket[b] = rec.by_bucket[b].saturating_add(tokens);
+        let gap = rec.first.map(|_| now.saturating_sub(rec.last));
+        if rec.first.is_none() {
+            rec.first = Some(now);
+        }
+        rec.last = now;
+        let seg = &mut rec.segments[(epoch % SLOTS as u64) as usize];
+        let rel = u32::try_from(epoch.saturating_sub(rec.epoch0)).unwrap_or(u32::MAX);
+        let at = into_slot_us(now, self.slot_ns);
+        if seg.epoch != rel || seg.events == 0 {
+            *seg = Segment {
+                epoch: rel,
+                first_us: at,
+                last_us: at,
+                tokens: 0,
+                events: 0,
+            };
+        }
+        seg.last_us = at;
+        seg.tokens = seg.tokens.saturating_add(tokens);
+        seg.events = seg.events.saturating_add(events);
+
+        let _ = self
+            .tokens_per_event
+            .record_n(u64::from(n), u64::from(events));
+        self.running += all;
+        let slot = slot_of(&mut self.ring, epoch);
+        slot.tokens += all;
+        let curve = self.curve.at(now, b);
+        curve.tokens += all;
+        // The first event's gap; each later one's is 0, which the histograms hold as their
+        // lowest value (1 µs per token) and which adds nothing to the sum.
+        let rest = n.saturating_mul(events.saturating_sub(1));
+        let gaps = [gap.map(|gap| (gap, n)), (rest > 0).then_some((0, rest))];
+        for (gap, tokens) in gaps.into_iter().flatten() {
+            let per_token_us = gap as f64 / 1e3 / f64::from(n);
+            let v = (per_token_us.round() as u64).clamp(1, HIST_MAX_US);
+            let _ = slot.itl.record_n(v, tokens);
+            let _ = self.control_gaps.record_n(v, tokens);
+            let _ = curve
+                .gaps
+                .get_or_insert_with(histogram64)
+                .record_n(v, u64::from(tokens));
+            curve.gap_sum_us += per_token_us * f64::from(tokens);
+        }
+        gap
+    }
+
+    /// Ends request `key`'s record at `now`. `estimated` is the tokens its events counted;
+    /// an `exact` total replaces that estimate (see [`Self::correct`]).
+    pub(super) fn finish(&mut self, key: usize, now: Nanos, estimated: u64, exact: Option<u64>) {
+        let now = self.clamp(now);
+        self.running = self.running.saturating_sub(estimated);
+        if let Some(total) = exact {
+            self.correct(key, now, estimated, total);
+        }
+        if let Some(rec) = self.records.try_remove(key) {
+            self.retired.push_back(Retired::of(rec, now));
+        }
+        self.purge(now);
+    }
+
+    /// Replaces a request's estimated tokens by its exact total. Streamed: each of its
+    /// segments still in the window is scaled by exact/estimated, and so is the slot it
+    /// counted in, so rates and its TPOT stay right without a jump at the end. Not
+    /// streamed: the tokens arrive whole, in the slot where the response ended.
+    /// The curve's buckets are corrected the same way: each bucket the request's tokens
+    /// arrived in gets its share of the difference, never the bucket it finished in.
+    fn correct(&mut self, key: usize, now: Nanos, estimated: u64, exact: u64) {
+        let epoch = now / self.slot_ns;
+        if exact == estimated {
+            return;
+        }
+        if estimated == 0 {
+            slot_of(&mut self.ring, epoch).tokens += exact;
+            return;
+        }
+        let ratio = exact as f64 / estimated as f64;
+        let Some(rec) = self.records.get_mut(key) else {
+            return;
+        };
+        for (b, &counted) in rec.by_bucket.iter().enumerate().filter(|(_, &t)| t > 0) {
+            let scaled = (f64::from(counted) * ratio).round() as u64;
+            let bucket = self.curve.at(now, b);
+            bucket.tokens = (bucket.tokens + scaled).saturating_sub(u64::from(counted));
+        }
+        for seg in rec.segments.iter_mut().filter(|s| s.events > 0) {
+            let scaled = (f64::from(seg.tokens) * ratio).round() as u64;
+            let epoch = rec.epoch0 + u64::from(seg.epoch);
+            let slot = &mut self.ring[(epoch % SLOTS as u64) as usize];
+            if slot.epoch == epoch {
+                slot.tokens = (slot.tokens + scaled).saturating_sub(u64::from(seg.tokens));
+            }
+            seg.tokens = u32::try_from(scaled).unwrap_or(u32::MAX);
+        }
+    }
+
+    /// Adds this shard's part of the window `span` to `sums`.
+    pub(super) fn add_to(&mut self, sums: &mut Sums, now: Nanos, span: Span) {
+        self.purge(now);
+        for slot in self.ring.iter().filter(|s| span.contains(s.epoch)) {
+            sums.tokens += slot.tokens;
+            let _ = sums.itl.add(&slot.itl);
+        }
+        let window_start = span.start();
+        let mut add = |t0: Nanos, first: Option<Nanos>, end: Option<Nanos>, tpot: Option<f64>| {
+            if let Some(first) = first.filter(|&f| f >= window_start) {
+                sums.ttft.push(ms(first.saturating_sub(t0)));
+            }
+            if let Some(end) = end.filter(|&f| f >= window_start) {
+                sums.e2e.push(ms(end.saturating_sub(t0)));
+            }
+            if let Some(t) = tpot {
+                sums.tpot.push(t);
+            }
+        };
+        for (_, rec) in &self.records {
+            add(
+                rec.t0,
+                rec.first,
+                None,
+                window_tpot(rec.epoch0, &rec.segments, span),
+            );
+        }
+        for r in &self.retired {
+            let tpot = window_tpot(r.epoch0, r.segments.as_slice(), span);
+            add(r.t0, r.first, Some(r.finished_at), tpot);
+        }
+        self.add_curve(sums, Scope::Window(now));
+        self.add_tokens_per_event(sums);
+    }
+
+    /// Moves the per-token gaps since the last call into `sums`.
+    pub(super) fn take_control_gaps(&mut self, sums: &mut Sums) {
+        let _ = sums.control_gaps.add(&self.control_gaps);
+        self.control_gaps.reset();
+    }
+
+    /// Adds this shard's curve of `scope` to `sums`.
+    pub(super) fn add_curve(&self, sums: &mut Sums, scope: Scope) {
+        self.curve.add(&mut sums.curve, scope);
+    }
+
+    /// The curve's window starts afresh, `curve_window` long.
+    pub(super) fn reset_curve(&mut self, curve_window: Duration) {
+        self.curve.reset(curve_window);
+    }
+
+    /// Adds this shard's tokens-per-event histogram to `sums`.
+    pub(super) fn add_tokens_per_event(&self, sums: &mut Sums) {
+        let _ = sums.tokens_per_event.add(&self.tokens_per_event);
+    }
+
+    /// Records held: in flight, or finished inside the window.
+    #[cfg(test)]
+    pub(super) fn records_held(&self) -> usize {
+        self.records.len() + self.retired.len()
+    }
+
+    fn clamp(&mut self, now: Nanos) -> Nanos {
+        self.latest = self.latest.max(now);
+        self.latest
+    }
+
+    fn purge(&mut self, now: Nanos) {
+        let window_start = Span::of(now, self.slot_ns).start();
+        while self
+            .retired
+            .front()
+            .is_some_and(|r| r.finished_at < window_start)
+        {
+            self.retired.pop_front();
+        }
+    }
+}
+
+/// The ring slot of `epoch`, emptied first if it last held an older epoch.
+fn slot_of(ring: &mut [Slot], epoch: u64) -> &mut Slot {
+    let slot = &mut ring[(epoch % SLOTS as u64) as usize];
+    if slot.epoch != epoch {
+        slot.epoch = epoch;
+        slot.tokens = 0;
+        slot.itl.reset();
+    }
+    slot
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::meter::records::Segments;
+
+    /// A finished request leaves the open records at once, and keeps only its segments
+    /// with events (one, for a short reply) until it leaves the window; its figures are
+    /// read from that as from an open one.
+    #[test]
+    fn a_finished_request_keeps_a_small_record_until_it_leaves_the_window() {
+        const MS: Nanos = 1_000_000;
+        let mut shard = Shard::new(Duration::from_secs(10), Duration::from_secs(900));
+        let key = shard.begin(0, 0);
+        for i in 1..=16 {
+            shard.tokens(key, 100 * MS + i * MS, 1, 1, 1);
+        }
+        shard.finish(key, 120 * MS, 16, None);
+        assert_eq!((shard.records.len(), shard.retired.len()), (0, 1));
+        assert_eq!(shard.retired[0].segments.as_slice().len(), 1);
+        assert!(matches!(shard.retired[0].segments, Segments::One(_))); // no allocation
+        assert!(std::mem::size_of::<Retired>() <= 64);
+        let mut sums = Sums::new();
+        let now = 200 * MS;
+        shard.add_to(&mut sums, now, Span::of(now, shard.slot_ns));
+        assert_eq!(sums.ttft, vec![101.0]);
+        assert_eq!(sums.e2e, vec![120.0]);
+        assert_eq!(sums.tpot, vec![1.0]);
+        // 10 s later it has left the window, and nothing is held.
+        let late = shard.begin(11_000 * MS, 11_000 * MS);
+        shard.finish(late, 11_000 * MS, 0, None);
+        assert_eq!(shard.records_held(), 1);
+    }
+}

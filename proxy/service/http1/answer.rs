@@ -2,13 +2,12 @@
 //! raises its typed error with tokentap's message), written within the client write
 //! timeout.
 
-use std::io;
 use std::time::Duration;
 
 use bytes::{BufMut, BytesMut};
-use tokio::io::AsyncWriteExt;
 
 use super::conn::Io;
+use super::io::write_within;
 use super::request::ClientError;
 
 /// The error body of a response tokentap makes itself (OpenAI's shape).
@@ -60,15 +59,4 @@ pub(crate) async fn answer(client: &mut Io, bytes: &[u8], limit: Duration) -> u6
         Ok(()) => bytes.len() as u64,
         Err(_) => 0,
     }
-}
-
-/// Writes a whole answer tokentap made, within the client write timeout.
-pub(crate) async fn write_within(client: &mut Io, bytes: &[u8], limit: Duration) -> io::Result<()> {
-    let write = async {
-        client.write_all(bytes).await?;
-        client.flush().await
-    };
-    tokio::time::timeout(limit, write)
-        .await
-        .unwrap_or_else(|_| Err(io::ErrorKind::TimedOut.into()))
 }

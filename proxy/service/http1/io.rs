@@ -8,10 +8,11 @@ use std::future::{poll_fn, Future};
 use std::io;
 use std::pin::Pin;
 use std::task::{ready, Context, Poll};
+use std::time::Duration;
 
 use bytes::BytesMut;
 use pingora::prelude::*;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 
 use super::conn::Io;
 
@@ -166,4 +167,15 @@ pub(crate) fn up_err(kind: ErrorType, what: &'static str) -> Box<Error> {
 
 pub(crate) fn up_io(kind: ErrorType, e: io::Error) -> Box<Error> {
     Error::because(kind, "upstream connection", e).into_up()
+}
+
+/// Writes `bytes` whole to the client and flushes, within `limit`.
+pub(crate) async fn write_within(client: &mut Io, bytes: &[u8], limit: Duration) -> io::Result<()> {
+    let write = async {
+        client.write_all(bytes).await?;
+        client.flush().await
+    };
+    tokio::time::timeout(limit, write)
+        .await
+        .unwrap_or_else(|_| Err(io::ErrorKind::TimedOut.into()))
 }

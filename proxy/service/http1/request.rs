@@ -188,7 +188,7 @@ pub(crate) async fn read_ahead(
     };
     if checked.expects_continue && !whole_in_buffer {
         let continued = b"HTTP/1.1 100 Continue\r\n\r\n";
-        if super::answer::write_within(client, continued, write_timeout)
+        if super::io::write_within(client, continued, write_timeout)
             .await
             .is_err()
         {

@@ -1,4 +1,4 @@
-//! The adaptive cap against `tokentap sim` (DESIGN §1's curve) under 128 closed-loop
+//! The adaptive cap against `tokentap sim` (the reference curve) under 128 closed-loop
 //! clients with `tpot_ms = 30, percentile = 90`: prints the cap, the p90 of per-token gaps
 //! and system T/s every 5 s; after `SWITCH` seconds the backend slows down 1.5× at every
 //! batch size and the cap re-converges.

@@ -1,4 +1,4 @@
-//! The batching table end to end: `tokentap sim` (DESIGN §1's curve, 128-token replies)
+//! The batching table end to end: `tokentap sim` (the reference curve, 128-token replies)
 //! behind tokentap, driven by the load generator at 1, 16 and 64 clients; prints the load
 //! generator's client-side figures beside tokentap's `/stats` for each level.
 //!

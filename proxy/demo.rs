@@ -288,7 +288,7 @@ fn f(v: Option<f64>, digits: usize) -> String {
     v.map_or_else(|| "-".into(), |v| format!("{v:.digits$}"))
 }
 
-/// One upstream's curve as a table like DESIGN §1's.
+/// One upstream's curve as a table like the reference table (`sim::Curve::reference`).
 pub fn curve_table(s: &MeterStats) -> String {
     let mut out = format!(
         "\n{}\n{:>12} {:>10} {:>10} {:>14} {:>12} {:>9}\n",

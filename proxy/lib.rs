@@ -5,24 +5,28 @@
 //! single-stream T/s, system T/s, TTFT, TPOT and ITL per upstream, plus the live
 //! concurrency→TPOT curve.
 //!
-//! The data flow (DESIGN §2), and the module of each step:
+//! The data flow, and the module of each step:
 //!
 //! ```text
-//! client ─▶ service (front door, phases) ─▶ routing (route, weighted split, sticky key) ─▶ upstream
+//! client ─▶ service::front (accept, head) ─▶ service::exchange (route, admit, send) ─▶ upstream
+//!              │             routing (route, weighted split, sticky key), limit (caps, queue)
 //!              │                                                                      │
-//!              ◀──────── each body fragment, forwarded the moment it arrives ◀────────┘
-//!              │
-//!              └─▶ sse (framing) ─▶ dialect (event → facts) ─▶ meter (record → windows, curve)
+//!              ◀── service::exchange::relay: each body fragment, forwarded at once ◀──┘
+//!              │        (read and framed by service::http1)
+//!              └─▶ service::tap ─▶ sse / ndjson (framing) ─▶ dialect (event → facts)
+//!                                   ─▶ meter (stream → records, shards, windows, curve)
 //!                                                                   │
 //!                         admin (/, /stats, /stats/history, /events, /metrics) ◀┘
 //! ```
 //!
 //! - [`config`]: the TOML file → a validated runtime config; `tokentap check`.
-//! - [`service`]: tokentap's listener (`service::front`) reads each request head within its
-//!   limits, `service::request` checks it (strict HTTP/1.1) and reads the body ahead, and
-//!   `service::direct`'s HTTP/1.1 loop on tokio's sockets routes, admits (cap, queue) and
-//!   proxies it: one path for every request, metered or not. Only upgrades go through
-//!   pingora-proxy, whose `impl ProxyHttp` phases are a few lines each.
+//! - [`service`]: the proxy in layers. `service::front` accepts client connections and
+//!   reads each request head; `service::exchange` is the request's flow (route and admit,
+//!   send, relay): one path for every request, metered or not. `service::http1` is the wire
+//!   it reads and writes with (heads, body framing, the thread's scratch buffer, tokentap's
+//!   own answers), and knows nothing of meters, routes or caps; `service::tap` hands each
+//!   payload run to the framing, dialect and meter. Only upgrades go through pingora-proxy
+//!   (`service::upgrade`).
 //! - [`sse`]: incremental SSE framing, no I/O, never alters a byte.
 //! - [`dialect`]: one file per API dialect; facts, never figures.
 //! - [`meter`]: per-request records and per-upstream windows; time is an argument.

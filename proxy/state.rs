@@ -18,7 +18,7 @@ use pingora::upstreams::peer::HttpPeer;
 use crate::access::Access;
 use crate::backend::Backend;
 use crate::config::{self, Config, ConfigError};
-use crate::limit::fleet::{Cluster, Fleet};
+use crate::limit::fleet::{Fleet, FleetLink};
 use crate::limit::slo::Adaptive;
 use crate::limit::{LimitConfig, Limiter};
 use crate::logs::Throttle;
@@ -36,12 +36,12 @@ pub struct Shared {
     pub router: Router,
     pub telemetry: Arc<Telemetry>,
     /// The fleet's Redis, with `[cluster]`.
-    pub cluster: Option<Arc<Cluster>>,
+    pub cluster: Option<Arc<FleetLink>>,
 }
 
 /// Everything tokentap keeps for one upstream.
 pub struct Upstream {
-    pub config: config::Upstream,
+    pub config: config::UpstreamConfig,
     /// Prebuilt, cloned per request on pingora-proxy's path.
     pub peer: HttpPeer,
     pub meter: Arc<UpstreamMeter>,
@@ -60,7 +60,7 @@ pub struct Upstream {
 impl Shared {
     pub fn new(config: Config) -> Arc<Shared> {
         let cluster = config.cluster.as_ref().and_then(|c| {
-            Cluster::new(&c.redis_url, c.lease)
+            FleetLink::new(&c.redis_url, c.lease)
                 .map_err(|e| tracing::error!(cause = %e, "cluster: cannot use [cluster] redis_url; caps are per replica"))
                 .ok()
         });
@@ -77,7 +77,7 @@ impl Shared {
         config: Config,
         clock: Clock,
         telemetry: Arc<Telemetry>,
-        cluster: Option<Arc<Cluster>>,
+        cluster: Option<Arc<FleetLink>>,
         kept: impl Fn(&str) -> Option<&'a Upstream>,
     ) -> Arc<Shared> {
         let upstreams = config
@@ -175,11 +175,11 @@ fn keep<T: PartialEq + Copy + std::fmt::Debug>(
 
 impl Upstream {
     fn new(
-        u: &config::Upstream,
+        u: &config::UpstreamConfig,
         config: &Config,
         clock: Clock,
         telemetry: &Telemetry,
-        cluster: Option<&Arc<Cluster>>,
+        cluster: Option<&Arc<FleetLink>>,
     ) -> Self {
         let meter =
             UpstreamMeter::new(&u.name, config.window, clock, telemetry.histograms(&u.name));
@@ -212,9 +212,9 @@ impl Upstream {
     /// under it), and the same adaptive cap when it keeps an SLO, retuned.
     fn successor(
         &self,
-        u: &config::Upstream,
+        u: &config::UpstreamConfig,
         config: &Config,
-        cluster: Option<&Arc<Cluster>>,
+        cluster: Option<&Arc<FleetLink>>,
     ) -> Upstream {
         self.meter.set_sample_window(config.compare_window);
         // A new length starts the curve's window afresh; the same keeps it.
@@ -264,20 +264,20 @@ impl Upstream {
 }
 
 /// The fleet part of an upstream with a cap, when there is a cluster.
-fn fleet(u: &config::Upstream, cluster: Option<&Arc<Cluster>>) -> Option<Arc<Fleet>> {
+fn fleet(u: &config::UpstreamConfig, cluster: Option<&Arc<FleetLink>>) -> Option<Arc<Fleet>> {
     let capped = u.max_concurrency.is_some() || u.slo.is_some();
     let fleet = cluster.filter(|_| capped).map(|c| Fleet::new(c, &u.name))?;
     fleet.set_adaptive(u.slo.is_some());
     Some(fleet)
 }
 
-fn backend(u: &config::Upstream) -> Option<Arc<Backend>> {
+fn backend(u: &config::UpstreamConfig) -> Option<Arc<Backend>> {
     u.backend_metrics
         .clone()
         .map(|url| Backend::new(url, u.backend_scrape))
 }
 
-fn limit_config(u: &config::Upstream, slo: Option<&Adaptive>) -> LimitConfig {
+fn limit_config(u: &config::UpstreamConfig, slo: Option<&Adaptive>) -> LimitConfig {
     LimitConfig {
         initial: slo.map_or(u.max_concurrency, |s| Some(s.limit())),
         max_queue: u.max_queue,
@@ -285,7 +285,7 @@ fn limit_config(u: &config::Upstream, slo: Option<&Adaptive>) -> LimitConfig {
     }
 }
 
-fn peer(u: &config::Upstream) -> HttpPeer {
+fn peer(u: &config::UpstreamConfig) -> HttpPeer {
     let mut p = HttpPeer::new(u.addr, u.tls, u.sni.clone());
     p.options.connection_timeout = Some(u.connect_timeout);
     p.options.total_connection_timeout = Some(u.connect_timeout * 2);

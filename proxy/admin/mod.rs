@@ -26,7 +26,7 @@ use crate::meter::MeterStats;
 use crate::service::Transport;
 use crate::state::{Live, Shared, Upstream};
 
-/// The `/stats` document (DESIGN §5).
+/// The `/stats` document (docs/admin-api.md).
 #[derive(Debug, Serialize)]
 pub struct Stats {
     pub window_secs: u64,

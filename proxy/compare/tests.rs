@@ -12,7 +12,7 @@ use crate::sim::Curve;
 const TOKENS: u32 = 64;
 
 /// `clients` closed-loop clients for `secs` of model time, each request going to a or b at
-/// random (50/50); b's TPOT is `b_factor` × a's at every concurrency (DESIGN §1's curve),
+/// random (50/50); b's TPOT is `b_factor` × a's at every concurrency (the reference curve),
 /// with 5% noise per request. Each sample's concurrency is the mean number of its arm's
 /// requests in flight as its tokens arrived, as the meter records it.
 fn closed_loop(seed: u64, clients: usize, b_factor: f64, secs: f64) -> [Vec<RequestSample>; 2] {

@@ -9,7 +9,7 @@ use serde::Deserialize;
 
 use super::{
     socket_addr, tls, upstream_url, AccessLog, AdminAuth, Cluster, Config, Limits, Listen,
-    ListenTls, Log, LogFormat, Problem, Problems, Route, Secret, Upstream, ADMIN_TOKEN_ENV,
+    ListenTls, Log, LogFormat, Problem, Problems, Route, Secret, UpstreamConfig, ADMIN_TOKEN_ENV,
     DEFAULT_LOG_FILTER,
 };
 use super::{DEFAULT_CONNECT_TIMEOUT_MS, DEFAULT_READ_TIMEOUT_SECS};
@@ -470,7 +470,7 @@ pub struct RouteFile {
     /// Headers the request must carry with these exact values. Default: none.
     #[serde(default)]
     pub headers: IndexMap<String, String>,
-    /// Upstream name → integer weight. Required.
+    /// UpstreamConfig name → integer weight. Required.
     #[serde(default)]
     pub split: IndexMap<String, u32>,
     /// `header:NAME`: the same header value always lands on the same upstream.
@@ -674,7 +674,7 @@ impl FileConfig {
                 Ok((_, _, _, addr)) if admin.as_ref().is_ok_and(|&l| l == addr) => {
                     p.add(at("url"), format!("{addr} is tokentap's own listen.admin"))
                 }
-                Ok((tls, host_header, sni, addr)) => upstreams.push(Upstream {
+                Ok((tls, host_header, sni, addr)) => upstreams.push(UpstreamConfig {
                     name: u.name.clone(),
                     url: u.url.clone(),
                     addr,

@@ -52,7 +52,7 @@ pub struct Config {
     pub admin: AdminAuth,
     /// What tokentap logs, and where requests are logged.
     pub log: Log,
-    pub upstreams: Vec<Upstream>,
+    pub upstreams: Vec<UpstreamConfig>,
     /// Routes in file order; first match wins. Never empty: a config with one upstream and
     /// no route gets one route for `/` to it.
     pub routes: Vec<Route>,
@@ -189,7 +189,7 @@ impl Default for Log {
 pub const DEFAULT_LOG_FILTER: &str = "info,pingora=warn,pingora_core=warn,pingora_proxy=warn";
 
 #[derive(Debug, Clone)]
-pub struct Upstream {
+pub struct UpstreamConfig {
     pub name: String,
     pub url: String,
     /// Resolved once, when the config is loaded.

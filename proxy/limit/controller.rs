@@ -2,7 +2,7 @@
 //! percentile of TPOT stays under the SLO while system T/s is as high as it can be.
 //!
 //! Why this design. On a batching backend TPOT rises with the batch, nearly linearly over
-//! the range that matters (DESIGN §1), so the limit that meets the SLO is where the line
+//! the range that matters (the reference curve, `sim::Curve::reference`), so the limit that meets the SLO is where the line
 //! TPOT ≈ a + b·c crosses it. Each tick (1 s) the controller gets the percentile of the
 //! per-token gaps of every in-flight stream over that tick and the tick's time-weighted
 //! concurrency; it fits the line over recent ticks and aims at the concurrency where TPOT

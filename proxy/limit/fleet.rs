@@ -86,7 +86,7 @@ return redis.call('ZCARD', KEYS[1])
 ";
 
 /// This replica's link to the fleet.
-pub struct Cluster {
+pub struct FleetLink {
     client: redis::Client,
     conn: Mutex<Option<ConnectionManager>>,
     /// This replica's name in Redis.
@@ -105,7 +105,7 @@ pub struct Cluster {
     /// reloads that rename or uncap an upstream.
     fleets: Mutex<Vec<std::sync::Weak<Fleet>>>,
     connecting: tokio::sync::Mutex<()>,
-    /// Connection attempts that failed (see [`Cluster::connect`]).
+    /// Connection attempts that failed (see [`FleetLink::connect`]).
     connect_failures: AtomicU64,
     started: Instant,
     acquire: redis::Script,
@@ -117,7 +117,7 @@ pub struct Cluster {
 
 /// One capped upstream's part of the fleet.
 pub struct Fleet {
-    cluster: Arc<Cluster>,
+    cluster: Arc<FleetLink>,
     key: String,
     /// The leases this replica holds.
     held: Mutex<HashSet<u64>>,
@@ -178,13 +178,13 @@ impl Drop for Slot {
     }
 }
 
-// === impl Cluster ===
+// === impl FleetLink ===
 
-impl Cluster {
-    pub fn new(url: &str, lease: Duration) -> anyhow::Result<Arc<Cluster>> {
+impl FleetLink {
+    pub fn new(url: &str, lease: Duration) -> anyhow::Result<Arc<FleetLink>> {
         use rand::Rng;
         let replica = format!("{:016x}", rand::thread_rng().gen::<u64>());
-        Ok(Arc::new(Cluster {
+        Ok(Arc::new(FleetLink {
             client: redis::Client::open(url)?,
             conn: Mutex::new(None),
             replica,
@@ -429,7 +429,7 @@ async fn timed<T>(
 // === impl Fleet ===
 
 impl Fleet {
-    pub fn new(cluster: &Arc<Cluster>, upstream: &str) -> Arc<Fleet> {
+    pub fn new(cluster: &Arc<FleetLink>, upstream: &str) -> Arc<Fleet> {
         let fleet = Arc::new(Fleet {
             cluster: Arc::clone(cluster),
             key: format!("tokentap:{upstream}:leases"),
@@ -636,7 +636,7 @@ mod tests {
             .unwrap()
             .port();
         let cluster =
-            Cluster::new(&format!("redis://127.0.0.1:{port}"), Duration::from_secs(3)).unwrap();
+            FleetLink::new(&format!("redis://127.0.0.1:{port}"), Duration::from_secs(3)).unwrap();
         let fleet = Fleet::new(&cluster, "u");
         let limiter = Limiter::new(
             LimitConfig {

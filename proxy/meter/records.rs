@@ -38,7 +38,7 @@ pub(super) fn into_slot_us(now: Nanos, slot_ns: Nanos) -> u32 {
 }
 
 /// A request in flight.
-pub(super) struct Record {
+pub(super) struct InFlight {
     pub(super) t0: Nanos,
     pub(super) first: Option<Nanos>,
     pub(super) last: Nanos,
@@ -62,7 +62,7 @@ pub(super) struct Retired {
 }
 
 impl Retired {
-    pub(super) fn of(rec: Record, finished_at: Nanos) -> Retired {
+    pub(super) fn of(rec: InFlight, finished_at: Nanos) -> Retired {
         let mut with_events = rec.segments.into_iter().filter(|s| s.events > 0);
         let segments = match (with_events.next(), with_events.next()) {
             (Some(only), None) => Segments::One(only),

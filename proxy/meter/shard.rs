@@ -10,12 +10,12 @@ use slab::Slab;
 
 use super::curve::{Events, Scope, CURVE_BUCKETS};
 use super::hist::{histogram, histogram64, HIST_MAX_US};
-use super::records::{into_slot_us, window_tpot, Record, Retired, Segment};
+use super::records::{into_slot_us, window_tpot, InFlight, Retired, Segment};
 use super::window::{bucket, ms, slot_ns, Span, Sums, SLOTS};
 use super::Nanos;
 
 /// One slot of a shard's ring: its tokens and per-token gaps.
-struct Slot {
+struct RingSlot {
     epoch: u64,
     tokens: u64,
     /// Per-token gaps (ITL), µs.
@@ -27,9 +27,9 @@ pub(super) struct Shard {
     slot_ns: Nanos,
     /// The latest time seen: timestamps taken just before the lock may arrive out of order.
     latest: Nanos,
-    ring: Vec<Slot>,
+    ring: Vec<RingSlot>,
     /// The requests in flight.
-    records: Slab<Record>,
+    records: Slab<InFlight>,
     /// Finished requests in finishing order, dropped once they leave the window.
     retired: VecDeque<Retired>,
     curve: Events,
@@ -49,7 +49,7 @@ impl Shard {
             slot_ns: slot_ns(window),
             latest: 0,
             ring: (0..SLOTS)
-                .map(|_| Slot {
+                .map(|_| RingSlot {
                     epoch: u64::MAX,
                     tokens: 0,
                     itl: histogram(),
@@ -72,7 +72,7 @@ impl Shard {
     /// The record of a request whose client started it at `t0`, sent upstream at `now`.
     pub(super) fn begin(&mut self, t0: Nanos, now: Nanos) -> usize {
         let now = self.clamp(now);
-        self.records.insert(Record {
+        self.records.insert(InFlight {
             t0,
             first: None,
             last: now,
@@ -278,7 +278,7 @@ impl Shard {
 }
 
 /// The ring slot of `epoch`, emptied first if it last held an older epoch.
-fn slot_of(ring: &mut [Slot], epoch: u64) -> &mut Slot {
+fn slot_of(ring: &mut [RingSlot], epoch: u64) -> &mut RingSlot {
     let slot = &mut ring[(epoch % SLOTS as u64) as usize];
     if slot.epoch != epoch {
         slot.epoch = epoch;

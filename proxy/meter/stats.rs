@@ -1,4 +1,4 @@
-//! The figures the admin API reports (DESIGN §5): a snapshot of one upstream's windows.
+//! The figures the admin API reports (docs/admin-api.md): a snapshot of one upstream's windows.
 //! Figures without data are `None` (JSON `null`), never 0 and never NaN.
 
 use std::collections::BTreeMap;

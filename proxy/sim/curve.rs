@@ -11,7 +11,7 @@ pub struct Curve {
 }
 
 impl Curve {
-    /// DESIGN §1's reference shape: Llama 3.1 70B FP8 on an H100.
+    /// The reference shape: Llama 3.1 70B FP8 on an H100.
     pub fn reference() -> Curve {
         Curve {
             points: vec![(1.0, 20.0), (16.0, 22.0), (64.0, 26.0), (128.0, 36.0)],

@@ -73,7 +73,7 @@ pub struct Slo {
 
 /// One upstream as the view draws it.
 #[derive(Debug, Clone, Default, Deserialize)]
-pub struct Upstream {
+pub struct UpstreamView {
     pub name: String,
     pub in_flight: u64,
     #[serde(default)]
@@ -97,7 +97,7 @@ pub struct Upstream {
 #[derive(Debug, Clone, Default, Deserialize)]
 struct Stats {
     window_secs: u64,
-    upstreams: Vec<Upstream>,
+    upstreams: Vec<UpstreamView>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -137,7 +137,7 @@ pub struct Board {
     pub t: u64,
     pub version: String,
     pub window_secs: u64,
-    pub upstreams: Vec<Upstream>,
+    pub upstreams: Vec<UpstreamView>,
     /// The A/B verdict; `None` when no route splits traffic.
     pub verdict: Option<String>,
     /// System T/s of the last [`SPARK_SECS`] seconds, by upstream.

@@ -8,7 +8,7 @@ use ratatui::text::{Line, Span};
 use ratatui::widgets::{Block, Borders, Cell, Paragraph, Row, Sparkline, Table, Wrap};
 use ratatui::Frame;
 
-use super::client::{Board, Upstream};
+use super::client::{Board, UpstreamView};
 
 const COLOURS: [Color; 6] = [
     Color::Cyan,
@@ -29,7 +29,7 @@ fn f(v: Option<f64>, digits: usize) -> String {
     v.map_or_else(|| "-".into(), |v| format!("{v:.digits$}"))
 }
 
-fn limit(u: &Upstream) -> String {
+fn limit(u: &UpstreamView) -> String {
     u.limit.map_or_else(|| "-".into(), |l| l.to_string())
 }
 
@@ -122,7 +122,7 @@ pub fn draw(frame: &mut Frame<'_>, title: &str, note: &str, board: &Board) {
     );
 }
 
-fn upstream(frame: &mut Frame<'_>, area: Rect, u: &Upstream, board: &Board, colour: Color) {
+fn upstream(frame: &mut Frame<'_>, area: Rect, u: &UpstreamView, board: &Board, colour: Color) {
     let block = Block::default()
         .borders(Borders::ALL)
         .border_style(Style::new().fg(colour))
@@ -256,7 +256,7 @@ mod tests {
             t: 1,
             version: "0.1.0".into(),
             window_secs: 5,
-            upstreams: vec![Upstream {
+            upstreams: vec![UpstreamView {
                 name: "a".into(),
                 in_flight: 12,
                 limit: Some(48),
@@ -267,7 +267,7 @@ mod tests {
                     p50: Some(14.2),
                     p90: Some(14.4),
                 },
-                ..Upstream::default()
+                ..UpstreamView::default()
             }],
             verdict: Some("a is faster".into()),
             ..Board::default()

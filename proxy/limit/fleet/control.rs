@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use std::sync::PoisonError;
 use std::time::Duration;
 
-use super::wire::Record;
+use super::wire::Report;
 use super::{millis, timed, Fleet};
 use crate::limit::controller::Tick;
 use crate::meter::{ControlSample, Gaps};
@@ -114,7 +114,7 @@ impl Fleet {
             ctl.seq += 1;
             ctl.seq
         };
-        let record = Record {
+        let record = Report {
             seq,
             // The leases it holds: its local permits also count requests still waiting
             // for a fleet slot, which would make the fleet look over its limit for ever
@@ -155,7 +155,7 @@ impl Fleet {
         ctl.leading = true;
         let mut records = Vec::new();
         for pair in reply[2..].chunks_exact(2) {
-            let Some(r) = Record::decode(&pair[1]) else {
+            let Some(r) = Report::decode(&pair[1]) else {
                 continue;
             };
             let new = ctl.seen.insert(pair[0].clone(), r.seq) != Some(r.seq);

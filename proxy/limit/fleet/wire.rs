@@ -1,5 +1,5 @@
 //! The fleet's wire format in Redis: a replica's control tick as one line of text
-//! ([`Record`]), its per-token gaps as `µs:count` pairs. A record that does not read
+//! ([`Report`]), its per-token gaps as `µs:count` pairs. A record that does not read
 //! (another version's) is left out, never misread.
 
 use std::fmt::Write as _;
@@ -9,7 +9,7 @@ use crate::meter::Gaps;
 /// One replica's control tick, as it travels: `seq in_flight concurrency queued gaps`
 /// (Redis puts its clock's time in front).
 #[derive(Debug, Clone, PartialEq)]
-pub(super) struct Record {
+pub(super) struct Report {
     pub(super) seq: u64,
     pub(super) in_flight: u64,
     pub(super) concurrency: f64,
@@ -17,7 +17,7 @@ pub(super) struct Record {
     pub(super) gaps: Gaps,
 }
 
-impl Record {
+impl Report {
     pub(super) fn encode(&self) -> String {
         format!(
             "{} {} {:.3} {} {}",
@@ -31,10 +31,10 @@ impl Record {
 
     /// A stored record (`at seq in_flight concurrency queued gaps`); `None` if malformed
     /// (a replica of another version: left out).
-    pub(super) fn decode(s: &str) -> Option<Record> {
+    pub(super) fn decode(s: &str) -> Option<Report> {
         let mut f = s.split(' ');
         let _at: u64 = f.next()?.parse().ok()?;
-        let r = Record {
+        let r = Report {
             seq: f.next()?.parse().ok()?,
             in_flight: f.next()?.parse().ok()?,
             concurrency: f.next()?.parse().ok().filter(|c: &f64| c.is_finite())?,
@@ -75,7 +75,7 @@ mod tests {
 
     #[test]
     fn a_record_travels_and_a_stranger_s_is_left_out() {
-        let r = Record {
+        let r = Report {
             seq: 7,
             in_flight: 12,
             concurrency: 11.5,
@@ -83,15 +83,15 @@ mod tests {
             gaps: decode_gaps("20000:3,21000:1").unwrap(),
         };
         assert_eq!(
-            Record::decode(&format!("1700000000000 {}", r.encode())),
+            Report::decode(&format!("1700000000000 {}", r.encode())),
             Some(r)
         );
-        let idle = Record {
+        let idle = Report {
             gaps: Gaps::default(),
             queued: false,
-            ..Record::decode("1 7 12 11.5 1 20000:3").unwrap()
+            ..Report::decode("1 7 12 11.5 1 20000:3").unwrap()
         };
-        assert_eq!(Record::decode(&format!("1 {}", idle.encode())), Some(idle));
+        assert_eq!(Report::decode(&format!("1 {}", idle.encode())), Some(idle));
         for bad in [
             "",
             "1 2 3",
@@ -99,7 +99,7 @@ mod tests {
             "1 2 3 4.0 0 1:2 extra",
             "a 2 3 4 0 ",
         ] {
-            assert_eq!(Record::decode(bad), None, "{bad:?}");
+            assert_eq!(Report::decode(bad), None, "{bad:?}");
         }
     }
 

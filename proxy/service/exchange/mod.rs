@@ -83,7 +83,7 @@ struct Ready {
     sent_so_far: u64,
     watch: bool,
     leftover: BytesMut,
-    opening: Opening,
+    client_side: ClientSide,
 }
 
 /// A request sent upstream, whose response header is awaited.
@@ -93,12 +93,12 @@ struct Sent {
     watch: bool,
     /// Bytes the client sent past its request.
     leftover: BytesMut,
-    opening: Opening,
+    client_side: ClientSide,
 }
 
 /// What shapes the client's head besides the response's: the request's side.
 #[derive(Clone, Copy)]
-struct Opening {
+struct ClientSide {
     keep_alive: bool,
     http10: bool,
     head_request: bool,
@@ -239,7 +239,9 @@ impl TokenTap {
         };
         let mut open = match opened {
             Ok(open) => open,
-            Err(e) => return Box::pin(self.unopened(client, ctx, choice, e, read_whole)).await,
+            Err(e) => {
+                return Box::pin(self.fail_unanswered(client, ctx, choice, e, read_whole)).await
+            }
         };
         let shared = Arc::clone(&ctx.shared);
         let upstream = &shared.upstreams[choice.upstream];
@@ -372,17 +374,19 @@ impl TokenTap {
             body: bytes,
             rest,
         };
-        match self.outgoing(ctx, choice, outgoing, leftover, watch, shutdown) {
+        match self.ready(ctx, choice, outgoing, leftover, watch, shutdown) {
             Ok(ready) => Prepared::Ready(ready, choice, read_whole),
             Err(e) => {
-                let (after, failure) = self.unopened(client, ctx, choice, e, read_whole).await;
+                let (after, failure) = self
+                    .fail_unanswered(client, ctx, choice, e, read_whole)
+                    .await;
                 Prepared::Done(after, failure)
             }
         }
     }
 
     /// Answers a request that failed before any byte reached the client, and records it.
-    async fn unopened(
+    async fn fail_unanswered(
         &self,
         client: &mut Io,
         ctx: &mut Ctx,
@@ -427,7 +431,7 @@ impl TokenTap {
             sent_so_far,
             mut watch,
             mut leftover,
-            opening,
+            client_side,
         } = ready;
         let shared = Arc::clone(&ctx.shared);
         let upstream = &shared.upstreams[choice.upstream];
@@ -455,7 +459,7 @@ impl TokenTap {
             up,
             watch,
             leftover,
-            opening,
+            client_side,
         })
     }
 }
@@ -487,4 +491,36 @@ async fn answer_failure(
 /// A client's mistake found mid-request, as the error that ends it.
 fn client_error(e: ClientError) -> Box<Error> {
     Error::because(HTTPStatus(e.status()), "request body", e).into_down()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What becomes of the client connection after each kind of end.
+    #[test]
+    fn the_connection_after_each_kind_of_end() {
+        let down = || Error::explain(ConnectionClosed, "client").into_down();
+        let up = || Error::explain(ReadError, "upstream").into_up();
+        let is = |a: After, b: After| std::mem::discriminant(&a) == std::mem::discriminant(&b);
+        for (result, read_whole, want) in [
+            (Ok(After::KeepAlive), true, After::KeepAlive),
+            (Ok(After::Close), true, After::Close),
+            (Ok(After::Linger), true, After::Linger),
+            // A refused body may have more bytes coming: read them away before closing.
+            (Err(down()), false, After::Linger),
+            (Err(down()), true, After::Close),
+            (Err(up()), false, After::Close),
+            (Err(up()), true, After::Close),
+        ] {
+            let what = format!(
+                "{:?}",
+                result.as_ref().map(|_| ()).map_err(|e| e.esource().clone())
+            );
+            assert!(
+                is(ended(result, read_whole), want),
+                "{what} read_whole={read_whole}"
+            );
+        }
+    }
 }

@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use pingora::protocols::http::date::get_cached_date;
 
-use super::{Open, Opening, Sent};
+use super::{ClientSide, Open, Sent};
 use crate::meter::Nanos;
 use crate::routing::Choice;
 use crate::service::http1::body::{self, BodyFraming, Chunked};
@@ -67,7 +67,7 @@ impl TokenTap {
             mut up,
             mut watch,
             mut leftover,
-            opening,
+            client_side,
         } = sent;
         let shared = Arc::clone(&ctx.shared);
         let peer = &shared.upstreams[choice.upstream].peer;
@@ -77,7 +77,7 @@ impl TokenTap {
             (client, &mut watch, &mut leftover),
             peer.options.read_timeout,
             |resp, first, bare_lf, watched| {
-                self.opened(ctx, resp, first, bare_lf, opening, watched)
+                self.respond_head(ctx, resp, first, bare_lf, client_side, watched)
             },
         ));
         let (relay, out, keep_alive) = head.await?;
@@ -95,20 +95,20 @@ impl TokenTap {
     /// (`first`, read in the thread's scratch buffer), metered and framed after it: the
     /// relay, the bytes for the client and whether the connection is kept. `watched`: the
     /// client is still watched and sent nothing past its request.
-    fn opened(
+    fn respond_head(
         &self,
         ctx: &mut Ctx,
         mut resp: ResponseHead,
         first: &[u8],
         bare_lf: bool,
-        opening: Opening,
+        client_side: ClientSide,
         watched: bool,
     ) -> Result<(Relay, BytesMut, bool)> {
-        let Opening {
+        let ClientSide {
             mut keep_alive,
             http10,
             head_request,
-        } = opening;
+        } = client_side;
         let framing = match resp.framing() {
             _ if head_request => BodyFraming::Empty,
             Some(framing) => framing,

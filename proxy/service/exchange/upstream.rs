@@ -14,7 +14,7 @@ use tokio::time::timeout;
 
 use std::sync::Arc;
 
-use super::{client_error, Opening, Ready};
+use super::{client_error, ClientSide, Ready};
 use crate::config::Limits;
 use crate::dialect::Dialect;
 use crate::routing::Choice;
@@ -55,7 +55,7 @@ pub(super) struct Outgoing {
 
 impl TokenTap {
     /// The upstream request's bytes (usage injected), and the request's record begun.
-    pub(super) fn outgoing(
+    pub(super) fn ready(
         &self,
         ctx: &mut Ctx,
         choice: Choice,
@@ -122,7 +122,7 @@ impl TokenTap {
             sent_so_far,
             watch,
             leftover,
-            opening: Opening {
+            client_side: ClientSide {
                 keep_alive,
                 http10,
                 head_request,
@@ -304,5 +304,46 @@ pub(super) async fn send_rest(
             }
             write_up(up, &out, write_timeout).await?;
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::service::http1::Head;
+
+    fn written(raw: &str, id: Option<&str>, body: UpBody) -> String {
+        let Head::Complete(req, _) = RequestHead::read(&mut BytesMut::from(raw)) else {
+            panic!("not a head: {raw}")
+        };
+        let mut out = BytesMut::new();
+        upstream_request(req, "up:8000", id, body, &mut out);
+        String::from_utf8(out.to_vec()).unwrap()
+    }
+
+    /// The head the upstream gets: HTTP/1.1, origin-form, hop-by-hop and `Expect` gone,
+    /// `Host` the upstream's in the client's `Host`'s place, the id and the framing
+    /// tokentap chose last (the client's framing fields were removed), the rest in order.
+    #[test]
+    fn the_upstream_request_head() {
+        let raw = "POST http://client.example/v1/chat/completions HTTP/1.0\r\nHost: client.example\r\nX-A: 1\r\nConnection: keep-alive, x-hop\r\nX-Hop: 2\r\nKeep-Alive: 5\r\nTE: trailers\r\nExpect: 100-continue\r\nContent-Length: 2\r\nAuthorization: Bearer k\r\n\r\n";
+        assert_eq!(
+            written(raw, Some("id-1"), UpBody::Length(2)),
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: up:8000\r\nX-A: 1\r\nAuthorization: Bearer k\r\nx-request-id: id-1\r\nContent-Length: 2\r\n\r\n"
+        );
+        // The client's own id stays where it was; a long body goes on chunked.
+        let raw = "POST /v1/x HTTP/1.1\r\nx-request-id: mine\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\n";
+        assert_eq!(
+            written(raw, None, UpBody::Chunked),
+            "POST /v1/x HTTP/1.1\r\nx-request-id: mine\r\nHost: up:8000\r\nTransfer-Encoding: chunked\r\n\r\n"
+        );
+        assert_eq!(
+            written(
+                "GET /v1/models HTTP/1.1\r\nHost: h\r\n\r\n",
+                None,
+                UpBody::None
+            ),
+            "GET /v1/models HTTP/1.1\r\nHost: up:8000\r\n\r\n"
+        );
     }
 }

@@ -165,3 +165,83 @@ fn find_head(bytes: &[u8]) -> Result<Found> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The client's framing for every shape of response body and client.
+    #[test]
+    fn the_client_s_framing_by_body_and_client() {
+        use BodyFraming::*;
+        use ToClient::{AsIs, Chunked as Chunks, Close};
+        // (framing, HTTP/1.0 client, body rewritten, bare-LF chunk lines) → framing.
+        let table = [
+            (Empty, false, false, false, AsIs), // 204, 304, a HEAD's answer
+            (Empty, true, false, false, AsIs),
+            (Length(10), false, false, false, AsIs),
+            (Length(10), true, false, false, AsIs),
+            (Length(10), false, true, false, Chunks), // the usage chunk taken out
+            (Length(10), true, true, false, Close),
+            (Chunked, false, false, false, AsIs), // forwarded as it came
+            (Chunked, true, false, false, Close), // RFC 9112 §7: no chunks for 1.0
+            (Chunked, false, true, false, Chunks),
+            (Chunked, false, false, true, Chunks), // bare-LF lines framed again
+            (Chunked, true, false, true, Close),
+            (UntilClose, false, false, false, Chunks), // kept alive, as pingora-proxy
+            (UntilClose, true, false, false, Close),
+            (UntilClose, false, true, false, Chunks),
+        ];
+        for (framing, http10, rewritten, bare_lf, want) in table {
+            assert_eq!(
+                to_client(framing, http10, rewritten, bare_lf),
+                want,
+                "{framing:?} http10={http10} rewritten={rewritten} bare_lf={bare_lf}"
+            );
+        }
+    }
+
+    fn found(raw: &[u8]) -> Result<(u16, usize, bool), String> {
+        match find_head(raw) {
+            Ok(Found::Head(resp, at, bare_lf)) => Ok((resp.status.as_u16(), at, bare_lf)),
+            Ok(Found::Partial(at)) => Err(format!("partial from {at}")),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
+    /// The final head past any 1xx, where its body starts, and a bare LF noticed.
+    #[test]
+    fn the_final_head_is_found_past_informational_ones() {
+        let ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nhi";
+        assert_eq!(found(ok), Ok((200, ok.len() - 2, false)));
+        let hints = b"HTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\nHTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 204 No Content\r\n\r\n";
+        assert_eq!(found(hints), Ok((204, hints.len(), false)));
+        assert_eq!(
+            found(b"HTTP/1.1 200 OK\ncontent-length: 0\n\n"),
+            Ok((200, 35, true))
+        );
+        // A whole 1xx and the start of the next: more is needed past the 1xx.
+        let partial = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 2";
+        assert_eq!(found(partial), Err("partial from 25".into()));
+        assert_eq!(
+            found(b"HTTP/1.1 200 OK\r\nx: y"),
+            Err("partial from 0".into())
+        );
+        for bad in [
+            &b"HTTP/1.1 101 Switching Protocols\r\nupgrade: x\r\n\r\n"[..],
+            b"HTTP/1.1 2000 OK\r\n\r\n",
+            b"SMTP 220 hello\r\n\r\n",
+        ] {
+            assert!(
+                found(bad).is_err_and(|e| !e.starts_with("partial")),
+                "{bad:?}"
+            );
+        }
+        let huge = [
+            &b"HTTP/1.1 200 OK\r\nx: "[..],
+            &vec![b'a'; MAX_RESPONSE_HEAD + 1],
+        ]
+        .concat();
+        assert!(found(&huge).is_err_and(|e| e.contains("too large")));
+    }
+}

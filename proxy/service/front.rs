@@ -8,9 +8,11 @@
 //! connection is one small task, and between requests it waits with no buffer at all, its
 //! next bytes landing in the worker thread's scratch buffer before being copied out.
 
-use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{
+    AtomicU64, AtomicUsize,
+    Ordering::{AcqRel, Acquire, Relaxed, Release},
+};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -21,6 +23,7 @@ use pingora::protocols::http::ServerSession;
 use pingora::proxy::HttpProxy;
 use pingora::server::{ListenFds, ShutdownWatch};
 use pingora::services::Service;
+use slab::Slab;
 use tokio::net::{TcpListener, TcpSocket};
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -68,12 +71,14 @@ impl Front {
         // come after an idle `keepalive_timeout`, during which the connection may be
         // closed for a new client.
         let mut wait = Wait::First(accepted);
-        let mut evict = None; // made when it first goes idle
+        // Its standing among the idle connections, registered when it first goes idle.
+        let mut keeper = None;
         loop {
             // Boxed, as is serving it: reading and checking a request is ~2 KiB of state
             // needed until it is served, and inline every open stream would keep its room.
             let next = Box::pin(self.next_request(&mut client, peer, &shutdown, wait)).await;
-            wait = Wait::Idle(evict.get_or_insert_with(|| Arc::new(Notify::new())));
+            let connections = &self.tap.transport.connections;
+            wait = Wait::Idle(keeper.get_or_insert_with(|| connections.keeper()));
             let incoming = match next {
                 Next::Serve(incoming) => incoming,
                 Next::Upgrade(read) => {
@@ -108,8 +113,7 @@ impl Front {
     ) -> Next {
         // Per request: a reload changes the limits of the requests that follow.
         let limits = self.tap.live.load().config.limits;
-        let connections = &self.tap.transport.connections;
-        let read = read_head(client, shutdown, &limits, wait, connections).await;
+        let read = read_head(client, shutdown, &limits, wait).await;
         let (after_head, req) = match read {
             Ok(Some(head)) => head,
             Ok(None) => return Next::Closed,
@@ -200,8 +204,8 @@ async fn refuse(mut client: Io, e: ClientError, limits: &Limits) {
 enum Wait<'a> {
     /// Its first request, since the connection was accepted then.
     First(Instant),
-    /// A later one, idle; the connection is closed when this is notified.
-    Idle(&'a Arc<Notify>),
+    /// A later one, idle, and perhaps closed for a new client meanwhile.
+    Idle(&'a Keeper<'a>),
 }
 
 /// Reads a request head: the bytes read after it (body bytes, or a pipelined request), and
@@ -215,16 +219,15 @@ async fn read_head(
     shutdown: &ShutdownWatch,
     limits: &Limits,
     wait: Wait<'_>,
-    connections: &Connections,
 ) -> Result<Option<(BytesMut, RequestHead)>, ClientError> {
     let max = limits.max_request_head_bytes;
     let mut read = BytesMut::new();
     let mut stop = shutdown.clone();
     let (mut deadline, mut idle) = match wait {
         Wait::First(accepted) => (accepted + limits.request_head_timeout, None),
-        Wait::Idle(evict) => (
+        Wait::Idle(keeper) => (
             Instant::now() + limits.keepalive_timeout,
-            Some(connections.idle(evict)),
+            Some((keeper, keeper.go_idle())),
         ),
     };
     loop {
@@ -233,8 +236,8 @@ async fn read_head(
         }
         let before = read.len();
         let evicted = async {
-            match &idle {
-                Some(idle) => idle.evicted().await,
+            match idle {
+                Some((keeper, _)) => keeper.evicted().await,
                 None => std::future::pending().await,
             }
         };
@@ -251,9 +254,9 @@ async fn read_head(
             Ok(Ok(0)) | Ok(Err(_)) => return Ok(None),
             Ok(Ok(_)) => {}
         }
-        if let Some(idle) = idle.take() {
+        if let Some((keeper, since)) = idle.take() {
             // Busy again, unless it was closed for a new client as its bytes came.
-            if !idle.leave() {
+            if !keeper.leave(since) {
                 return Ok(None);
             }
             deadline = Instant::now() + limits.request_head_timeout;
@@ -295,14 +298,19 @@ async fn linger(mut client: Io) {
 
 /// Open client connections, against `server.max_connections`. At the limit, a new client
 /// takes the place of the connection that has been idle longest between requests (a
-/// keep-alive connection, which is closed); only when none is idle is it refused. Idle
-/// connections are kept in the order they went idle, so the longest-idle is the first.
+/// keep-alive connection, which is closed); only when none is idle is it refused.
+///
+/// Each connection that has gone idle once is registered here (a [`Keeper`]), and marks in
+/// an atomic of its own when it went idle and when it is busy again: a request costs two
+/// atomic writes, and only a new client at the limit scans the registry for the connection
+/// idle longest.
 pub struct Connections {
     open: AtomicUsize,
     refused: AtomicU64,
     evicted: AtomicU64,
-    /// The connections idle between requests, by when they went idle: what closes each.
-    idle: Mutex<BTreeMap<u64, Arc<Notify>>>,
+    /// The connections that have gone idle once and are still open.
+    registry: Mutex<Slab<Arc<Standing>>>,
+    /// The order in which connections go idle (0 is [`BUSY`]).
     next_idle: AtomicU64,
     max: usize,
     /// The second of the last log line about refused connections (since `start`).
@@ -319,33 +327,54 @@ impl Drop for Open {
     }
 }
 
-/// A connection's place among the idle ones, while it waits for its next request; left
-/// when dropped.
-struct Idle<'a> {
-    connections: &'a Connections,
-    key: u64,
-    evict: &'a Notify,
+/// A connection busy with a request (or not idle yet).
+const BUSY: u64 = 0;
+/// A connection closed for a new client.
+const EVICTED: u64 = u64::MAX;
+
+/// Where a registered connection stands: [`BUSY`], [`EVICTED`], or idle since the turn
+/// given (the lowest is the longest idle).
+struct Standing {
+    since: AtomicU64,
+    evict: Notify,
 }
 
-impl Idle<'_> {
+/// A connection's registration among those that may idle; removed when dropped.
+pub(super) struct Keeper<'a> {
+    connections: &'a Connections,
+    key: usize,
+    standing: Arc<Standing>,
+}
+
+// === impl Keeper ===
+
+impl Keeper<'_> {
+    /// The connection waits for its next request: its turn among the idle ones.
+    fn go_idle(&self) -> u64 {
+        let since = self.connections.next_idle.fetch_add(1, Relaxed);
+        self.standing.since.store(since, Release);
+        since
+    }
+
+    /// Its next request began: false when it was closed for a new client first.
+    fn leave(&self, since: u64) -> bool {
+        let s = &self.standing.since;
+        s.compare_exchange(since, BUSY, AcqRel, Acquire).is_ok()
+    }
+
     /// Resolves when the connection is closed for a new client.
     async fn evicted(&self) {
-        self.evict.notified().await;
-    }
-
-    /// Busy again: false when it was closed for a new client first.
-    fn leave(self) -> bool {
-        let here = self.connections.idle_map().remove(&self.key).is_some();
-        std::mem::forget(self);
-        here
+        self.standing.evict.notified().await;
     }
 }
 
-impl Drop for Idle<'_> {
+impl Drop for Keeper<'_> {
     fn drop(&mut self) {
-        self.connections.idle_map().remove(&self.key);
+        self.connections.registry().try_remove(self.key);
     }
 }
+
+// === impl Connections ===
 
 impl Connections {
     pub fn new(max: usize) -> Self {
@@ -353,8 +382,8 @@ impl Connections {
             open: AtomicUsize::new(0),
             refused: AtomicU64::new(0),
             evicted: AtomicU64::new(0),
-            idle: Mutex::new(BTreeMap::new()),
-            next_idle: AtomicU64::new(0),
+            registry: Mutex::new(Slab::new()),
+            next_idle: AtomicU64::new(1),
             max,
             logged: AtomicU64::new(u64::MAX),
             start: std::time::Instant::now(),
@@ -383,33 +412,49 @@ impl Connections {
 
     /// Connections idle between requests now.
     pub fn idle_now(&self) -> usize {
-        self.idle_map().len()
+        let idle = |s: &Arc<Standing>| !matches!(s.since.load(Relaxed), BUSY | EVICTED);
+        self.registry().iter().filter(|(_, s)| idle(s)).count()
     }
 
-    fn idle_map(&self) -> std::sync::MutexGuard<'_, BTreeMap<u64, Arc<Notify>>> {
-        self.idle.lock().unwrap_or_else(PoisonError::into_inner)
+    fn registry(&self) -> std::sync::MutexGuard<'_, Slab<Arc<Standing>>> {
+        self.registry.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// A connection goes idle; `evict` is notified should it be closed for a new client.
-    fn idle<'a>(&'a self, evict: &'a Arc<Notify>) -> Idle<'a> {
-        let key = self.next_idle.fetch_add(1, Relaxed);
-        self.idle_map().insert(key, Arc::clone(evict));
-        Idle {
+    /// Registers a connection that is about to go idle for the first time.
+    fn keeper(&self) -> Keeper<'_> {
+        let standing = Arc::new(Standing {
+            since: AtomicU64::new(BUSY),
+            evict: Notify::new(),
+        });
+        let key = self.registry().insert(Arc::clone(&standing));
+        Keeper {
             connections: self,
             key,
-            evict,
+            standing,
         }
     }
 
     /// Closes the connection idle longest; false when none is idle.
     fn evict_longest_idle(&self) -> bool {
-        let Some((_, evict)) = self.idle_map().pop_first() else {
-            return false;
-        };
-        // A permit is kept if it is not waiting yet: it closes as soon as it looks.
-        evict.notify_one();
-        self.evicted.fetch_add(1, Relaxed);
-        true
+        let registry = self.registry();
+        loop {
+            let oldest = registry
+                .iter()
+                .map(|(_, s)| (s.since.load(Acquire), s))
+                .filter(|(since, _)| !matches!(*since, BUSY | EVICTED))
+                .min_by_key(|(since, _)| *since);
+            let Some((since, standing)) = oldest else {
+                return false;
+            };
+            // Lost to its next request's first bytes: look again.
+            let s = &standing.since;
+            if s.compare_exchange(since, EVICTED, AcqRel, Acquire).is_ok() {
+                // A permit is kept if it is not waiting yet: it closes as soon as it looks.
+                standing.evict.notify_one();
+                self.evicted.fetch_add(1, Relaxed);
+                return true;
+            }
+        }
     }
 
     /// Counts a new connection in, in the place of the longest-idle one at the limit, or

@@ -72,6 +72,10 @@ impl TokenTap {
     }
 
     /// Records what one fragment (or a whole body) said.
+    // Inlined into each caller as when they shared the service's module: a call per
+    // payload run on the hot path (callgrind, short scenario: +300 instructions a request
+    // out of line).
+    #[inline]
     fn apply(ctx: &mut Ctx, now: Nanos, facts: Facts) {
         ctx.unparsed += u64::from(facts.unparsed);
         if let Some(stream) = ctx.stream.as_mut() {
@@ -150,6 +154,7 @@ impl TokenTap {
 
     /// Meters one fragment of the response body (`end`: the body ended normally). With the
     /// usage chunk being taken out, returns the bytes to forward instead.
+    #[inline]
     pub(super) fn on_body(
         &self,
         ctx: &mut Ctx,
@@ -170,6 +175,7 @@ impl TokenTap {
 
     /// An upstream fragment has been metered: the events it carried at once are recorded
     /// (see [`crate::meter::Stream::tokens`]).
+    #[inline]
     pub(super) fn fragment_read(ctx: &mut Ctx) {
         if let Some(stream) = ctx.stream.as_mut() {
             stream.flush();

@@ -820,19 +820,7 @@ async fn the_meter_counts_the_same_whichever_way_a_request_arrives() {
 /// line at a time, and generation bodies tokentap cannot read or whose count is absurd.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn misbehaving_upstreams_get_bounded_answers_and_honest_counts() {
-    let sse = |events: Vec<Vec<u8>>, extra: &str| {
-        let mut raw = format!(
-            "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n{extra}transfer-encoding: chunked\r\n\r\n"
-        )
-        .into_bytes();
-        for e in events {
-            raw.extend_from_slice(format!("{:x}\r\n", e.len()).as_bytes());
-            raw.extend_from_slice(&e);
-            raw.extend_from_slice(b"\r\n");
-        }
-        raw.extend_from_slice(b"0\r\n\r\n");
-        raw
-    };
+    let sse = chunked_sse_response_with;
     let raw = |bytes: Vec<u8>| Reply::Raw {
         pieces: vec![bytes],
         gap: Duration::ZERO,

@@ -368,9 +368,15 @@ pub fn chat_events(n: usize, usage: bool) -> Vec<Vec<u8>> {
 
 /// A whole chunked `200` response carrying `events` (one chunk each) as an event stream.
 pub fn chunked_sse_response(events: Vec<Vec<u8>>) -> Vec<u8> {
-    let mut out =
-        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
-            .to_vec();
+    chunked_sse_response_with(events, "")
+}
+
+/// As [`chunked_sse_response`], with `extra` head fields (each ending in CRLF).
+pub fn chunked_sse_response_with(events: Vec<Vec<u8>>, extra: &str) -> Vec<u8> {
+    let mut out = format!(
+        "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n{extra}transfer-encoding: chunked\r\n\r\n"
+    )
+    .into_bytes();
     for e in events {
         out.extend_from_slice(format!("{:x}\r\n", e.len()).as_bytes());
         out.extend_from_slice(&e);

@@ -1,6 +1,7 @@
 //! The config file as written: every struct rejects unknown keys, every field documents
 //! its default.
 
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use http::header::HeaderName;
@@ -70,8 +71,8 @@ impl Default for ListenFile {
 #[serde(deny_unknown_fields, default)]
 pub struct LogFile {
     /// A `RUST_LOG`-style filter, e.g. `"debug"` or `"info,tokentap=debug"`; the
-    /// `RUST_LOG` environment variable wins when set. Default: tokentap at info, pingora at
-    /// warn.
+    /// `RUST_LOG` environment variable wins when set. Default `info` for tokentap, `warn`
+    /// for pingora.
     pub filter: Option<String>,
     /// `"text"` or `"json"` (one object per line); `--log-format` wins. Default "text".
     pub format: Option<String>,
@@ -448,7 +449,7 @@ pub struct SloFile {
     /// The adaptive cap never goes below this. Default 1.
     #[serde(default)]
     pub min_concurrency: Option<u64>,
-    /// Nor above this. Default: the upstream's `max_concurrency`, else 1024.
+    /// Nor above this. Default `max_concurrency` (the upstream's), else 1024.
     #[serde(default)]
     pub max_concurrency: Option<u64>,
 }
@@ -552,215 +553,16 @@ impl FileConfig {
             p.add("upstream", "at least one [[upstream]] is required");
         }
 
-        let mut upstreams = Vec::new();
-        for (i, u) in self.upstream.iter().enumerate() {
-            let at = |f: &str| format!("upstream[{i}].{f}");
-            if u.name.is_empty() {
-                p.add(
-                    at("name"),
-                    "is required: a name of its own, used in /stats and /metrics",
-                );
-            } else if let Some(j) = self.upstream[..i].iter().position(|o| o.name == u.name) {
-                p.add(
-                    at("name"),
-                    format!("`{}` is already the name of upstream[{j}]", u.name),
-                );
-            }
-            if u.max_concurrency == Some(0) {
-                p.add(at("max_concurrency"), "must be at least 1");
-            }
-            let slo = u.slo.as_ref().and_then(|s| {
-                let at = |f: &str| format!("upstream[{i}].slo.{f}");
-                let before = p.len();
-                if !(s.tpot_ms > 0.0 && s.tpot_ms.is_finite()) {
-                    p.add(
-                        at("tpot_ms"),
-                        format!("must be a positive number of ms, not {}", s.tpot_ms),
-                    );
-                }
-                if !(1.0..=99.9).contains(&s.percentile) {
-                    p.add(
-                        at("percentile"),
-                        format!("must be between 1 and 99.9, not {}", s.percentile),
-                    );
-                }
-                let min = s.min_concurrency.unwrap_or(1);
-                let max = s.max_concurrency.or(u.max_concurrency).unwrap_or(1024);
-                if min == 0 {
-                    p.add(at("min_concurrency"), "must be at least 1");
-                }
-                if min > max {
-                    p.add(
-                        at("min_concurrency"),
-                        format!("{min} is above max_concurrency {max}"),
-                    );
-                }
-                (p.len() == before).then_some(Slo {
-                    tpot_ms: s.tpot_ms,
-                    percentile: s.percentile,
-                    min_concurrency: min,
-                    max_concurrency: max,
-                })
-            });
-            if u.max_queue.is_some_and(|q| q > 1_000_000) {
-                p.add(at("max_queue"), "must be at most 1000000");
-            }
-            let positive = |p: &mut Problems, f: &str, v: Option<u64>, default: u64| {
-                if v == Some(0) {
-                    p.add(at(f), "must be greater than 0");
-                }
-                v.unwrap_or(default)
-            };
-            let connect = positive(
-                &mut p,
-                "connect_timeout_ms",
-                u.connect_timeout_ms,
-                DEFAULT_CONNECT_TIMEOUT_MS,
-            );
-            let read = positive(
-                &mut p,
-                "read_timeout_secs",
-                u.read_timeout_secs,
-                DEFAULT_READ_TIMEOUT_SECS,
-            );
-            let write = positive(&mut p, "write_timeout_secs", u.write_timeout_secs, 60);
-            let idle = positive(&mut p, "idle_timeout_secs", u.idle_timeout_secs, 60);
-            let queue_timeout = positive(&mut p, "queue_timeout_ms", u.queue_timeout_ms, 30_000);
-            let https = u.url.starts_with("https://");
-            if !https && (u.ca_file.is_some() || u.tls_verify.is_some()) {
-                let key = if u.ca_file.is_some() {
-                    "ca_file"
-                } else {
-                    "tls_verify"
-                };
-                p.add(at(key), "applies to an https:// upstream only");
-            }
-            let trust = match &u.ca_file {
-                Some(path) if https => tls::trust_with(path)
-                    .map_err(|e| p.add(at("ca_file"), e))
-                    .ok(),
-                _ => None,
-            };
-            let backend_metrics = u.backend_metrics.as_deref().and_then(|m| {
-                match m.parse::<http::Uri>() {
-                    Ok(uri) if uri.scheme_str() == Some("http") && uri.host().is_some() => {
-                        Some(uri)
-                    }
-                    _ => {
-                        p.add(
-                            at("backend_metrics"),
-                            format!("must be an http:// URL like http://127.0.0.1:8000/metrics, not `{m}`"),
-                        );
-                        None
-                    }
-                }
-            });
-            let backend_scrape_ms = u.backend_scrape_ms.unwrap_or(1000);
-            if !(100..=60_000).contains(&backend_scrape_ms) {
-                p.add(at("backend_scrape_ms"), "must be between 100 and 60000");
-            }
-            if u.backend_scrape_ms.is_some() && u.backend_metrics.is_none() {
-                p.add(at("backend_scrape_ms"), "applies with backend_metrics only");
-            }
-            let url = match u.url.as_str() {
-                "" => Err("is required: http://host:port or https://host[:port]".to_owned()),
-                url => upstream_url(url),
-            };
-            match url {
-                Ok((_, _, _, addr)) if proxy.as_ref().is_ok_and(|&l| l == addr) => p.add(
-                    at("url"),
-                    format!("{addr} is tokentap's own listen.proxy: requests would loop"),
-                ),
-                Ok((_, _, _, addr)) if admin.as_ref().is_ok_and(|&l| l == addr) => {
-                    p.add(at("url"), format!("{addr} is tokentap's own listen.admin"))
-                }
-                Ok((tls, host_header, sni, addr)) => upstreams.push(UpstreamConfig {
-                    name: u.name.clone(),
-                    url: u.url.clone(),
-                    addr,
-                    tls,
-                    host_header,
-                    sni,
-                    connect_timeout: Duration::from_millis(connect),
-                    read_timeout: Duration::from_secs(read),
-                    write_timeout: Duration::from_secs(write),
-                    idle_timeout: Duration::from_secs(idle),
-                    max_concurrency: u.max_concurrency,
-                    max_queue: u.max_queue.unwrap_or(256),
-                    queue_timeout: Duration::from_millis(queue_timeout),
-                    slo,
-                    inject_usage: u.inject_usage,
-                    estimate: u.estimate,
-                    tls_verify: u.tls_verify.unwrap_or(true),
-                    ca_file: u.ca_file.clone(),
-                    trust,
-                    backend_metrics,
-                    backend_scrape: Duration::from_millis(backend_scrape_ms),
-                }),
-                Err(e) => p.add(at("url"), e),
-            }
-        }
+        let addrs = (&proxy, &admin);
+        let upstreams: Vec<UpstreamConfig> = (self.upstream.iter().enumerate())
+            .filter_map(|(i, u)| upstream(i, u, &self.upstream[..i], addrs, &mut p))
+            .collect();
 
         let index = |name: &str| self.upstream.iter().position(|u| u.name == name);
         let mut routes = Vec::new();
         for (i, r) in self.route.iter().enumerate() {
-            let at = |f: &str| format!("route[{i}].{f}");
-            if !r.path_prefix.starts_with('/') {
-                p.add(at("path_prefix"), "must start with `/`");
-            }
-            let mut headers = Vec::new();
-            for (name, value) in &r.headers {
-                match HeaderName::from_bytes(name.as_bytes()) {
-                    Ok(h) => headers.push((h, value.clone())),
-                    Err(_) => p.add(at(&format!("headers.{name}")), "not a valid header name"),
-                }
-            }
-            if r.split.is_empty() {
-                p.add(at("split"), "names no upstream");
-            }
-            let mut split = Vec::new();
-            for (name, &weight) in &r.split {
-                match index(name) {
-                    Some(u) => split.push((u, weight)),
-                    None => p.add(at(&format!("split.{name}")), "unknown upstream"),
-                }
-            }
-            if !r.split.is_empty() && r.split.values().map(|&w| u64::from(w)).sum::<u64>() == 0 {
-                p.add(at("split"), "total weight is 0");
-            }
-            let sticky = match r.sticky.as_deref() {
-                None => None,
-                Some(s) => match s
-                    .strip_prefix("header:")
-                    .map(|h| HeaderName::from_bytes(h.trim().as_bytes()))
-                {
-                    Some(Ok(h)) => Some(h),
-                    _ => {
-                        p.add(at("sticky"), format!("must be `header:NAME`, not `{s}`"));
-                        None
-                    }
-                },
-            };
-            let name = match &r.name {
-                Some(n) if n.is_empty() || n.len() > 128 => {
-                    p.add(at("name"), "must be 1 to 128 characters");
-                    n.clone()
-                }
-                Some(n) if routes.iter().any(|x: &Route| &x.name == n) => {
-                    p.add(at("name"), format!("another route is named `{n}`"));
-                    n.clone()
-                }
-                Some(n) => n.clone(),
-                None => unique_name(&r.path_prefix, &routes),
-            };
-            routes.push(Route {
-                name,
-                path_prefix: r.path_prefix.clone(),
-                headers,
-                split,
-                sticky,
-                spill: r.spill,
-            });
+            let checked = route(i, r, &routes, index, &mut p);
+            routes.push(checked);
         }
         if routes.is_empty() && self.upstream.len() > 1 {
             p.add(
@@ -818,5 +620,232 @@ impl FileConfig {
             upstreams,
             routes,
         })
+    }
+}
+
+/// `upstream[i]` checked (its name against the `earlier` ones', its addresses against
+/// tokentap's own) and made the runtime's, or `None` with its problems added. Its URL is
+/// resolved and its `ca_file` read here: the one check of a section that does I/O.
+fn upstream(
+    i: usize,
+    u: &UpstreamFile,
+    earlier: &[UpstreamFile],
+    (proxy, admin): (&Result<SocketAddr, ()>, &Result<SocketAddr, ()>),
+    p: &mut Problems,
+) -> Option<UpstreamConfig> {
+    let at = |f: &str| format!("upstream[{i}].{f}");
+    if u.name.is_empty() {
+        p.add(
+            at("name"),
+            "is required: a name of its own, used in /stats and /metrics",
+        );
+    } else if let Some(j) = earlier.iter().position(|o| o.name == u.name) {
+        p.add(
+            at("name"),
+            format!("`{}` is already the name of upstream[{j}]", u.name),
+        );
+    }
+    if u.max_concurrency == Some(0) {
+        p.add(at("max_concurrency"), "must be at least 1");
+    }
+    let slo = u.slo.as_ref().and_then(|s| {
+        let at = |f: &str| format!("upstream[{i}].slo.{f}");
+        let before = p.len();
+        if !(s.tpot_ms > 0.0 && s.tpot_ms.is_finite()) {
+            p.add(
+                at("tpot_ms"),
+                format!("must be a positive number of ms, not {}", s.tpot_ms),
+            );
+        }
+        if !(1.0..=99.9).contains(&s.percentile) {
+            p.add(
+                at("percentile"),
+                format!("must be between 1 and 99.9, not {}", s.percentile),
+            );
+        }
+        let min = s.min_concurrency.unwrap_or(1);
+        let max = s.max_concurrency.or(u.max_concurrency).unwrap_or(1024);
+        if min == 0 {
+            p.add(at("min_concurrency"), "must be at least 1");
+        }
+        if min > max {
+            p.add(
+                at("min_concurrency"),
+                format!("{min} is above max_concurrency {max}"),
+            );
+        }
+        (p.len() == before).then_some(Slo {
+            tpot_ms: s.tpot_ms,
+            percentile: s.percentile,
+            min_concurrency: min,
+            max_concurrency: max,
+        })
+    });
+    if u.max_queue.is_some_and(|q| q > 1_000_000) {
+        p.add(at("max_queue"), "must be at most 1000000");
+    }
+    let positive = |p: &mut Problems, f: &str, v: Option<u64>, default: u64| {
+        if v == Some(0) {
+            p.add(at(f), "must be greater than 0");
+        }
+        v.unwrap_or(default)
+    };
+    let connect = positive(
+        p,
+        "connect_timeout_ms",
+        u.connect_timeout_ms,
+        DEFAULT_CONNECT_TIMEOUT_MS,
+    );
+    let read = positive(
+        p,
+        "read_timeout_secs",
+        u.read_timeout_secs,
+        DEFAULT_READ_TIMEOUT_SECS,
+    );
+    let write = positive(p, "write_timeout_secs", u.write_timeout_secs, 60);
+    let idle = positive(p, "idle_timeout_secs", u.idle_timeout_secs, 60);
+    let queue_timeout = positive(p, "queue_timeout_ms", u.queue_timeout_ms, 30_000);
+    let https = u.url.starts_with("https://");
+    if !https && (u.ca_file.is_some() || u.tls_verify.is_some()) {
+        let key = if u.ca_file.is_some() {
+            "ca_file"
+        } else {
+            "tls_verify"
+        };
+        p.add(at(key), "applies to an https:// upstream only");
+    }
+    let trust = match &u.ca_file {
+        Some(path) if https => tls::trust_with(path)
+            .map_err(|e| p.add(at("ca_file"), e))
+            .ok(),
+        _ => None,
+    };
+    let backend_metrics = u
+        .backend_metrics
+        .as_deref()
+        .and_then(|m| match m.parse::<http::Uri>() {
+            Ok(uri) if uri.scheme_str() == Some("http") && uri.host().is_some() => Some(uri),
+            _ => {
+                p.add(
+                    at("backend_metrics"),
+                    format!("must be an http:// URL like http://127.0.0.1:8000/metrics, not `{m}`"),
+                );
+                None
+            }
+        });
+    let backend_scrape_ms = u.backend_scrape_ms.unwrap_or(1000);
+    if !(100..=60_000).contains(&backend_scrape_ms) {
+        p.add(at("backend_scrape_ms"), "must be between 100 and 60000");
+    }
+    if u.backend_scrape_ms.is_some() && u.backend_metrics.is_none() {
+        p.add(at("backend_scrape_ms"), "applies with backend_metrics only");
+    }
+    let url = match u.url.as_str() {
+        "" => Err("is required: http://host:port or https://host[:port]".to_owned()),
+        url => upstream_url(url),
+    };
+    match url {
+        Ok((_, _, _, addr)) if proxy.as_ref().is_ok_and(|&l| l == addr) => p.add(
+            at("url"),
+            format!("{addr} is tokentap's own listen.proxy: requests would loop"),
+        ),
+        Ok((_, _, _, addr)) if admin.as_ref().is_ok_and(|&l| l == addr) => {
+            p.add(at("url"), format!("{addr} is tokentap's own listen.admin"))
+        }
+        Ok((tls, host_header, sni, addr)) => {
+            return Some(UpstreamConfig {
+                name: u.name.clone(),
+                url: u.url.clone(),
+                addr,
+                tls,
+                host_header,
+                sni,
+                connect_timeout: Duration::from_millis(connect),
+                read_timeout: Duration::from_secs(read),
+                write_timeout: Duration::from_secs(write),
+                idle_timeout: Duration::from_secs(idle),
+                max_concurrency: u.max_concurrency,
+                max_queue: u.max_queue.unwrap_or(256),
+                queue_timeout: Duration::from_millis(queue_timeout),
+                slo,
+                inject_usage: u.inject_usage,
+                estimate: u.estimate,
+                tls_verify: u.tls_verify.unwrap_or(true),
+                ca_file: u.ca_file.clone(),
+                trust,
+                backend_metrics,
+                backend_scrape: Duration::from_millis(backend_scrape_ms),
+            })
+        }
+        Err(e) => p.add(at("url"), e),
+    }
+    None
+}
+
+/// `route[i]` checked (its split against the upstreams' names, its name against the
+/// `earlier` routes') and made the runtime's; its problems added.
+fn route(
+    i: usize,
+    r: &RouteFile,
+    earlier: &[Route],
+    index: impl Fn(&str) -> Option<usize>,
+    p: &mut Problems,
+) -> Route {
+    let at = |f: &str| format!("route[{i}].{f}");
+    if !r.path_prefix.starts_with('/') {
+        p.add(at("path_prefix"), "must start with `/`");
+    }
+    let mut headers = Vec::new();
+    for (name, value) in &r.headers {
+        match HeaderName::from_bytes(name.as_bytes()) {
+            Ok(h) => headers.push((h, value.clone())),
+            Err(_) => p.add(at(&format!("headers.{name}")), "not a valid header name"),
+        }
+    }
+    if r.split.is_empty() {
+        p.add(at("split"), "names no upstream");
+    }
+    let mut split = Vec::new();
+    for (name, &weight) in &r.split {
+        match index(name) {
+            Some(u) => split.push((u, weight)),
+            None => p.add(at(&format!("split.{name}")), "unknown upstream"),
+        }
+    }
+    if !r.split.is_empty() && r.split.values().map(|&w| u64::from(w)).sum::<u64>() == 0 {
+        p.add(at("split"), "total weight is 0");
+    }
+    let sticky = match r.sticky.as_deref() {
+        None => None,
+        Some(s) => match s
+            .strip_prefix("header:")
+            .map(|h| HeaderName::from_bytes(h.trim().as_bytes()))
+        {
+            Some(Ok(h)) => Some(h),
+            _ => {
+                p.add(at("sticky"), format!("must be `header:NAME`, not `{s}`"));
+                None
+            }
+        },
+    };
+    let name = match &r.name {
+        Some(n) if n.is_empty() || n.len() > 128 => {
+            p.add(at("name"), "must be 1 to 128 characters");
+            n.clone()
+        }
+        Some(n) if earlier.iter().any(|x: &Route| &x.name == n) => {
+            p.add(at("name"), format!("another route is named `{n}`"));
+            n.clone()
+        }
+        Some(n) => n.clone(),
+        None => unique_name(&r.path_prefix, earlier),
+    };
+    Route {
+        name,
+        path_prefix: r.path_prefix.clone(),
+        headers,
+        split,
+        sticky,
+        spill: r.spill,
     }
 }

@@ -350,4 +350,166 @@ mod tests {
         assert_eq!(l["upstream[1].name"], 7);
         assert_eq!(l["route[0].split.a"], 9);
     }
+
+    /// Every key the shape knows, as the README names it (`upstream[].slo.tpot_ms`), with
+    /// the name of the struct that reads it.
+    fn keys(fields: &[Field], at: &str, strukt: &str, out: &mut Vec<(String, String)>) {
+        for (key, kind) in fields {
+            let path = join(at, key);
+            let sub = |name: &str| format!("{}File", name[..1].to_uppercase() + &name[1..]);
+            match kind {
+                Kind::Table(inner) => keys(inner, &path, &sub(key), out),
+                Kind::Tables(inner) => keys(inner, &format!("{path}[]"), &sub(key), out),
+                _ => out.push((path, strukt.to_owned())),
+            }
+        }
+    }
+
+    /// The first word of a default as written: `30`, `none`, `true`, `"events"`…
+    fn first_word(text: &str) -> String {
+        let text = text.trim().trim_start_matches(':').trim();
+        let word = text.split([' ', ',', '(']).next().unwrap_or("");
+        word.trim_matches(['`', '"', '.', ';', ':']).to_lowercase()
+    }
+
+    /// The `Default …` a field's doc comment gives, if any.
+    fn doc_default(file: &str, strukt: &str, field: &str) -> Option<String> {
+        let body = file.split(&format!("pub struct {strukt} {{")).nth(1)?;
+        let body = &body[..body.find("\n}")?];
+        let mut doc = String::new();
+        for line in body.lines().map(str::trim) {
+            if let Some(d) = line.strip_prefix("///") {
+                doc.push_str(d);
+                doc.push(' ');
+            } else if line.starts_with(&format!("pub {field}:")) {
+                let at = doc.find("Default")?;
+                return Some(first_word(&doc[at + "Default".len()..]));
+            } else if line.starts_with("pub ") {
+                doc.clear();
+            }
+        }
+        None
+    }
+
+    /// The README's config table: key → its default, as written.
+    fn readme_defaults() -> HashMap<String, String> {
+        let readme = include_str!("../../README.md");
+        let mut rows = HashMap::new();
+        for line in readme.lines().filter(|l| l.starts_with("| `")) {
+            let cells: Vec<&str> = line.split(" | ").collect();
+            let [names, default, ..] = cells[..] else {
+                continue;
+            };
+            for name in names.trim_start_matches("| ").split(", ") {
+                rows.insert(name.trim_matches('`').to_owned(), default.to_owned());
+            }
+        }
+        rows
+    }
+
+    /// A key's name, default and doc are written in three places a user reads or the
+    /// code runs: the README's table, the field's doc comment (what `check` and the
+    /// example configs say) and the value the runtime takes when the key is absent. Every
+    /// key the shape knows must be in the README, and where two of them give a default,
+    /// they must agree.
+    #[test]
+    fn every_key_is_documented_once_with_one_default() {
+        let mut all = Vec::new();
+        keys(FILE, "", "FileConfig", &mut all);
+        let readme = readme_defaults();
+        let file = include_str!("file.rs");
+        let mut problems = Vec::new();
+        for (key, strukt) in &all {
+            let Some(written) = readme.get(key) else {
+                problems.push(format!("{key}: not in the README's config table"));
+                continue;
+            };
+            let field = key.rsplit('.').next().unwrap_or(key);
+            if let Some(doc) = doc_default(file, strukt, field) {
+                if doc != first_word(written) {
+                    problems.push(format!(
+                        "{key}: the README's default is `{written}`, {strukt}'s doc says `{doc}`"
+                    ));
+                }
+            }
+        }
+        // The runtime's value for each key left out, against the README's.
+        let c = crate::config::Config::parse(
+            "[[upstream]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"\n[upstream.slo]\ntpot_ms = 30\n",
+            "defaults",
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let u = &c.upstreams[0];
+        let slo = u.slo.as_ref().unwrap_or_else(|| unreachable!());
+        let secs = |d: std::time::Duration| d.as_secs().to_string();
+        let ms = |d: std::time::Duration| d.as_millis().to_string();
+        let runtime: Vec<(&str, String)> = vec![
+            ("listen.proxy", c.listen.proxy.to_string()),
+            ("listen.admin", c.listen.admin.to_string()),
+            ("metrics.window_secs", secs(c.window)),
+            ("metrics.curve_window_secs", secs(c.curve_window)),
+            ("metrics.model_label", c.model_label.to_string()),
+            ("compare.window_secs", secs(c.compare_window)),
+            ("server.grace_period_secs", secs(c.grace_period)),
+            (
+                "server.upstream_keepalive_pool_size",
+                c.keepalive_pool.to_string(),
+            ),
+            ("server.work_stealing", c.work_stealing.to_string()),
+            (
+                "server.request_id_upstream",
+                c.request_id_upstream.to_string(),
+            ),
+            (
+                "server.client_write_timeout_secs",
+                secs(c.limits.client_write_timeout),
+            ),
+            (
+                "server.request_head_timeout_secs",
+                secs(c.limits.request_head_timeout),
+            ),
+            (
+                "server.request_body_timeout_secs",
+                secs(c.limits.request_body_timeout),
+            ),
+            (
+                "server.keepalive_timeout_secs",
+                secs(c.limits.keepalive_timeout),
+            ),
+            (
+                "server.max_request_head_bytes",
+                c.limits.max_request_head_bytes.to_string(),
+            ),
+            (
+                "server.max_request_body_bytes",
+                c.limits.max_request_body_bytes.to_string(),
+            ),
+            ("admin.metrics_public", c.admin.metrics_public.to_string()),
+            ("upstream[].read_timeout_secs", secs(u.read_timeout)),
+            ("upstream[].connect_timeout_ms", ms(u.connect_timeout)),
+            ("upstream[].write_timeout_secs", secs(u.write_timeout)),
+            ("upstream[].idle_timeout_secs", secs(u.idle_timeout)),
+            ("upstream[].tls_verify", u.tls_verify.to_string()),
+            ("upstream[].backend_scrape_ms", ms(u.backend_scrape)),
+            ("upstream[].inject_usage", u.inject_usage.to_string()),
+            ("upstream[].max_queue", u.max_queue.to_string()),
+            ("upstream[].queue_timeout_ms", ms(u.queue_timeout)),
+            ("upstream[].slo.percentile", slo.percentile.to_string()),
+            (
+                "upstream[].slo.min_concurrency",
+                slo.min_concurrency.to_string(),
+            ),
+            ("route[].path_prefix", c.routes[0].path_prefix.clone()),
+            ("route[].spill", c.routes[0].spill.to_string()),
+        ];
+        for (key, value) in runtime {
+            let written = readme.get(key).map_or("", String::as_str);
+            if first_word(written) != first_word(&value) {
+                problems.push(format!(
+                    "{key}: the README's default is `{written}`, the runtime takes `{value}`"
+                ));
+            }
+        }
+        assert!(problems.is_empty(), "{}", problems.join("\n"));
+    }
 }

@@ -501,87 +501,26 @@ fn slash() -> String {
 // === impl FileConfig ===
 
 impl FileConfig {
-    /// Checks everything and builds the runtime config, or returns every problem found.
+    /// Checks everything and builds the runtime config, or returns every problem found:
+    /// small checks of one section each, composed; those that read files (certificates,
+    /// the admin token, the access log, a CA bundle) or resolve names (upstream URLs) last.
     pub fn validate(self) -> Result<Config, Vec<Problem>> {
         let mut p = Problems::default();
-        let proxy = socket_addr(&self.listen.proxy).map_err(|e| p.add("listen.proxy", e));
-        let admin = socket_addr(&self.listen.admin).map_err(|e| p.add("listen.admin", e));
-        if let (Ok(proxy), Ok(admin)) = (&proxy, &admin) {
-            if proxy == admin {
-                p.add(
-                    "listen.admin",
-                    format!("{admin} is listen.proxy's address too; give each its own"),
-                );
-            }
-        }
-        if !(1..=3600).contains(&self.metrics.window_secs) {
-            p.add("metrics.window_secs", "must be between 1 and 3600");
-        }
-        if !(10..=86_400).contains(&self.compare.window_secs) {
-            p.add("compare.window_secs", "must be between 10 and 86400");
-        }
-        if !(3..=300).contains(&self.cluster.lease_secs) {
-            p.add("cluster.lease_secs", "must be between 3 and 300");
-        }
-        let cluster =
-            self.cluster
-                .redis_url
-                .as_deref()
-                .and_then(|url| match redis::Client::open(url) {
-                    Ok(_) if url.starts_with("redis://") => Some(Cluster {
-                        redis_url: url.to_owned(),
-                        lease: Duration::from_secs(self.cluster.lease_secs.clamp(3, 300)),
-                    }),
-                    _ => {
-                        p.add(
-                            "cluster.redis_url",
-                            format!("must be a URL like redis://127.0.0.1:6379, not `{url}`"),
-                        );
-                        None
-                    }
-                });
-        if !(60..=86_400).contains(&self.metrics.curve_window_secs) {
-            p.add("metrics.curve_window_secs", "must be between 60 and 86400");
-        }
-        if self.metrics.max_event_bytes < 1024 {
-            p.add("metrics.max_event_bytes", "must be at least 1024");
-        }
-        if self.server.threads == Some(0) {
-            p.add("server.threads", "must be at least 1");
-        }
+        // The pure checks, each of its own section: …
+        let (proxy, admin) = self.listen.addrs(&mut p);
+        self.check_ranges(&mut p);
+        let cluster = self.cluster.cluster(&mut p);
         if self.upstream.is_empty() {
             p.add("upstream", "at least one [[upstream]] is required");
         }
 
+        let routes = self.routes(&mut p);
+        let limits = self.server.limits(&mut p);
+        // … then those that read files or resolve names.
         let addrs = (&proxy, &admin);
         let upstreams: Vec<UpstreamConfig> = (self.upstream.iter().enumerate())
             .filter_map(|(i, u)| upstream(i, u, &self.upstream[..i], addrs, &mut p))
             .collect();
-
-        let index = |name: &str| self.upstream.iter().position(|u| u.name == name);
-        let mut routes = Vec::new();
-        for (i, r) in self.route.iter().enumerate() {
-            let checked = route(i, r, &routes, index, &mut p);
-            routes.push(checked);
-        }
-        if routes.is_empty() && self.upstream.len() > 1 {
-            p.add(
-                "route",
-                "with more than one upstream, a [[route]] must say which gets what",
-            );
-        }
-        if routes.is_empty() {
-            routes.push(Route {
-                name: "/".into(),
-                path_prefix: "/".into(),
-                headers: Vec::new(),
-                split: vec![(0, 1)],
-                sticky: None,
-                spill: false,
-            });
-        }
-
-        let limits = self.server.limits(&mut p);
         let admin_auth = self.admin.auth(&mut p);
         let log = self.log.log(&mut p);
         let listen_tls = self.listen.tls(&mut p);
@@ -620,6 +559,96 @@ impl FileConfig {
             upstreams,
             routes,
         })
+    }
+}
+
+impl FileConfig {
+    /// The bounds of the global numbers (`metrics`, `compare`, `cluster.lease_secs`,
+    /// `server.threads`).
+    fn check_ranges(&self, p: &mut Problems) {
+        if !(1..=3600).contains(&self.metrics.window_secs) {
+            p.add("metrics.window_secs", "must be between 1 and 3600");
+        }
+        if !(10..=86_400).contains(&self.compare.window_secs) {
+            p.add("compare.window_secs", "must be between 10 and 86400");
+        }
+        if !(3..=300).contains(&self.cluster.lease_secs) {
+            p.add("cluster.lease_secs", "must be between 3 and 300");
+        }
+        if !(60..=86_400).contains(&self.metrics.curve_window_secs) {
+            p.add("metrics.curve_window_secs", "must be between 60 and 86400");
+        }
+        if self.metrics.max_event_bytes < 1024 {
+            p.add("metrics.max_event_bytes", "must be at least 1024");
+        }
+        if self.server.threads == Some(0) {
+            p.add("server.threads", "must be at least 1");
+        }
+    }
+
+    /// Every route checked against the upstreams' names; with none, one for `/` to the
+    /// only upstream.
+    fn routes(&self, p: &mut Problems) -> Vec<Route> {
+        let index = |name: &str| self.upstream.iter().position(|u| u.name == name);
+        let mut routes = Vec::new();
+        for (i, r) in self.route.iter().enumerate() {
+            let checked = route(i, r, &routes, index, p);
+            routes.push(checked);
+        }
+        if routes.is_empty() && self.upstream.len() > 1 {
+            p.add(
+                "route",
+                "with more than one upstream, a [[route]] must say which gets what",
+            );
+        }
+        if routes.is_empty() {
+            routes.push(Route {
+                name: "/".into(),
+                path_prefix: "/".into(),
+                headers: Vec::new(),
+                split: vec![(0, 1)],
+                sticky: None,
+                spill: false,
+            });
+        }
+        routes
+    }
+}
+
+impl ListenFile {
+    /// The proxy's and the admin's addresses, each its own.
+    fn addrs(&self, p: &mut Problems) -> (Result<SocketAddr, ()>, Result<SocketAddr, ()>) {
+        let proxy = socket_addr(&self.proxy).map_err(|e| p.add("listen.proxy", e));
+        let admin = socket_addr(&self.admin).map_err(|e| p.add("listen.admin", e));
+        if let (Ok(proxy), Ok(admin)) = (&proxy, &admin) {
+            if proxy == admin {
+                p.add(
+                    "listen.admin",
+                    format!("{admin} is listen.proxy's address too; give each its own"),
+                );
+            }
+        }
+        (proxy, admin)
+    }
+}
+
+impl ClusterFile {
+    /// `[cluster]`, when it names a Redis.
+    fn cluster(&self, p: &mut Problems) -> Option<Cluster> {
+        let url = self.redis_url.as_deref()?;
+        match redis::Client::open(url) {
+            Ok(_) if url.starts_with("redis://") => Some(Cluster {
+                redis_url: url.to_owned(),
+                lease: Duration::from_secs(self.lease_secs.clamp(3, 300)),
+            }),
+            _ => {
+                p.add(
+                    "cluster.redis_url",
+                    format!("must be a URL like redis://127.0.0.1:6379, not `{url}`"),
+                );
+                None
+            }
+        }
     }
 }
 

@@ -79,11 +79,6 @@ impl Ctx {
         }
     }
 
-    pub(super) fn ignore_body(&mut self) {
-        self.body = Body::Ignore;
-        self.strip_usage = None;
-    }
-
     /// The fields tokentap adds to a response: the upstream's name, and the request id
     /// unless the upstream sent its own (`has_id`), which is its to keep.
     pub(super) fn added_fields(&self, has_id: bool) -> [Option<(&'static str, &str)>; 2] {

@@ -118,8 +118,9 @@ impl TokenTap {
             && framing != BodyFraming::UntilClose
             && !resp.fields.has_token("connection", "close");
         resp.fields.remove_hop_by_hop("transfer-encoding");
-        // A transfer coding under the chunks (`gzip, chunked`): neither read nor rewritten,
-        // and forwarded as it came (re-framing it would lose the coding).
+        // A transfer coding under the chunks (`gzip, chunked`): neither read nor rewritten
+        // (the tap leaves a coded body unread), and forwarded as it came (re-framing it
+        // would lose the coding).
         let coded = framing == BodyFraming::Chunked && !resp.only_chunked();
         let content_type = resp.fields.get("content-type");
         let content_encoding = resp.fields.get("content-encoding");
@@ -128,9 +129,6 @@ impl TokenTap {
             // RFC 9112 §6.3: `Transfer-Encoding` overrides a `Content-Length`, which a proxy
             // removes (as pingora does).
             resp.fields.remove("content-length");
-            if coded {
-                ctx.ignore_body();
-            }
         }
         if coded && http10 {
             // No transfer coding can reach an HTTP/1.0 client.

@@ -351,7 +351,7 @@ mod tests {
         assert_eq!(l["route[0].split.a"], 9);
     }
 
-    /// Every key the shape knows, as the README names it (`upstream[].slo.tpot_ms`), with
+    /// Every key the shape knows, as docs/configuration.md names it (`upstream[].slo.tpot_ms`), with
     /// the name of the struct that reads it.
     fn keys(fields: &[Field], at: &str, strukt: &str, out: &mut Vec<(String, String)>) {
         for (key, kind) in fields {
@@ -391,9 +391,9 @@ mod tests {
         None
     }
 
-    /// The README's config table: key → its default, as written.
+    /// The documented config table (docs/configuration.md): key → its default, as written.
     fn readme_defaults() -> HashMap<String, String> {
-        let readme = include_str!("../../README.md");
+        let readme = include_str!("../../docs/configuration.md");
         let mut rows = HashMap::new();
         for line in readme.lines().filter(|l| l.starts_with("| `")) {
             let cells: Vec<&str> = line.split(" | ").collect();
@@ -408,9 +408,9 @@ mod tests {
     }
 
     /// A key's name, default and doc are written in three places a user reads or the
-    /// code runs: the README's table, the field's doc comment (what `check` and the
+    /// code runs: the documented table, the field's doc comment (what `check` and the
     /// example configs say) and the value the runtime takes when the key is absent. Every
-    /// key the shape knows must be in the README, and where two of them give a default,
+    /// key the shape knows must be in docs/configuration.md, and where two of them give a default,
     /// they must agree.
     #[test]
     fn every_key_is_documented_once_with_one_default() {
@@ -421,19 +421,19 @@ mod tests {
         let mut problems = Vec::new();
         for (key, strukt) in &all {
             let Some(written) = readme.get(key) else {
-                problems.push(format!("{key}: not in the README's config table"));
+                problems.push(format!("{key}: not in the documented config table"));
                 continue;
             };
             let field = key.rsplit('.').next().unwrap_or(key);
             if let Some(doc) = doc_default(file, strukt, field) {
                 if doc != first_word(written) {
                     problems.push(format!(
-                        "{key}: the README's default is `{written}`, {strukt}'s doc says `{doc}`"
+                        "{key}: the documented default is `{written}`, {strukt}'s doc says `{doc}`"
                     ));
                 }
             }
         }
-        // The runtime's value for each key left out, against the README's.
+        // The runtime's value for each key left out, against the documented.
         let c = crate::config::Config::parse(
             "[[upstream]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"\n[upstream.slo]\ntpot_ms = 30\n",
             "defaults",
@@ -506,7 +506,7 @@ mod tests {
             let written = readme.get(key).map_or("", String::as_str);
             if first_word(written) != first_word(&value) {
                 problems.push(format!(
-                    "{key}: the README's default is `{written}`, the runtime takes `{value}`"
+                    "{key}: the documented default is `{written}`, the runtime takes `{value}`"
                 ));
             }
         }

@@ -96,6 +96,18 @@ pub struct BackendStats {
     pub scrape_failures_total: u64,
 }
 
+/// Who hears what a scrape read.
+pub trait Sink: Send + Sync + 'static {
+    fn reading(&self, backend: &Backend);
+}
+
+/// The upstream's meter buckets its curve by the backend's running count.
+impl Sink for UpstreamMeter {
+    fn reading(&self, backend: &Backend) {
+        self.set_backend_running(backend.running());
+    }
+}
+
 /// One upstream's backend load: the last good reading and how scrapes went.
 pub struct Backend {
     url: http::Uri,
@@ -149,10 +161,18 @@ impl Backend {
             .map(|n| n.round().max(0.0) as u64)
     }
 
-    /// Starts a scrape when one is due and none is running; tells the meter the count it
-    /// should bucket the curve by.
-    pub fn tick(self: &Arc<Self>, upstream: &str, meter: &Arc<UpstreamMeter>) {
-        meter.set_backend_running(self.running());
+    /// Running + waiting while fresh: the load `least_loaded` compares.
+    pub fn load(&self) -> Option<u64> {
+        let last = *self.last.lock().unwrap_or_else(PoisonError::into_inner);
+        let (at, r) = last?;
+        let n = r.running? + r.waiting.unwrap_or(0.0);
+        (at.elapsed() < self.interval * 3).then_some(n.round().max(0.0) as u64)
+    }
+
+    /// Starts a scrape when one is due and none is running; tells `sink` (the upstream's
+    /// meter, or one endpoint of its pool) what it reads.
+    pub fn tick(self: &Arc<Self>, upstream: &str, sink: Arc<dyn Sink>) {
+        sink.reading(self);
         let now = Instant::now();
         {
             let mut next = self.next.lock().unwrap_or_else(PoisonError::into_inner);
@@ -162,7 +182,7 @@ impl Backend {
             *next = now + self.interval;
         }
         let this = Arc::clone(self);
-        let (upstream, meter) = (upstream.to_owned(), Arc::clone(meter));
+        let upstream = upstream.to_owned();
         tokio::spawn(async move {
             let timeout = this.interval.max(Duration::from_millis(500));
             let got = tokio::time::timeout(timeout, fetch(&this.url)).await;
@@ -191,7 +211,7 @@ impl Backend {
                     }
                 }
             }
-            meter.set_backend_running(this.running());
+            sink.reading(&this);
             this.scraping.store(false, Relaxed);
         });
     }

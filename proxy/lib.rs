@@ -55,6 +55,7 @@ pub mod load;
 pub mod logs;
 pub mod meter;
 pub mod ndjson;
+pub mod pool;
 pub mod routing;
 pub mod server;
 pub mod service;

@@ -143,16 +143,16 @@ pub fn started(config: &crate::config::Config) {
             .map(|s| format!("adaptive, SLO TPOT p{} ≤ {} ms", s.percentile, s.tpot_ms))
             .or(u.max_concurrency.map(|c| format!("{c}")))
             .unwrap_or_else(|| "none".into());
-        let scheme = if u.tls { "https" } else { "http" };
+        let addrs: Vec<String> = u.endpoints.iter().map(|e| e.addr.to_string()).collect();
         tracing::info!(
             upstream = %u.name,
             cap = %cap,
-            "upstream {} at {scheme}://{} ({})",
+            "upstream {} at {} ({})",
             u.name,
-            u.host_header,
-            u.addr
+            u.source(),
+            if addrs.is_empty() { "found while running".to_owned() } else { addrs.join(" ") }
         );
-        if u.tls && !u.tls_verify {
+        if u.endpoints.iter().any(|e| e.tls) && !u.tls_verify {
             tracing::warn!(
                 upstream = %u.name,
                 "upstream {}: tls_verify = false: its certificate is not checked",

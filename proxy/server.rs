@@ -59,6 +59,7 @@ pub fn build(live: &Arc<Live>) -> (Server, Arc<Transport>) {
     let sampler = background_service("history", sampler);
     let scraper = background_service("backend metrics", BackendScrape(Arc::clone(live)));
     let fleet = background_service("cluster", FleetKeeper(Arc::clone(live)));
+    let pools = background_service("pools", Pools(Arc::clone(live)));
 
     server.add_service(proxy);
     server.add_service(admin);
@@ -67,6 +68,7 @@ pub fn build(live: &Arc<Live>) -> (Server, Arc<Transport>) {
     server.add_service(sampler);
     server.add_service(scraper);
     server.add_service(fleet);
+    server.add_service(pools);
     (server, transport)
 }
 
@@ -128,8 +130,30 @@ impl BackgroundService for BackendScrape {
             }
             for u in &self.0.load().upstreams {
                 if let Some(b) = &u.backend {
-                    b.tick(&u.config.name, &u.meter);
+                    b.tick(&u.config.name, Arc::clone(&u.meter) as _);
                 }
+            }
+        }
+    }
+}
+
+/// Keeps each upstream's pool (`pool`): ejections that ended, discovery, health checks
+/// and each endpoint's backend scrape when due; looked at every 100 ms.
+struct Pools(Arc<Live>);
+
+#[async_trait]
+impl BackgroundService for Pools {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        let mut tick = tokio::time::interval(Duration::from_millis(100));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = shutdown.changed() => return,
+            }
+            let shared = self.0.load();
+            for u in &shared.upstreams {
+                u.pool.tick(shared.config.window, shared.config.endpoint_labels);
             }
         }
     }

@@ -13,7 +13,6 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 
 use arc_swap::ArcSwap;
-use pingora::upstreams::peer::HttpPeer;
 
 use crate::access::Access;
 use crate::backend::Backend;
@@ -23,6 +22,7 @@ use crate::limit::slo::Adaptive;
 use crate::limit::{LimitConfig, Limiter};
 use crate::logs::Throttle;
 use crate::meter::{Clock, UpstreamMeter};
+use crate::pool::Pool;
 use crate::routing::Router;
 use crate::telemetry::Telemetry;
 
@@ -42,8 +42,8 @@ pub struct Shared {
 /// Everything tokentap keeps for one upstream.
 pub struct Upstream {
     pub config: config::UpstreamConfig,
-    /// Prebuilt, cloned per request on pingora-proxy's path.
-    pub peer: HttpPeer,
+    /// Its endpoints, their health and how requests are spread over them.
+    pub pool: Arc<Pool>,
     pub meter: Arc<UpstreamMeter>,
     /// Its concurrency limit (unlimited without a cap or an SLO).
     pub limiter: Arc<Limiter>,
@@ -192,7 +192,7 @@ impl Upstream {
         );
         Upstream {
             config: u.clone(),
-            peer: peer(u),
+            pool: Pool::new(u, clock, Arc::clone(&limiter)),
             meter,
             limiter,
             slo,
@@ -238,9 +238,10 @@ impl Upstream {
         if backend.is_none() {
             self.meter.set_backend_running(None);
         }
+        self.pool.reconfigure(u);
         Upstream {
             config: u.clone(),
-            peer: peer(u),
+            pool: Arc::clone(&self.pool),
             meter: Arc::clone(&self.meter),
             limiter: Arc::clone(&self.limiter),
             slo,
@@ -280,22 +281,10 @@ fn backend(u: &config::UpstreamConfig) -> Option<Arc<Backend>> {
 fn limit_config(u: &config::UpstreamConfig, slo: Option<&Adaptive>) -> LimitConfig {
     LimitConfig {
         initial: slo.map_or(u.max_concurrency, |s| Some(s.limit())),
+        total: u.max_concurrency_total,
         max_queue: u.max_queue,
         queue_timeout: u.queue_timeout,
     }
-}
-
-fn peer(u: &config::UpstreamConfig) -> HttpPeer {
-    let mut p = HttpPeer::new(u.addr, u.tls, u.sni.clone());
-    p.options.connection_timeout = Some(u.connect_timeout);
-    p.options.total_connection_timeout = Some(u.connect_timeout * 2);
-    p.options.read_timeout = Some(u.read_timeout);
-    p.options.write_timeout = Some(u.write_timeout);
-    p.options.idle_timeout = Some(u.idle_timeout);
-    p.options.verify_cert = u.tls_verify;
-    p.options.verify_hostname = u.tls_verify;
-    p.options.ca = u.trust.clone();
-    p
 }
 
 /// The state in force, swapped whole by a reload, and the reloads' record.

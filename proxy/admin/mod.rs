@@ -55,6 +55,10 @@ pub struct UpstreamReport {
     pub concurrency_source: &'static str,
     /// The backend's own load; `null` without `backend_metrics`.
     pub backend: Option<crate::backend::BackendStats>,
+    /// How requests pick an endpoint of the pool.
+    pub balance: String,
+    /// Its endpoints (one for a `url`), each with its health, load and figures.
+    pub endpoints: Vec<crate::pool::EndpointStats>,
 }
 
 /// An upstream's place in one route's split.
@@ -166,6 +170,12 @@ fn report(shared: &Shared, i: usize, u: &Upstream, now: crate::meter::Nanos) -> 
         arms: arms(shared, i),
         concurrency_source: u.meter.concurrency_source(),
         backend: u.backend.as_ref().map(|b| b.stats()),
+        balance: match &u.config.balance {
+            crate::config::Balance::LeastLoaded => "least_loaded".into(),
+            crate::config::Balance::RoundRobin => "round_robin".into(),
+            crate::config::Balance::ConsistentHash(h) => format!("consistent_hash:header:{h}"),
+        },
+        endpoints: u.pool.stats(now, shared.config.window),
     }
 }
 
@@ -567,6 +577,7 @@ impl Admin {
                     &stats.connections,
                     &meters,
                     &self.live.process(),
+                    shared.config.endpoint_labels,
                 );
                 respond(
                     StatusCode::OK,

@@ -9,7 +9,8 @@ use indexmap::IndexMap;
 use serde::Deserialize;
 
 use super::{
-    socket_addr, tls, upstream_url, AccessLog, AdminAuth, Cluster, Config, Limits, Listen,
+    socket_addr, tls, AccessLog, AdminAuth, Balance, Cluster, Config, Discover, EndpointAddr,
+    HealthCheck, Limits, Listen,
     ListenTls, Log, LogFormat, Problem, Problems, Route, Secret, UpstreamConfig, ADMIN_TOKEN_ENV,
     DEFAULT_LOG_FILTER,
 };
@@ -154,6 +155,9 @@ pub struct MetricsFile {
     /// How much recent time the concurrency→TPOT curve of `/stats` covers, seconds.
     /// Default 900.
     pub curve_window_secs: u64,
+    /// Per-endpoint series on `/metrics` (an `endpoint` label) for pools of at most this
+    /// many endpoints; a larger pool gets its pool series only. 0: none. Default 64.
+    pub endpoint_labels: usize,
 }
 
 impl Default for MetricsFile {
@@ -163,6 +167,7 @@ impl Default for MetricsFile {
             max_event_bytes: 1 << 20,
             model_label: false,
             curve_window_secs: 900,
+            endpoint_labels: 64,
         }
     }
 }
@@ -382,9 +387,41 @@ pub struct UpstreamFile {
     /// Unique name: the `upstream` label everywhere. Required.
     #[serde(default)]
     pub name: String,
-    /// `http://host:port` or `https://host[:port]`; no path. Required.
+    /// `http://host:port` or `https://host[:port]`; no path. Required, unless `endpoints`
+    /// or `discover` gives the upstream's endpoints.
     #[serde(default)]
     pub url: String,
+    /// The replicas of one pool: `["http://10.0.0.1:8000", …]`, balanced, each with its own
+    /// health and cap. Default: none.
+    #[serde(default)]
+    pub endpoints: Option<Vec<String>>,
+    /// Endpoints found and followed live: `{ dns = "vllm.default.svc.cluster.local", port =
+    /// 8000 }` (every A and AAAA record) or `{ file = "endpoints.txt" }` (one URL a line).
+    /// Default: none.
+    #[serde(default)]
+    pub discover: Option<DiscoverFile>,
+    /// Active health checks of each endpoint: `{ path = "/health" }`. Default: none.
+    #[serde(default)]
+    pub health: Option<HealthFile>,
+    /// Consecutive 5xx answers that eject an endpoint. Default 3.
+    #[serde(default)]
+    pub eject_after: Option<u32>,
+    /// How long an endpoint is ejected, seconds: doubled while it keeps failing, at most
+    /// 300. Default 10.
+    #[serde(default)]
+    pub eject_secs: Option<u64>,
+    /// How a request picks an endpoint of the pool: "least_loaded", "round_robin" or
+    /// "consistent_hash:header:NAME". Default "least_loaded".
+    #[serde(default)]
+    pub balance: Option<String>,
+    /// A cap on the generation requests in flight across the whole pool. Default: none.
+    #[serde(default)]
+    pub max_concurrency_total: Option<u64>,
+    /// Each endpoint's own Prometheus path (`/metrics`), scraped as `backend_metrics` is:
+    /// the curve is bucketed by the batch of the endpoint that served each token, and
+    /// `least_loaded` compares the backends' running + waiting. Default: none.
+    #[serde(default)]
+    pub backend_metrics_path: Option<String>,
     /// Static concurrency cap (with `[upstream.slo]`: the adaptive cap's ceiling).
     /// Default: none.
     #[serde(default)]
@@ -436,6 +473,48 @@ pub struct UpstreamFile {
     /// How often `backend_metrics` is scraped, ms. Default 1000.
     #[serde(default)]
     pub backend_scrape_ms: Option<u64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiscoverFile {
+    /// A name whose A and AAAA records are the endpoints (a Kubernetes headless Service).
+    /// Default: none.
+    #[serde(default)]
+    pub dns: Option<String>,
+    /// The endpoints' port, with `dns`. Required with it.
+    #[serde(default)]
+    pub port: Option<u16>,
+    /// `host:port` of the DNS server to ask, with `dns`. Default: the system's resolver.
+    #[serde(default)]
+    pub nameserver: Option<String>,
+    /// A file of endpoint URLs, one a line (`#` comments), followed as it changes.
+    /// Default: none.
+    #[serde(default)]
+    pub file: Option<String>,
+    /// How often the name is resolved again, or the file read, seconds. Default 5.
+    #[serde(default)]
+    pub every_secs: Option<u64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HealthFile {
+    /// The path asked with GET; any 2xx is healthy. Default "/health".
+    #[serde(default)]
+    pub path: Option<String>,
+    /// Seconds between two checks of an endpoint. Default 5.
+    #[serde(default)]
+    pub every_secs: Option<u64>,
+    /// A check not answered within this fails, ms. Default 1000.
+    #[serde(default)]
+    pub timeout_ms: Option<u64>,
+    /// Consecutive failed checks that take an endpoint out. Default 2.
+    #[serde(default)]
+    pub unhealthy_after: Option<u32>,
+    /// Consecutive good checks that bring it back (and end an ejection). Default 1.
+    #[serde(default)]
+    pub healthy_after: Option<u32>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -535,6 +614,7 @@ impl FileConfig {
         let compare_window = Duration::from_secs(self.compare.window_secs);
         let model_label = self.metrics.model_label;
         let curve_window = Duration::from_secs(self.metrics.curve_window_secs);
+        let endpoint_labels = self.metrics.endpoint_labels;
         p.into_result(move || Config {
             listen: Listen {
                 // Both are Ok here: an Err added a problem.
@@ -547,6 +627,7 @@ impl FileConfig {
             max_event_bytes,
             model_label,
             curve_window,
+            endpoint_labels,
             cluster,
             threads,
             grace_period: Duration::from_secs(grace),
@@ -734,7 +815,10 @@ fn upstream(
     let write = positive(p, "write_timeout_secs", u.write_timeout_secs, 60);
     let idle = positive(p, "idle_timeout_secs", u.idle_timeout_secs, 60);
     let queue_timeout = positive(p, "queue_timeout_ms", u.queue_timeout_ms, 30_000);
-    let https = u.url.starts_with("https://");
+    let endpoints = endpoints(i, u, (proxy, admin), p);
+    let https = u.url.starts_with("https://")
+        || u.endpoints.iter().flatten().any(|e| e.starts_with("https://"))
+        || u.discover.as_ref().is_some_and(|d| d.file.is_some());
     if !https && (u.ca_file.is_some() || u.tls_verify.is_some()) {
         let key = if u.ca_file.is_some() {
             "ca_file"
@@ -766,49 +850,220 @@ fn upstream(
     if !(100..=60_000).contains(&backend_scrape_ms) {
         p.add(at("backend_scrape_ms"), "must be between 100 and 60000");
     }
-    if u.backend_scrape_ms.is_some() && u.backend_metrics.is_none() {
-        p.add(at("backend_scrape_ms"), "applies with backend_metrics only");
+    if u.backend_scrape_ms.is_some()
+        && u.backend_metrics.is_none()
+        && u.backend_metrics_path.is_none()
+    {
+        p.add(
+            at("backend_scrape_ms"),
+            "applies with backend_metrics or backend_metrics_path only",
+        );
     }
-    let url = match u.url.as_str() {
-        "" => Err("is required: http://host:port or https://host[:port]".to_owned()),
-        url => upstream_url(url),
-    };
-    match url {
-        Ok((_, _, _, addr)) if proxy.as_ref().is_ok_and(|&l| l == addr) => p.add(
-            at("url"),
-            format!("{addr} is tokentap's own listen.proxy: requests would loop"),
-        ),
-        Ok((_, _, _, addr)) if admin.as_ref().is_ok_and(|&l| l == addr) => {
-            p.add(at("url"), format!("{addr} is tokentap's own listen.admin"))
+    if let Some(path) = &u.backend_metrics_path {
+        if u.backend_metrics.is_some() {
+            p.add(
+                at("backend_metrics_path"),
+                "give backend_metrics (one URL) or backend_metrics_path (each endpoint's), not both",
+            );
+        } else if !path.starts_with('/') || path.parse::<http::uri::PathAndQuery>().is_err() {
+            p.add(
+                at("backend_metrics_path"),
+                format!("must be a path like /metrics, not `{path}`"),
+            );
         }
-        Ok((tls, host_header, sni, addr)) => {
-            return Some(UpstreamConfig {
-                name: u.name.clone(),
-                url: u.url.clone(),
-                addr,
-                tls,
-                host_header,
-                sni,
-                connect_timeout: Duration::from_millis(connect),
-                read_timeout: Duration::from_secs(read),
-                write_timeout: Duration::from_secs(write),
-                idle_timeout: Duration::from_secs(idle),
-                max_concurrency: u.max_concurrency,
-                max_queue: u.max_queue.unwrap_or(256),
-                queue_timeout: Duration::from_millis(queue_timeout),
-                slo,
-                inject_usage: u.inject_usage,
-                estimate: u.estimate,
-                tls_verify: u.tls_verify.unwrap_or(true),
-                ca_file: u.ca_file.clone(),
-                trust,
-                backend_metrics,
-                backend_scrape: Duration::from_millis(backend_scrape_ms),
+    }
+    let balance = match u.balance.as_deref().map(Balance::parse) {
+        None => Balance::default(),
+        Some(Ok(b)) => b,
+        Some(Err(e)) => {
+            p.add(at("balance"), e);
+            Balance::default()
+        }
+    };
+    if u.eject_after == Some(0) {
+        p.add(at("eject_after"), "must be at least 1");
+    }
+    let eject_secs = u.eject_secs.unwrap_or(10);
+    if !(1..=300).contains(&eject_secs) {
+        p.add(at("eject_secs"), "must be between 1 and 300");
+    }
+    if u.max_concurrency_total == Some(0) {
+        p.add(at("max_concurrency_total"), "must be at least 1");
+    }
+    let health = u.health.as_ref().and_then(|h| health(i, h, p));
+    let discover = u.discover.as_ref().and_then(|d| discover(i, d, p));
+    let (endpoints, url) = endpoints?;
+    Some(UpstreamConfig {
+        name: u.name.clone(),
+        url,
+        endpoints,
+        discover,
+        health,
+        eject_after: u.eject_after.unwrap_or(3).max(1),
+        eject: Duration::from_secs(eject_secs),
+        balance,
+        max_concurrency_total: u.max_concurrency_total,
+        backend_metrics_path: u.backend_metrics_path.clone(),
+        connect_timeout: Duration::from_millis(connect),
+        read_timeout: Duration::from_secs(read),
+        write_timeout: Duration::from_secs(write),
+        idle_timeout: Duration::from_secs(idle),
+        max_concurrency: u.max_concurrency,
+        max_queue: u.max_queue.unwrap_or(256),
+        queue_timeout: Duration::from_millis(queue_timeout),
+        slo,
+        inject_usage: u.inject_usage,
+        estimate: u.estimate,
+        tls_verify: u.tls_verify.unwrap_or(true),
+        ca_file: u.ca_file.clone(),
+        trust,
+        backend_metrics,
+        backend_scrape: Duration::from_millis(backend_scrape_ms),
+    })
+}
+
+/// The endpoints `url` or `endpoints` give (exactly one of them, or `discover`), resolved,
+/// none of them tokentap's own addresses; and `url` as written.
+fn endpoints(
+    i: usize,
+    u: &UpstreamFile,
+    (proxy, admin): (&Result<SocketAddr, ()>, &Result<SocketAddr, ()>),
+    p: &mut Problems,
+) -> Option<(Vec<EndpointAddr>, String)> {
+    let at = |f: &str| format!("upstream[{i}].{f}");
+    let given = [
+        !u.url.is_empty(),
+        u.endpoints.is_some(),
+        u.discover.is_some(),
+    ];
+    match given.iter().filter(|&&g| g).count() {
+        0 => {
+            p.add(
+                at("url"),
+                "is required: http://host:port or https://host[:port] (or `endpoints`, or `discover`)",
+            );
+            return None;
+        }
+        1 => {}
+        _ => {
+            p.add(
+                at("url"),
+                "give one of url, endpoints and discover: they all say where the endpoints are",
+            );
+            return None;
+        }
+    }
+    let urls: Vec<(String, &str)> = match &u.endpoints {
+        Some(list) if list.is_empty() => {
+            p.add(at("endpoints"), "is empty: give at least one URL");
+            return None;
+        }
+        Some(list) => (list.iter().enumerate())
+            .map(|(j, e)| (format!("upstream[{i}].endpoints[{j}]"), e.as_str()))
+            .collect(),
+        None if u.url.is_empty() => Vec::new(),
+        None => vec![(at("url"), u.url.as_str())],
+    };
+    let before = p.len();
+    let mut out: Vec<EndpointAddr> = Vec::new();
+    for (path, url) in urls {
+        match EndpointAddr::parse(url) {
+            Ok(e) if proxy.as_ref().is_ok_and(|&l| l == e.addr) => p.add(
+                path,
+                format!("{} is tokentap's own listen.proxy: requests would loop", e.addr),
+            ),
+            Ok(e) if admin.as_ref().is_ok_and(|&l| l == e.addr) => {
+                p.add(path, format!("{} is tokentap's own listen.admin", e.addr))
+            }
+            Ok(e) if out.iter().any(|o| o.addr == e.addr) => {
+                p.add(path, format!("{} is listed twice", e.addr))
+            }
+            Ok(e) => out.push(e),
+            Err(e) => p.add(path, e),
+        }
+    }
+    (p.len() == before).then(|| (out, u.url.clone()))
+}
+
+fn discover(i: usize, d: &DiscoverFile, p: &mut Problems) -> Option<Discover> {
+    let at = |f: &str| format!("upstream[{i}].discover.{f}");
+    let every = d.every_secs.unwrap_or(5);
+    if !(1..=3600).contains(&every) {
+        p.add(at("every_secs"), "must be between 1 and 3600");
+    }
+    let every = Duration::from_secs(every);
+    match (&d.dns, &d.file) {
+        (Some(name), None) => {
+            if name.is_empty() || name.contains(['/', ':', ' ']) {
+                p.add(at("dns"), format!("`{name}` is not a DNS name"));
+            }
+            let port = d.port.filter(|&p| p > 0);
+            if port.is_none() {
+                p.add(at("port"), "is required with dns: the endpoints' port");
+            }
+            let nameserver = d.nameserver.as_deref().and_then(|n| {
+                let with_port = if n.contains(':') { n.to_owned() } else { format!("{n}:53") };
+                with_port
+                    .parse::<SocketAddr>()
+                    .map_err(|_| p.add(at("nameserver"), format!("must be an ip:port, not `{n}`")))
+                    .ok()
+            });
+            Some(Discover::Dns {
+                name: name.clone(),
+                port: port?,
+                nameserver,
+                every,
             })
         }
-        Err(e) => p.add(at("url"), e),
+        (None, Some(file)) => {
+            if d.port.is_some() || d.nameserver.is_some() {
+                let key = if d.port.is_some() { "port" } else { "nameserver" };
+                p.add(at(key), "applies with dns only (each line of the file is a URL)");
+            }
+            Some(Discover::File {
+                path: file.into(),
+                every,
+            })
+        }
+        _ => {
+            p.add(
+                format!("upstream[{i}].discover"),
+                "give dns (with port) or file",
+            );
+            None
+        }
     }
-    None
+}
+
+fn health(i: usize, h: &HealthFile, p: &mut Problems) -> Option<HealthCheck> {
+    let at = |f: &str| format!("upstream[{i}].health.{f}");
+    let path = h.path.clone().unwrap_or_else(|| "/health".into());
+    if !path.starts_with('/') || path.parse::<http::uri::PathAndQuery>().is_err() {
+        p.add(at("path"), format!("must be a path like /health, not `{path}`"));
+    }
+    let every = h.every_secs.unwrap_or(5);
+    if !(1..=3600).contains(&every) {
+        p.add(at("every_secs"), "must be between 1 and 3600");
+    }
+    let timeout = h.timeout_ms.unwrap_or(1000);
+    if !(10..=60_000).contains(&timeout) {
+        p.add(at("timeout_ms"), "must be between 10 and 60000");
+    }
+    for (key, v) in [
+        ("unhealthy_after", h.unhealthy_after),
+        ("healthy_after", h.healthy_after),
+    ] {
+        if v == Some(0) {
+            p.add(at(key), "must be at least 1");
+        }
+    }
+    Some(HealthCheck {
+        path,
+        every: Duration::from_secs(every),
+        timeout: Duration::from_millis(timeout),
+        unhealthy_after: h.unhealthy_after.unwrap_or(2).max(1),
+        healthy_after: h.healthy_after.unwrap_or(1).max(1),
+    })
 }
 
 /// `route[i]` checked (its split against the upstreams' names, its name against the

@@ -34,6 +34,8 @@ pub struct Config {
     pub model_label: bool,
     /// What the curve of `/stats` covers (`metrics.curve_window_secs`).
     pub curve_window: Duration,
+    /// Pools of at most this many endpoints get per-endpoint series (`metrics.endpoint_labels`).
+    pub endpoint_labels: usize,
     /// Caps shared by every replica through Redis (`[cluster]`).
     pub cluster: Option<Cluster>,
     /// Worker threads of the proxy service.
@@ -191,21 +193,30 @@ pub const DEFAULT_LOG_FILTER: &str = "info,pingora=warn,pingora_core=warn,pingor
 #[derive(Debug, Clone)]
 pub struct UpstreamConfig {
     pub name: String,
+    /// `url` as written (empty when `endpoints` or `discover` gives the endpoints).
     pub url: String,
-    /// Resolved once, when the config is loaded.
-    pub addr: SocketAddr,
-    pub tls: bool,
-    /// `host[:port]` of the URL: sent as `Host`.
-    pub host_header: String,
-    /// The URL's host: sent as TLS SNI.
-    pub sni: String,
+    /// The endpoints given in the file (`url` or `endpoints`), resolved when the config is
+    /// loaded; empty with `discover`, which finds them while running.
+    pub endpoints: Vec<EndpointAddr>,
+    pub discover: Option<Discover>,
+    pub health: Option<HealthCheck>,
+    /// Consecutive 5xx answers that eject an endpoint.
+    pub eject_after: u32,
+    /// A first ejection's length (doubled while the endpoint keeps failing, at most 5 min).
+    pub eject: Duration,
+    pub balance: Balance,
+    /// A cap on the whole pool's generation requests in flight.
+    pub max_concurrency_total: Option<u64>,
+    /// Each endpoint's own metrics path, scraped every `backend_scrape`.
+    pub backend_metrics_path: Option<String>,
     pub connect_timeout: Duration,
     /// The longest silence tolerated between two reads of a response.
     pub read_timeout: Duration,
     pub write_timeout: Duration,
     /// How long an idle pooled connection is kept.
     pub idle_timeout: Duration,
-    /// A static concurrency cap (the adaptive cap's ceiling when there is an SLO).
+    /// A static concurrency cap of each endpoint (the adaptive cap's ceiling when there is
+    /// an SLO).
     pub max_concurrency: Option<u64>,
     /// Requests that may wait for a slot.
     pub max_queue: usize,
@@ -225,6 +236,114 @@ pub struct UpstreamConfig {
     /// The backend's Prometheus endpoint, scraped for its own load.
     pub backend_metrics: Option<http::Uri>,
     pub backend_scrape: Duration,
+}
+
+impl UpstreamConfig {
+    /// Where its endpoints come from, for a log line: the URL, the list, the name or file.
+    pub fn source(&self) -> String {
+        match &self.discover {
+            Some(Discover::Dns { name, port, .. }) => format!("dns {name}:{port}"),
+            Some(Discover::File { path, .. }) => format!("file {}", path.display()),
+            None if self.endpoints.len() == 1 => self.endpoints[0].url.clone(),
+            None => format!("{} endpoints", self.endpoints.len()),
+        }
+    }
+}
+
+/// One endpoint of an upstream: where to connect, and how to name it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EndpointAddr {
+    /// `scheme://host:port`, as `/stats` and the logs name it.
+    pub url: String,
+    pub addr: SocketAddr,
+    pub tls: bool,
+    /// `host[:port]` of the URL: sent as `Host`.
+    pub host_header: String,
+    /// The URL's host: sent as TLS SNI.
+    pub sni: String,
+}
+
+impl EndpointAddr {
+    /// The endpoint a URL names, its host resolved now (the first address).
+    pub fn parse(url: &str) -> Result<EndpointAddr, String> {
+        let (tls, host_header, sni, addr) = upstream_url(url)?;
+        let scheme = if tls { "https" } else { "http" };
+        Ok(EndpointAddr {
+            url: format!("{scheme}://{host_header}"),
+            addr,
+            tls,
+            host_header,
+            sni,
+        })
+    }
+
+    /// A plain-HTTP endpoint at `addr`, found under the name `host` (DNS discovery).
+    pub fn found(host: &str, addr: SocketAddr) -> EndpointAddr {
+        EndpointAddr {
+            url: format!("http://{addr}"),
+            addr,
+            tls: false,
+            host_header: format!("{host}:{}", addr.port()),
+            sni: host.to_owned(),
+        }
+    }
+}
+
+/// Where a pool's endpoints are found while running (`discover`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Discover {
+    /// Every A and AAAA record of `name`, at `port`, asked of `nameserver` (or the system's
+    /// resolver) every `every`.
+    Dns {
+        name: String,
+        port: u16,
+        nameserver: Option<SocketAddr>,
+        every: Duration,
+    },
+    /// One URL a line, read again every `every` when it changed.
+    File {
+        path: std::path::PathBuf,
+        every: Duration,
+    },
+}
+
+/// Active health checks (`health`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HealthCheck {
+    pub path: String,
+    pub every: Duration,
+    pub timeout: Duration,
+    pub unhealthy_after: u32,
+    pub healthy_after: u32,
+}
+
+/// How a request picks an endpoint of its pool (`balance`).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum Balance {
+    /// Power of two choices by load (in flight over the cap, or the backend's own running
+    /// and waiting).
+    #[default]
+    LeastLoaded,
+    RoundRobin,
+    /// The same header value to the same endpoint while it is healthy and has room.
+    ConsistentHash(HeaderName),
+}
+
+impl Balance {
+    pub fn parse(text: &str) -> Result<Balance, String> {
+        match text {
+            "least_loaded" => Ok(Balance::LeastLoaded),
+            "round_robin" => Ok(Balance::RoundRobin),
+            _ => match text.strip_prefix("consistent_hash:header:") {
+                Some(name) => HeaderName::from_bytes(name.as_bytes())
+                    .map(Balance::ConsistentHash)
+                    .map_err(|_| format!("`{name}` is not a header name")),
+                None => Err(format!(
+                    "must be \"least_loaded\", \"round_robin\" or \"consistent_hash:header:NAME\", not `{text}`"
+                )),
+            },
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -472,7 +591,7 @@ mod tests {
         assert_eq!(c.window, Duration::from_secs(10));
         assert_eq!(c.routes.len(), 1);
         assert_eq!(c.routes[0].split, vec![(0, 1)]);
-        assert_eq!(c.upstreams[0].host_header, "127.0.0.1:8000");
+        assert_eq!(c.upstreams[0].endpoints[0].host_header, "127.0.0.1:8000");
         assert_eq!(
             c.upstreams[0].read_timeout,
             Duration::from_secs(DEFAULT_READ_TIMEOUT_SECS)
@@ -668,7 +787,7 @@ split = { "a" = 0 }
             [
                 "upstream[0].backend_metrics: must be an http:// URL like http://127.0.0.1:8000/metrics, not `vllm:8000` (line 4)",
                 "upstream[0].backend_scrape_ms: must be between 100 and 60000 (line 5)",
-                "upstream[1].backend_scrape_ms: applies with backend_metrics only (line 9)",
+                "upstream[1].backend_scrape_ms: applies with backend_metrics or backend_metrics_path only (line 9)",
             ]
         );
     }

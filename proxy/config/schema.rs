@@ -24,6 +24,8 @@ enum Kind {
     Tables(&'static [Field]),
     /// A table of any keys, each holding this.
     Map(&'static Kind),
+    /// A list of texts (`["a", "b"]`).
+    Texts,
 }
 
 type Field = (&'static str, Kind);
@@ -50,6 +52,7 @@ const FILE: &[Field] = &[
             ("max_event_bytes", BYTES),
             ("model_label", Kind::Bool),
             ("curve_window_secs", SECS),
+            ("endpoint_labels", COUNT),
         ]),
     ),
     (
@@ -91,6 +94,32 @@ const FILE: &[Field] = &[
         Kind::Tables(&[
             ("name", Kind::Text),
             ("url", Kind::Text),
+            ("endpoints", Kind::Texts),
+            (
+                "discover",
+                Kind::Table(&[
+                    ("dns", Kind::Text),
+                    ("port", COUNT),
+                    ("nameserver", Kind::Text),
+                    ("file", Kind::Text),
+                    ("every_secs", SECS),
+                ]),
+            ),
+            (
+                "health",
+                Kind::Table(&[
+                    ("path", Kind::Text),
+                    ("every_secs", SECS),
+                    ("timeout_ms", MS),
+                    ("unhealthy_after", COUNT),
+                    ("healthy_after", COUNT),
+                ]),
+            ),
+            ("eject_after", COUNT),
+            ("eject_secs", SECS),
+            ("balance", Kind::Text),
+            ("max_concurrency_total", COUNT),
+            ("backend_metrics_path", Kind::Text),
             ("max_concurrency", COUNT),
             ("max_queue", COUNT),
             ("queue_timeout_ms", MS),
@@ -171,6 +200,7 @@ fn table(t: &mut toml::Table, fields: &[Field], at: &str, p: &mut Problems, out:
 fn value(v: &mut Value, kind: Kind, path: &str, p: &mut Problems, out: &mut Vec<String>) -> bool {
     let ok = match (kind, &mut *v) {
         (Kind::Text, Value::String(_)) | (Kind::Bool, Value::Boolean(_)) => true,
+        (Kind::Texts, Value::Array(items)) => items.iter().all(Value::is_str),
         (Kind::Count(_), Value::Integer(n)) => *n >= 0,
         (Kind::Number(_), Value::Integer(_) | Value::Float(_)) => true,
         (Kind::Table(fields), Value::Table(t)) => {
@@ -215,6 +245,7 @@ fn wanted(kind: Kind) -> String {
         Kind::Table(_) => "a table".into(),
         Kind::Tables(_) => "a list of tables ([[…]])".into(),
         Kind::Map(_) => "a table such as { name = value }".into(),
+        Kind::Texts => "a list of texts in quotes".into(),
     }
 }
 
@@ -299,6 +330,7 @@ mod tests {
     fn sample(key: &str, kind: Kind) -> Value {
         match kind {
             Kind::Text if key == "estimate" => Value::String("events".into()),
+            Kind::Texts => Value::Array(vec![Value::String("x".into())]),
             Kind::Text => Value::String("x".into()),
             Kind::Count(_) => Value::Integer(1),
             Kind::Number(_) => Value::Float(1.5),
@@ -449,6 +481,9 @@ mod tests {
             ("metrics.window_secs", secs(c.window)),
             ("metrics.curve_window_secs", secs(c.curve_window)),
             ("metrics.model_label", c.model_label.to_string()),
+            ("metrics.endpoint_labels", c.endpoint_labels.to_string()),
+            ("upstream[].eject_after", u.eject_after.to_string()),
+            ("upstream[].eject_secs", secs(u.eject)),
             ("compare.window_secs", secs(c.compare_window)),
             ("server.grace_period_secs", secs(c.grace_period)),
             (

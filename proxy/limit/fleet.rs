@@ -640,6 +640,7 @@ mod tests {
         let fleet = Fleet::new(&cluster, "u");
         let limiter = Limiter::new(
             LimitConfig {
+                total: None,
                 initial: Some(16),
                 max_queue: 10,
                 queue_timeout: Duration::from_secs(30),

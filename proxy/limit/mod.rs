@@ -40,16 +40,23 @@ impl Rejected {
 /// How a limiter is set up.
 #[derive(Debug, Clone, Copy)]
 pub struct LimitConfig {
-    /// The starting limit; `None`: unlimited (an upstream with no cap and no SLO).
+    /// The starting limit of each endpoint; `None`: unlimited (no cap and no SLO).
     pub initial: Option<u64>,
+    /// A cap on the whole pool (`max_concurrency_total`).
+    pub total: Option<u64>,
     pub max_queue: usize,
     pub queue_timeout: Duration,
 }
 
-/// The concurrency limit of one upstream.
+/// The concurrency limit of one upstream: of each endpoint of its pool times the endpoints
+/// that take requests, under the pool's own total; one FIFO queue for the pool.
 pub struct Limiter {
-    /// `u64::MAX` when unlimited.
+    /// Each endpoint's limit; `u64::MAX` when unlimited.
     limit: AtomicU64,
+    /// The endpoints that take requests now (their slots are the pool's).
+    members: AtomicU64,
+    /// The pool's own cap (`u64::MAX`: none).
+    total: AtomicU64,
     state: Mutex<State>,
     rejected: [AtomicU64; 2],
     /// A request had to queue (or was refused) for the limit, not a share, since the
@@ -91,6 +98,8 @@ impl Limiter {
     pub fn new(config: LimitConfig, waits: metrics::Histogram) -> Arc<Limiter> {
         Arc::new(Limiter {
             limit: AtomicU64::new(config.initial.unwrap_or(u64::MAX)),
+            members: AtomicU64::new(1),
+            total: AtomicU64::new(config.total.unwrap_or(u64::MAX)),
             state: Mutex::new(State {
                 in_flight: 0,
                 queue: VecDeque::new(),
@@ -105,9 +114,35 @@ impl Limiter {
         })
     }
 
-    /// The limit admitted against here: the limit, or this replica's share of it.
+    /// The pool's limit: each endpoint's times the endpoints, under the total.
+    fn pool_limit(&self) -> u64 {
+        let each = self.limit.load(Relaxed);
+        each.saturating_mul(self.members.load(Relaxed))
+            .min(self.total.load(Relaxed))
+    }
+
+    /// The limit admitted against here: the pool's, or this replica's share of it.
     fn effective(&self) -> u64 {
-        self.limit.load(Relaxed).min(self.share.load(Relaxed))
+        self.pool_limit().min(self.share.load(Relaxed))
+    }
+
+    /// `n` endpoints take requests now: the pool's limit follows (waiting requests are let
+    /// in at once when it grows).
+    pub fn set_members(&self, n: u64) {
+        if self.members.swap(n, Relaxed) != n {
+            let mut st = self.lock();
+            self.grant_waiting(&mut st);
+        }
+    }
+
+    /// The endpoints the pool's limit counts.
+    pub fn members(&self) -> u64 {
+        self.members.load(Relaxed)
+    }
+
+    /// Each endpoint's limit, if any.
+    pub fn each(&self) -> Option<u64> {
+        Some(self.limit.load(Relaxed)).filter(|&l| l != u64::MAX)
     }
 
     /// Admits at most `share` from now on (`None`: the whole limit again).
@@ -142,8 +177,9 @@ impl Limiter {
         self.binding.store(true, Relaxed);
     }
 
+    /// The pool's limit in force (each endpoint's times the endpoints, under the total).
     pub fn limit(&self) -> Option<u64> {
-        Some(self.limit.load(Relaxed)).filter(|&l| l != u64::MAX)
+        Some(self.pool_limit()).filter(|&l| l != u64::MAX)
     }
 
     /// Whether a request arriving now would get a slot without waiting.
@@ -173,7 +209,7 @@ impl Limiter {
             }
             // The limit binds, not a share under it: a replica rejoining its fleet still
             // queues on its share for a period, which says nothing about the fleet's limit.
-            if st.in_flight >= self.limit.load(Relaxed) {
+            if st.in_flight >= self.pool_limit() {
                 self.binding.store(true, Relaxed);
             }
             if st.queue.len() >= st.max_queue {
@@ -211,7 +247,7 @@ impl Limiter {
         }
     }
 
-    /// Sets the limit; a higher one lets waiting requests in at once.
+    /// Sets each endpoint's limit; a higher one lets waiting requests in at once.
     pub fn set_limit(&self, limit: u64) {
         self.limit.store(limit.max(1), Relaxed);
         let mut st = self.lock();
@@ -228,6 +264,8 @@ impl Limiter {
         st.queue_timeout = config.queue_timeout;
         self.limit
             .store(config.initial.map_or(u64::MAX, |l| l.max(1)), Relaxed);
+        self.total
+            .store(config.total.map_or(u64::MAX, |l| l.max(1)), Relaxed);
         self.grant_waiting(&mut st);
     }
 
@@ -334,6 +372,7 @@ mod tests {
         Limiter::new(
             LimitConfig {
                 initial: Some(limit),
+                total: None,
                 max_queue,
                 queue_timeout: Duration::from_millis(timeout_ms),
             },
@@ -456,6 +495,32 @@ mod tests {
         assert!(tokio::time::timeout(Duration::from_secs(1), b)
             .await
             .is_ok());
+    }
+
+    /// A pool's limit is each endpoint's times the endpoints that take requests, under its
+    /// total; the queue waits for a freed slot of any of them, or for more endpoints.
+    #[tokio::test(start_paused = true)]
+    async fn a_pools_limit_follows_its_endpoints() {
+        let l = limiter(2, 10, 60_000);
+        l.set_members(3);
+        assert_eq!((l.limit(), l.each()), (Some(6), Some(2)));
+        let held: Vec<Permit> = (0..6).map(|_| l.try_acquire().unwrap()).collect();
+        assert!(l.try_acquire().is_none());
+        let l2 = Arc::clone(&l);
+        let w = tokio::spawn(async move { l2.acquire().await.map(|_| ()) });
+        tokio::task::yield_now().await;
+        l.set_members(4);
+        assert!(w.await.unwrap().is_ok());
+        l.reconfigure(LimitConfig {
+            initial: Some(2),
+            total: Some(5),
+            max_queue: 10,
+            queue_timeout: Duration::from_secs(60),
+        });
+        assert_eq!(l.limit(), Some(5));
+        l.set_members(0);
+        assert_eq!(l.limit(), Some(0));
+        drop(held);
     }
 
     async fn futures_poll_once<F: std::future::Future + Unpin>(f: &mut F) -> Option<F::Output> {

@@ -96,10 +96,13 @@ impl Adaptive {
     ) {
         let percentile = self.slo().percentile;
         let sample = meter.control_sample(now, percentile);
+        // The limit is each endpoint's: a pool's evidence is its endpoints' mean (its
+        // curve is already bucketed by the batch of the endpoint that served each token).
+        let members = limiter.members().max(1);
         let local = Tick {
             tpot_ms: sample.tpot_ms,
-            concurrency: sample.concurrency,
-            in_flight: limiter.stats().in_flight,
+            concurrency: sample.concurrency / members as f64,
+            in_flight: limiter.stats().in_flight.div_ceil(members),
             queued: limiter.take_binding(),
         };
         let (limit, role, tpot_ms) = match fleet {

@@ -12,6 +12,7 @@
 
 mod clock;
 mod curve;
+mod endpoint;
 mod hist;
 mod records;
 mod samples;
@@ -28,6 +29,7 @@ use std::time::Duration;
 
 pub use clock::{Clock, Nanos, Outcome};
 pub use curve::CurveTotals;
+pub use endpoint::{EndpointFigures, EndpointMeter};
 pub use samples::{ControlSample, Gaps};
 use shard::Shard;
 pub use stats::{CurvePoint, MeterStats, Percentiles, TokensPerEvent};
@@ -145,6 +147,8 @@ pub struct UpstreamMeter {
     /// tokens away, and a counter must not go back.
     exported_curve: Mutex<[u64; curve::CURVE_BUCKETS]>,
     curve_window: Mutex<Duration>,
+    /// The endpoint of requests begun without one ([`UpstreamMeter::begin`]).
+    lone: Arc<EndpointMeter>,
 }
 
 pub(super) const UNKNOWN: u64 = u64::MAX;
@@ -187,6 +191,7 @@ impl UpstreamMeter {
             backend_running: AtomicU64::new(UNKNOWN),
             exported_curve: Mutex::new([0; curve::CURVE_BUCKETS]),
             curve_window: Mutex::new(DEFAULT_CURVE_WINDOW),
+            lone: Arc::default(),
         })
     }
 
@@ -237,6 +242,12 @@ impl UpstreamMeter {
     /// started at `t0`. It counts as in flight until the returned record is finished or
     /// dropped.
     pub fn begin(self: &Arc<Self>, t0: Nanos, now: Nanos) -> Stream {
+        self.begin_on(t0, now, Arc::clone(&self.lone))
+    }
+
+    /// A request begun at `t0` and sent at `now` to the endpoint `on` meters.
+    pub fn begin_on(self: &Arc<Self>, t0: Nanos, now: Nanos, on: Arc<EndpointMeter>) -> Stream {
+        on.streams.fetch_add(1, Relaxed);
         {
             // Stored under the lock, so the atomic never goes back to an older count.
             let mut windows = self.lock();
@@ -244,7 +255,7 @@ impl UpstreamMeter {
         }
         let shard = shard_of_thread(self.shards.len());
         let key = self.shard(shard).begin(t0, now);
-        Stream::new(Arc::clone(self), shard, key, t0)
+        Stream::new(Arc::clone(self), shard, key, t0, on)
     }
 
     /// The backend's running count, read from its own metrics (`None`: unknown or stale).

@@ -6,13 +6,15 @@
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
-use super::{Nanos, Outcome, RequestSample, UpstreamMeter, UNKNOWN};
+use super::{EndpointMeter, Nanos, Outcome, RequestSample, UpstreamMeter, UNKNOWN};
 
 /// One metered request: its in-flight slot and its record. Finish it with
 /// [`Stream::finish`]; dropped unfinished (a panic, a path that forgot), it ends as
 /// [`Outcome::Aborted`], so the slot is never leaked.
 pub struct Stream {
     meter: Arc<UpstreamMeter>,
+    /// The endpoint of the pool that serves it: the curve's concurrency is its batch.
+    endpoint: Arc<EndpointMeter>,
     /// The shard holding its record: the one of the thread it began on.
     shard: usize,
     key: usize,
@@ -51,9 +53,16 @@ pub struct Summary {
 
 impl Stream {
     /// A request's record, `key` in `shard` of `meter`, its client's request begun at `t0`.
-    pub(super) fn new(meter: Arc<UpstreamMeter>, shard: usize, key: usize, t0: Nanos) -> Stream {
+    pub(super) fn new(
+        meter: Arc<UpstreamMeter>,
+        shard: usize,
+        key: usize,
+        t0: Nanos,
+        endpoint: Arc<EndpointMeter>,
+    ) -> Stream {
         Stream {
             meter,
+            endpoint,
             shard,
             key,
             t0,
@@ -70,6 +79,15 @@ impl Stream {
             model: None,
             unread: false,
         }
+    }
+
+    /// The request goes to another endpoint (its first one refused the connection).
+    pub fn move_to(&mut self, endpoint: Arc<EndpointMeter>) {
+        if !self.done {
+            endpoint.streams.fetch_add(1, Relaxed);
+            self.endpoint.streams.fetch_sub(1, Relaxed);
+        }
+        self.endpoint = endpoint;
     }
 
     /// An event carrying `n` tokens arrived at `now`.
@@ -106,11 +124,15 @@ impl Stream {
     /// `events` events of `n` tokens each at `now`, in the shard and the histograms (the
     /// caller counts their tokens).
     fn record(&mut self, now: Nanos, n: u32, events: u32) {
-        let in_flight = self.meter.in_flight.load(Relaxed);
+        // The batch of the endpoint that serves it: the backend's own count (its metrics
+        // scraped, per endpoint or for the upstream), else tokentap's requests on it.
+        let in_flight = self.endpoint.streams.load(Relaxed);
         let curve_at = match self.meter.backend_running.load(Relaxed) {
-            UNKNOWN => in_flight,
+            UNKNOWN => self.endpoint.concurrency(),
             backend => backend,
         };
+        self.endpoint
+            .add_tokens(u64::from(n) * u64::from(events));
         let gap = self
             .meter
             .shard(self.shard)
@@ -184,6 +206,7 @@ impl Stream {
         }
         self.flush();
         self.done = true;
+        self.endpoint.streams.fetch_sub(1, Relaxed);
         let total = self.output_tokens();
         self.meter
             .shard(self.shard)
@@ -206,6 +229,8 @@ impl Stream {
         if let Some(model) = self.model.take() {
             self.meter.count_model(&model, total);
         }
+        let summary = self.summary();
+        self.endpoint.done(now, summary.ttft_ms, summary.tpot_ms);
         if let Some(first) = self.first {
             if total >= 2 && self.last > first {
                 let tpot = secs(self.last - first) / (total - 1) as f64;

@@ -8,6 +8,7 @@ use crate::dialect::{Dialect, Facts};
 use crate::limit::fleet::Slot;
 use crate::meter::{Nanos, Outcome, Stream};
 use crate::ndjson::NdjsonParser;
+use crate::pool::Held;
 use crate::routing::Choice;
 use crate::sse::SseParser;
 use crate::state::Shared;
@@ -25,6 +26,9 @@ pub struct Ctx {
     pub(super) choice: Option<Choice>,
     /// The metered request: in flight until finished (or dropped, which finishes it).
     pub(super) stream: Option<Stream>,
+    /// The endpoint of the pool it went to, and its slot there; freed before `permit`
+    /// (declared first: dropped first), so a slot of the pool always finds an endpoint's.
+    pub(super) endpoint: Option<Held>,
     /// The concurrency slot, held until the request ends however it ends.
     pub(super) permit: Option<Slot>,
     /// Removes the usage-only chunk from the response (the client did not ask for it).
@@ -65,6 +69,7 @@ impl Ctx {
             dialect: None,
             choice: None,
             stream: None,
+            endpoint: None,
             permit: None,
             strip_usage: None,
             tokenize: false,
@@ -77,6 +82,11 @@ impl Ctx {
             outcome: None,
             seen: None,
         }
+    }
+
+    /// The address of the endpoint it went to, if it got one.
+    pub(super) fn endpoint_url(&self) -> Option<&str> {
+        self.endpoint.as_ref().map(|h| h.endpoint.at.url.as_str())
     }
 
     /// The fields tokentap adds to a response: the upstream's name, and the request id

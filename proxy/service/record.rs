@@ -150,6 +150,7 @@ pub(crate) fn log_failure(
     throttle: &crate::logs::Throttle,
     id: &RequestId,
     upstream: &str,
+    endpoint: Option<&str>,
     f: &Failure,
 ) {
     let request_id = id.as_str();
@@ -165,6 +166,7 @@ pub(crate) fn log_failure(
     tracing::warn!(
         request_id,
         upstream,
+        endpoint,
         cause = f.cause,
         status,
         similar_held_back,

@@ -205,6 +205,12 @@ impl TokenTap {
             }
             None => meter.count_plain(outcome),
         }
+        if let Some(held) = ctx.endpoint.take() {
+            held.end(matches!(
+                outcome,
+                Outcome::ServerError | Outcome::UpstreamError | Outcome::Truncated
+            ));
+        }
         ctx.permit = None;
     }
 }

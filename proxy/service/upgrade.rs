@@ -48,11 +48,24 @@ impl ProxyHttp for TokenTap {
         let choice = ctx
             .choice
             .ok_or_else(|| Error::explain(InternalError, "no upstream chosen"))?;
-        if ctx.dialect.is_some() && ctx.stream.is_none() {
-            let meter = &ctx.shared.upstreams[choice.upstream].meter;
-            ctx.stream = Some(meter.begin(ctx.t0, self.now()));
+        let shared = std::sync::Arc::clone(&ctx.shared);
+        let upstream = &shared.upstreams[choice.upstream];
+        if ctx.endpoint.is_none() {
+            let held = upstream.pool.pick(self.now(), false, None, None).map_err(|_| {
+                Error::explain(HTTPStatus(503), "no healthy endpoint")
+            })?;
+            ctx.endpoint = Some(held);
         }
-        Ok(Box::new(ctx.shared.upstreams[choice.upstream].peer.clone()))
+        let endpoint = ctx
+            .endpoint
+            .as_ref()
+            .map(|h| std::sync::Arc::clone(&h.endpoint))
+            .ok_or_else(|| Error::explain(InternalError, "no endpoint chosen"))?;
+        if ctx.dialect.is_some() && ctx.stream.is_none() {
+            let on = std::sync::Arc::clone(&endpoint.meter);
+            ctx.stream = Some(upstream.meter.begin_on(ctx.t0, self.now(), on));
+        }
+        Ok(Box::new((*endpoint.peer()).clone()))
     }
 
     async fn upstream_request_filter(
@@ -61,9 +74,9 @@ impl ProxyHttp for TokenTap {
         req: &mut RequestHeader,
         ctx: &mut Ctx,
     ) -> Result<()> {
-        if let Some(c) = ctx.choice {
-            let host = &ctx.shared.upstreams[c.upstream].config.host_header;
-            req.insert_header(HOST, host.as_str())?;
+        if let Some(held) = &ctx.endpoint {
+            let host = held.endpoint.at.host_header.clone();
+            req.insert_header(HOST, host)?;
         }
         // An absolute-form target goes on in origin-form, as on the direct path: the
         // authority the client chose never reaches the upstream.

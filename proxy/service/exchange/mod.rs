@@ -30,7 +30,7 @@ use std::time::Duration;
 
 use bytes::BytesMut;
 use pingora::prelude::*;
-use pingora::upstreams::peer::Peer;
+use pingora::upstreams::peer::Peer as _;
 use pingora::ErrorSource;
 
 use super::ctx::Ctx;
@@ -44,6 +44,7 @@ use super::{TokenTap, UPSTREAM_HEADER};
 use crate::dialect::Dialect;
 use crate::estimate::Estimate;
 use crate::meter::{Nanos, Outcome};
+use crate::pool::NoEndpoint;
 use crate::routing::Choice;
 use admission::{reject, route};
 use relay::Relay;
@@ -162,7 +163,8 @@ impl TokenTap {
             .choice
             .map(|c| ctx.shared.upstreams[c.upstream].config.name.as_str());
         if let (Some(f), Some(upstream)) = (&failure, upstream) {
-            record::log_failure(&self.live.throttle, &ctx.request_id, upstream, f);
+            let endpoint = ctx.endpoint_url();
+            record::log_failure(&self.live.throttle, &ctx.request_id, upstream, endpoint, f);
         }
         if ctx.seen.is_some() {
             self.log_access(&ctx, failure.as_ref());
@@ -245,25 +247,25 @@ impl TokenTap {
         };
         let shared = Arc::clone(&ctx.shared);
         let upstream = &shared.upstreams[choice.upstream];
-        let peer = &upstream.peer;
         let relayed = self
-            .relay(client, ctx, &mut open, peer.options.read_timeout)
+            .relay(client, ctx, &mut open, Some(upstream.config.read_timeout))
             .await;
         let failure = relayed
             .as_ref()
             .err()
             .map(|e| failure::of(e, &upstream.config.name));
         let result = relayed.map(|()| {
-            if open.relay.reusable {
+            let endpoint = ctx.endpoint.as_ref().map(|h| &h.endpoint);
+            if let (true, Some(endpoint)) = (open.relay.reusable, endpoint) {
                 let idle = upstream.config.idle_timeout;
                 match open.up {
                     Io::Tcp(tcp) => {
                         let now = std::time::Instant::now();
-                        let addr = upstream.config.addr;
+                        let addr = endpoint.at.addr;
                         self.transport.pool.release(addr, tcp, now, idle);
                     }
                     Io::Pingora(tls) => {
-                        let hash = peer.reuse_hash();
+                        let hash = endpoint.peer().reuse_hash();
                         self.transport
                             .connector
                             .release_stream(tls, hash, Some(idle));
@@ -340,6 +342,17 @@ impl TokenTap {
         ctx.choice = Some(choice);
         let upstream = &shared.upstreams[choice.upstream];
         ctx.tokenize = upstream.config.estimate == Estimate::Tokenizer;
+        let pool = &upstream.pool;
+        let no_endpoint = |leftover: &BytesMut, watch: bool| {
+            pool.log_none(self.now());
+            answered(leftover, watch)
+        };
+        if !pool.serving(self.now()) {
+            let (keep, after) = no_endpoint(&leftover, true);
+            ctx.status = 503;
+            ctx.bytes_out += unavailable(client, ctx, choice, keep).await;
+            return Prepared::Done(after, None);
+        }
 
         // Caps apply to generation requests only. A queued client whose body was read whole
         // is watched, and leaves the queue the moment it goes away; one still sending waits
@@ -354,6 +367,13 @@ impl TokenTap {
             }
             match granted {
                 Ok(Ok(permit)) => ctx.permit = Some(permit),
+                Ok(Err(_)) if !pool.serving(self.now()) => {
+                    // It waited for endpoints that all went away.
+                    let (keep, after) = no_endpoint(&leftover, watch);
+                    ctx.status = 503;
+                    ctx.bytes_out += unavailable(client, ctx, choice, keep).await;
+                    return Prepared::Done(after, None);
+                }
                 Ok(Err(why)) => {
                     let (keep, after) = answered(&leftover, watch);
                     ctx.status = 429;
@@ -368,6 +388,17 @@ impl TokenTap {
             }
         }
 
+        let key = pool.hash_header().and_then(|h| req.fields.get(h.as_str()));
+        match pool.pick(self.now(), ctx.dialect.is_some(), key, None) {
+            Ok(held) => ctx.endpoint = Some(held),
+            Err(NoEndpoint) => {
+                let (keep, after) = no_endpoint(&leftover, watch);
+                ctx.status = 503;
+                ctx.bytes_out += unavailable(client, ctx, choice, keep).await;
+                ctx.permit = None;
+                return Prepared::Done(after, None);
+            }
+        }
         let outgoing = Outgoing {
             req,
             kind,
@@ -421,7 +452,7 @@ impl TokenTap {
     async fn deliver(
         &self,
         client: &mut Io,
-        ctx: &Ctx,
+        ctx: &mut Ctx,
         choice: Choice,
         ready: Ready,
     ) -> Result<Sent> {
@@ -436,8 +467,8 @@ impl TokenTap {
         let shared = Arc::clone(&ctx.shared);
         let upstream = &shared.upstreams[choice.upstream];
         let read_whole = matches!(rest, Rest::Done);
-        let peer = &upstream.peer;
-        let send = self.connect_and_write(upstream.config.addr, peer, wire);
+        let write_timeout = Some(upstream.config.write_timeout);
+        let send = self.connect_and_write(&upstream.pool, (&mut ctx.endpoint, &mut ctx.stream), wire);
         let up = if read_whole {
             watching(client, &mut watch, &mut leftover, send).await?
         } else {
@@ -449,7 +480,7 @@ impl TokenTap {
                 &mut up,
                 rest,
                 &mut leftover,
-                peer.options.write_timeout,
+                write_timeout,
                 (sent_so_far, limits),
             ));
             streamed.await?;
@@ -486,6 +517,22 @@ async fn answer_failure(
     ];
     let out = json_response(f.status, &body, &extra, false);
     answer::answer(client, &out, limit).await
+}
+
+/// Answers 503 `no_healthy_endpoint`: no endpoint of the upstream's pool takes requests.
+/// The bytes written.
+async fn unavailable(client: &mut Io, ctx: &Ctx, choice: Choice, keep_alive: bool) -> u64 {
+    let shared = &ctx.shared;
+    let name = &shared.upstreams[choice.upstream].config.name;
+    let message = format!("tokentap: upstream {name} has no healthy endpoint");
+    let body = error_body(&message, "upstream_error", "no_healthy_endpoint");
+    let extra = [
+        ("Retry-After", "1"),
+        (UPSTREAM_HEADER, name.as_str()),
+        (REQUEST_ID_HEADER, ctx.request_id.as_str()),
+    ];
+    let out = json_response(503, &body, &extra, keep_alive);
+    answer::answer(client, &out, shared.config.limits.client_write_timeout).await
 }
 
 /// A client's mistake found mid-request, as the error that ends it.

@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use bytes::{Buf, BytesMut};
 use pingora::prelude::*;
+use pingora::ErrorSource;
 use tokio::io::AsyncWrite;
 use tokio::time::Instant;
 
@@ -70,17 +71,32 @@ impl TokenTap {
             client_side,
         } = sent;
         let shared = Arc::clone(&ctx.shared);
-        let peer = &shared.upstreams[choice.upstream].peer;
+        let upstream = &shared.upstreams[choice.upstream];
+        let endpoint = ctx.endpoint.as_ref().map(|h| Arc::clone(&h.endpoint));
         // Boxed: the wait for the first byte needs it, an open stream does not.
         let head = Box::pin(read_response_head(
             &mut up,
             (client, &mut watch, &mut leftover),
-            peer.options.read_timeout,
+            Some(upstream.config.read_timeout),
             |resp, first, bare_lf, watched| {
                 self.respond_head(ctx, resp, first, bare_lf, client_side, watched)
             },
         ));
-        let (relay, out, keep_alive) = head.await?;
+        let opened = head.await;
+        if let Some(endpoint) = &endpoint {
+            // Passive health: a reset before the head ejects; 5xx in a row do.
+            match &opened {
+                Ok(_) => upstream.pool.answered(endpoint, ctx.status),
+                Err(e) if e.esource() == &ErrorSource::Upstream
+                    && matches!(e.etype(), ConnectionClosed | ReadError) =>
+                {
+                    let cause = e.etype().as_str();
+                    upstream.pool.reset_before_response(endpoint, &format!("before its response head: {cause}"));
+                }
+                Err(_) => {}
+            }
+        }
+        let (relay, out, keep_alive) = opened?;
         Ok(Open {
             up,
             relay,

@@ -17,6 +17,8 @@ use std::sync::Arc;
 use super::{client_error, ClientSide, Ready};
 use crate::config::Limits;
 use crate::dialect::Dialect;
+use crate::meter::Stream;
+use crate::pool::{Held, Pool};
 use crate::routing::Choice;
 use crate::service::ctx::Ctx;
 use crate::service::http1::body;
@@ -99,8 +101,11 @@ impl TokenTap {
         // The client's own id goes as it came; tokentap's only when asked to.
         let ours = ctx.request_id.is_ours() && shared.config.request_id_upstream;
         let id = ours.then(|| ctx.request_id.as_str());
+        let Some(endpoint) = ctx.endpoint.as_ref().map(|h| Arc::clone(&h.endpoint)) else {
+            return Err(Error::explain(InternalError, "a request sent with no endpoint"));
+        };
         let mut wire = BytesMut::with_capacity(512 + body.len());
-        upstream_request(req, &upstream.config.host_header, id, up_body, &mut wire);
+        upstream_request(req, &endpoint.at.host_header, id, up_body, &mut wire);
         if up_body == UpBody::Chunked {
             body::put_chunk(&mut wire, &body);
         } else {
@@ -112,7 +117,8 @@ impl TokenTap {
         drop(body);
 
         if ctx.dialect.is_some() {
-            let mut stream = upstream.meter.begin(ctx.t0, self.now());
+            let on = Arc::clone(&endpoint.meter);
+            let mut stream = upstream.meter.begin_on(ctx.t0, self.now(), on);
             stream.set_model(model);
             ctx.stream = Some(stream);
         }
@@ -172,31 +178,73 @@ impl TokenTap {
         Ok(Io::Tcp(tcp))
     }
 
-    /// Connects (a connect that failed is tried once more: nothing was sent) and writes the
-    /// request head with the body read so far, in one write.
+    /// Connects to the request's endpoint and writes the request head with the body read so
+    /// far, in one write. A connect that failed (nothing was sent) ejects the endpoint and is
+    /// tried once more, on another endpoint of the pool when one takes requests (the request
+    /// and its slot move there), else on the same.
     pub(super) async fn connect_and_write(
         &self,
-        addr: std::net::SocketAddr,
-        peer: &HttpPeer,
-        wire: BytesMut,
+        pool: &Pool,
+        (held, stream): (&mut Option<Held>, &mut Option<Stream>),
+        mut wire: BytesMut,
     ) -> Result<Io> {
         let mut attempt = 0;
-        let mut up = loop {
+        loop {
             attempt += 1;
-            match self.connect(addr, peer).await {
-                Ok(up) => break up,
-                Err(mut e) => {
-                    e.retry.decide_reuse(false);
-                    if e.retry() && attempt < ATTEMPTS {
-                        continue;
-                    }
-                    return Err(e.into_up());
+            let Some(endpoint) = held.as_ref().map(|h| Arc::clone(&h.endpoint)) else {
+                return Err(Error::explain(InternalError, "a request sent with no endpoint"));
+            };
+            let peer = endpoint.peer();
+            let mut e = match self.connect(endpoint.at.addr, &peer).await {
+                Ok(mut up) => {
+                    write_up(&mut up, &wire, peer.options.write_timeout).await?;
+                    return Ok(up);
                 }
+                Err(e) => e,
+            };
+            e.retry.decide_reuse(false);
+            pool.connect_failed(&endpoint, &connect_cause(&e));
+            if !e.retry() || attempt >= ATTEMPTS {
+                return Err(e.into_up());
             }
-        };
-        write_up(&mut up, &wire, peer.options.write_timeout).await?;
-        Ok(up)
+            let slot = held.as_ref().is_some_and(Held::holds_slot);
+            if let Ok(next) = pool.pick(self.now(), slot, None, Some(&endpoint)) {
+                let (from, to) = (&endpoint.at.host_header, &next.endpoint.at.host_header);
+                if from != to {
+                    wire = rehost(&wire, from, to);
+                }
+                if let Some(s) = stream.as_mut() {
+                    s.move_to(Arc::clone(&next.endpoint.meter));
+                }
+                *held = Some(next); // the first endpoint's slot is freed
+            }
+        }
     }
+}
+
+/// Why a connect failed, for the endpoint's `last_error`.
+fn connect_cause(e: &Error) -> String {
+    match e.root_cause().downcast_ref::<io::Error>() {
+        Some(io) => format!("connect: {io}"),
+        None => format!("connect: {}", e.etype().as_str()),
+    }
+}
+
+/// The request's bytes with `Host: to` where tokentap wrote `Host: from` (the endpoint of a
+/// retry has another name).
+fn rehost(wire: &[u8], from: &str, to: &str) -> BytesMut {
+    let old = format!("\r\nHost: {from}\r\n");
+    let head_end = memchr::memmem::find(wire, b"\r\n\r\n").map_or(wire.len(), |i| i + 2);
+    let mut out = BytesMut::with_capacity(wire.len() + to.len());
+    match memchr::memmem::find(&wire[..head_end], old.as_bytes()) {
+        Some(at) => {
+            out.extend_from_slice(&wire[..at]);
+            out.extend_from_slice(format!("\r\nHost: {to}\r\n").as_bytes());
+            out.extend_from_slice(&wire[at + old.len()..]);
+        }
+        None => out.extend_from_slice(wire),
+    }
+    out
 }
 
 /// Appends the request as the upstream gets it (with tokentap's request `id` when the

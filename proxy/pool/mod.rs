@@ -1,0 +1,677 @@
+//! An upstream is a pool of endpoints (replicas of one model) that come and go: given in
+//! the file (`url`, `endpoints`) or found while running (`discover`: DNS records, a file).
+//!
+//! - **Choice** ([`Pool::pick`]): among the endpoints that take requests (healthy, not
+//!   ejected), by `balance`: the less loaded of two picked at random, round robin, or the
+//!   highest rendezvous hash of a header's value (bounded by load). A generation request
+//!   holds a slot of the endpoint it goes to; each endpoint's cap is the limiter's
+//!   per-endpoint limit, and the limiter's pool limit (that cap times the endpoints that
+//!   take requests) guarantees one has room for every request it admits.
+//! - **Passive health**: a failed connect, a reset before any response byte, or
+//!   `eject_after` consecutive 5xx eject an endpoint for `eject_secs`, doubled while it
+//!   keeps failing (at most five minutes). The last endpoint taking requests is never
+//!   ejected on passive evidence alone; if they all are, requests go to all that pass their
+//!   checks (panic mode).
+//! - **Active health** (`health`, [`health`]): a GET of its path every `every_secs`.
+//! - **Discovery** ([`discover`]): the set follows the records or the file; an endpoint
+//!   keeps its state by address; one that leaves drains (its requests finish on it).
+//!
+//! The pool and its endpoints are kept across reloads by the upstream's name.
+
+mod discover;
+mod endpoint;
+mod health;
+
+use std::hash::{BuildHasher, Hasher};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use arc_swap::ArcSwap;
+use pingora::upstreams::peer::HttpPeer;
+
+use crate::backend::Backend;
+use crate::config::{Balance, Discover, EndpointAddr, HealthCheck, UpstreamConfig};
+use crate::limit::Limiter;
+use crate::meter::{Clock, Nanos};
+
+pub use endpoint::{Endpoint, EndpointStats, Held};
+
+/// The longest ejection.
+const MAX_EJECTION: Duration = Duration::from_secs(300);
+
+/// An upstream's endpoints and how requests are spread over them.
+pub struct Pool {
+    name: Arc<str>,
+    clock: Clock,
+    limiter: Arc<Limiter>,
+    members: ArcSwap<Vec<Arc<Endpoint>>>,
+    settings: ArcSwap<Settings>,
+    next: AtomicUsize,
+    /// One change of the endpoint set at a time (discovery, a reload).
+    changing: Mutex<()>,
+    discovery: Mutex<Due>,
+    checks: Mutex<Due>,
+    /// The endpoints the limiter counted last, and the last second a "no healthy
+    /// endpoint" line was logged.
+    counted: AtomicU64,
+    quiet_until: AtomicU64,
+    sampled: AtomicU64,
+    /// Past `metrics.endpoint_labels` (logged when it becomes so).
+    unlabelled: AtomicBool,
+}
+
+/// What the pool takes from its upstream's config.
+struct Settings {
+    balance: Balance,
+    eject_after: u32,
+    eject: Duration,
+    health: Option<HealthCheck>,
+    discover: Option<Discover>,
+    backend_path: Option<String>,
+    backend_scrape: Duration,
+    peer: PeerOptions,
+}
+
+/// The connection settings every endpoint's peer gets.
+#[derive(Clone)]
+struct PeerOptions {
+    connect: Duration,
+    read: Duration,
+    write: Duration,
+    idle: Duration,
+    verify: bool,
+    trust: Option<crate::config::Trust>,
+}
+
+/// When a background job is due next, and whether one runs.
+#[derive(Default)]
+struct Due {
+    next: Option<Instant>,
+    running: bool,
+    /// What the last run found wrong, logged once until it works again.
+    failing: bool,
+}
+
+/// No endpoint can take the request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NoEndpoint;
+
+/// How the endpoints of a pool stand, for `/metrics`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PoolCounts {
+    pub endpoints: u64,
+    /// Taking requests.
+    pub healthy: u64,
+    pub ejected: u64,
+    /// Failing their active checks.
+    pub unhealthy: u64,
+}
+
+// === impl Pool ===
+
+impl Pool {
+    pub fn new(u: &UpstreamConfig, clock: Clock, limiter: Arc<Limiter>) -> Arc<Pool> {
+        let settings = Settings::of(u);
+        let members = u
+            .endpoints
+            .iter()
+            .map(|at| Endpoint::new(at.clone(), settings.peer.peer(at)))
+            .collect();
+        let pool = Arc::new(Pool {
+            name: u.name.as_str().into(),
+            clock,
+            limiter,
+            members: ArcSwap::from_pointee(members),
+            settings: ArcSwap::from_pointee(settings),
+            next: AtomicUsize::new(0),
+            changing: Mutex::new(()),
+            discovery: Mutex::default(),
+            checks: Mutex::default(),
+            counted: AtomicU64::new(u64::MAX),
+            quiet_until: AtomicU64::new(0),
+            sampled: AtomicU64::new(0),
+            unlabelled: AtomicBool::new(false),
+        });
+        pool.refresh(clock.now());
+        pool
+    }
+
+    /// Takes `u` on (a reload): its balance, health, ejection and connection settings, and
+    /// the endpoints the file gives, each kept by address (a new one starts afresh; one
+    /// no longer listed drains). With `discover` changed, the next discovery runs at once.
+    pub fn reconfigure(&self, u: &UpstreamConfig) {
+        let settings = Settings::of(u);
+        let rediscover = settings.discover != self.settings.load().discover;
+        let no_checks = settings.health.is_none();
+        self.settings.store(Arc::new(settings));
+        if u.discover.is_none() {
+            self.replace(u.endpoints.clone());
+        } else if rediscover {
+            lock(&self.discovery).next = None;
+        }
+        let settings = self.settings.load();
+        for e in self.members.load().iter() {
+            e.set_peer(settings.peer.peer(&e.at));
+            if no_checks {
+                e.healthy.store(true, Relaxed);
+            }
+        }
+        *lock(&self.checks) = Due::default();
+        self.refresh(self.clock.now());
+    }
+
+    /// The endpoints now.
+    pub fn members(&self) -> Arc<Vec<Arc<Endpoint>>> {
+        self.members.load_full()
+    }
+
+    /// The header whose value picks the endpoint (`consistent_hash:header:NAME`).
+    pub fn hash_header(&self) -> Option<http::HeaderName> {
+        match &self.settings.load().balance {
+            Balance::ConsistentHash(name) => Some(name.clone()),
+            _ => None,
+        }
+    }
+
+    /// Whether any endpoint can take a request now (else: 503 `no_healthy_endpoint`).
+    pub fn serving(&self, now: Nanos) -> bool {
+        self.members
+            .load()
+            .iter()
+            .any(|e| e.healthy.load(Relaxed) || e.eligible(now))
+    }
+
+    /// An endpoint for a request (`slot`: a generation request, which holds a slot there
+    /// under its cap), by the pool's balance, never `avoid` (where its connect just
+    /// failed). `key`: the hash header's value, with `consistent_hash`.
+    pub fn pick(
+        &self,
+        now: Nanos,
+        slot: bool,
+        key: Option<&[u8]>,
+        avoid: Option<&Endpoint>,
+    ) -> Result<Held, NoEndpoint> {
+        let members = self.members.load();
+        let avoided = |e: &Endpoint| avoid.is_some_and(|a| std::ptr::eq(a, e));
+        // Panic mode when none takes requests: every endpoint that passes its checks.
+        let panic = !members.iter().any(|e| !avoided(e) && e.eligible(now));
+        let takes = |e: &Endpoint| {
+            !avoided(e)
+                && if panic {
+                    e.healthy.load(Relaxed)
+                } else {
+                    e.eligible(now)
+                }
+        };
+        let each = self.limiter.each();
+        // A generation request takes a slot under the cap; others only go there.
+        let room = |e: &Endpoint| !slot || e.take_slot(each);
+        match self.choose(&members, each, key, &takes, &room) {
+            Some(e) => Ok(Held::new(Arc::clone(e), slot)),
+            None => {
+                self.log_none(now);
+                Err(NoEndpoint)
+            }
+        }
+    }
+
+    /// The endpoint `balance` picks among those `takes` allows, where `room` takes its slot
+    /// (or, with none having room, the least loaded, its slot taken over the cap: the
+    /// pool's limit says one has room, but a cap lowered a moment ago may say otherwise).
+    fn choose<'a>(
+        &self,
+        members: &'a [Arc<Endpoint>],
+        each: Option<u64>,
+        key: Option<&[u8]>,
+        takes: &dyn Fn(&Endpoint) -> bool,
+        room: &dyn Fn(&Endpoint) -> bool,
+    ) -> Option<&'a Arc<Endpoint>> {
+        let n = members.iter().filter(|e| takes(e)).count();
+        if n == 0 {
+            return None;
+        }
+        let nth = |k: usize| members.iter().filter(|e| takes(e)).nth(k);
+        let least = |candidates: Vec<&'a Arc<Endpoint>>| {
+            let mut by_load = candidates;
+            by_load.sort_by(|a, b| a.load(each).total_cmp(&b.load(each)));
+            by_load.into_iter().find(|e| room(e))
+        };
+        let settings = self.settings.load();
+        let picked = match (&settings.balance, key) {
+            (Balance::RoundRobin, _) => {
+                let start = self.next.fetch_add(1, Relaxed) % n;
+                (0..n).filter_map(|i| nth((start + i) % n)).find(|e| room(e))
+            }
+            (Balance::ConsistentHash(_), Some(key)) => {
+                // Rendezvous: the endpoint whose hash with the key is highest, among those
+                // under their cap (uncapped: under twice the pool's mean load): an endpoint
+                // that leaves moves only its own keys.
+                let total: u64 = (members.iter().filter(|e| takes(e)))
+                    .map(|e| e.in_flight())
+                    .sum();
+                let bound = each.unwrap_or_else(|| (2 * (total + 1)).div_ceil(n as u64));
+                let mut ranked: Vec<(u64, &Arc<Endpoint>)> = (members.iter())
+                    .filter(|e| takes(e))
+                    .map(|e| (rendezvous(key, &e.at), e))
+                    .collect();
+                ranked.sort_unstable_by(|a, b| b.0.cmp(&a.0));
+                (ranked.into_iter())
+                    .map(|(_, e)| e)
+                    .find(|e| e.in_flight() < bound && room(e))
+            }
+            (Balance::LeastLoaded | Balance::ConsistentHash(_), _) => {
+                let first = if n == 1 {
+                    nth(0)
+                } else {
+                    // Power of two choices: two distinct endpoints at random, the less
+                    // loaded one.
+                    let a = rand::random::<usize>() % n;
+                    let b = (a + 1 + rand::random::<usize>() % (n - 1)) % n;
+                    let (a, b) = (nth(a)?, nth(b)?);
+                    Some(if b.load(each) < a.load(each) { b } else { a })
+                };
+                match first {
+                    Some(e) if room(e) => Some(e),
+                    // It had no room: the least loaded with room.
+                    _ => least(members.iter().filter(|e| takes(e)).collect()),
+                }
+            }
+        };
+        picked.or_else(|| {
+            let e = (members.iter().filter(|e| takes(e)))
+                .min_by(|a, b| a.load(each).total_cmp(&b.load(each)))?;
+            if !room(e) {
+                e.slots.fetch_add(1, Relaxed); // over the cap, counted all the same
+            }
+            Some(e)
+        })
+    }
+
+    // --- passive health ---
+
+    /// A connect to `e` failed (nothing was sent).
+    pub fn connect_failed(&self, e: &Endpoint, cause: &str) {
+        e.set_error(cause);
+        self.eject(e, cause);
+    }
+
+    /// `e` closed or reset the connection before any response byte.
+    pub fn reset_before_response(&self, e: &Endpoint, cause: &str) {
+        e.set_error(cause);
+        self.eject(e, cause);
+    }
+
+    /// `e` answered with `status`: `eject_after` 5xx in a row eject it; any other answer
+    /// ends its run of failures (and the doubling of its ejections).
+    pub fn answered(&self, e: &Endpoint, status: u16) {
+        if status >= 500 {
+            let fails = e.fails.fetch_add(1, Relaxed) + 1;
+            e.set_error(&format!("answered {status}"));
+            if fails >= self.settings.load().eject_after {
+                e.fails.store(0, Relaxed);
+                self.eject(e, &format!("{fails} answers 5xx in a row (the last {status})"));
+            }
+        } else {
+            if e.fails.load(Relaxed) != 0 {
+                e.fails.store(0, Relaxed);
+            }
+            if e.ejections.load(Relaxed) != 0 {
+                e.ejections.store(0, Relaxed);
+            }
+        }
+    }
+
+    /// Ejects `e`, unless it is the last endpoint taking requests (or already ejected).
+    fn eject(&self, e: &Endpoint, cause: &str) {
+        let now = self.clock.now();
+        if e.ejected(now) {
+            return;
+        }
+        let members = self.members.load();
+        let others = members
+            .iter()
+            .filter(|m| !std::ptr::eq(&***m, e) && m.eligible(now))
+            .count();
+        if others == 0 {
+            tracing::warn!(
+                upstream = %self.name,
+                endpoint = %e.at.url,
+                cause,
+                "endpoint failing, but it is the last one taking requests: not ejected"
+            );
+            return;
+        }
+        let k = e.ejections.fetch_add(1, Relaxed).min(16);
+        let base = self.settings.load().eject;
+        let length = base.saturating_mul(1 << k).min(MAX_EJECTION);
+        e.ejected_until
+            .store(now + length.as_nanos() as u64, Relaxed);
+        e.ejections_total.fetch_add(1, Relaxed);
+        tracing::warn!(
+            upstream = %self.name,
+            endpoint = %e.at.url,
+            cause,
+            secs = length.as_secs(),
+            "endpoint ejected"
+        );
+        self.refresh(now);
+    }
+
+    /// Counts the endpoints that take requests for the limiter (all that pass their checks
+    /// when none does: panic mode), and logs ejections that ended.
+    fn refresh(&self, now: Nanos) {
+        let members = self.members.load();
+        let eligible = members.iter().filter(|e| e.eligible(now)).count() as u64;
+        let n = if eligible > 0 {
+            eligible
+        } else {
+            members.iter().filter(|e| e.healthy.load(Relaxed)).count() as u64
+        };
+        for e in members.iter() {
+            let until = e.ejected_until.load(Relaxed);
+            if until != 0
+                && until <= now
+                && e
+                    .ejected_until
+                    .compare_exchange(until, 0, Relaxed, Relaxed)
+                    .is_ok()
+            {
+                tracing::info!(
+                    upstream = %self.name,
+                    endpoint = %e.at.url,
+                    "endpoint's ejection ended: it takes requests again"
+                );
+            }
+        }
+        if self.counted.swap(n, Relaxed) != n {
+            self.limiter.set_members(n);
+        }
+    }
+
+    /// One line a second at most: no endpoint takes requests.
+    pub fn log_none(&self, now: Nanos) {
+        let second = now / 1_000_000_000;
+        if self.quiet_until.swap(second + 1, Relaxed) <= second {
+            let members = self.members.load();
+            tracing::error!(
+                upstream = %self.name,
+                endpoints = members.len(),
+                "no healthy endpoint: requests get 503 no_healthy_endpoint"
+            );
+        }
+    }
+
+    /// How its endpoints stand now.
+    pub fn counts(&self, now: Nanos) -> PoolCounts {
+        let members = self.members.load();
+        let mut c = PoolCounts {
+            endpoints: members.len() as u64,
+            ..PoolCounts::default()
+        };
+        for e in members.iter() {
+            if !e.healthy.load(Relaxed) {
+                c.unhealthy += 1;
+            } else if e.ejected(now) {
+                c.ejected += 1;
+            } else {
+                c.healthy += 1;
+            }
+        }
+        c
+    }
+
+    /// Each endpoint's part of `/stats`, its figures over `window`.
+    pub fn stats(&self, now: Nanos, window: Duration) -> Vec<EndpointStats> {
+        let unix = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
+        let each = self.limiter.each();
+        let window = window.as_nanos() as u64;
+        (self.members.load().iter())
+            .map(|e| e.stats(now, window, each, unix))
+            .collect()
+    }
+
+    // --- the endpoint set ---
+
+    /// Makes `found` the endpoint set: those already there (by address) kept, the others
+    /// new; the ones gone drain. Logged when it changes.
+    fn replace(&self, found: Vec<EndpointAddr>) {
+        let _one = lock(&self.changing);
+        let old = self.members.load_full();
+        let settings = self.settings.load();
+        let next: Vec<Arc<Endpoint>> = found
+            .into_iter()
+            .map(|at| match old.iter().find(|e| e.at == at) {
+                Some(kept) => Arc::clone(kept),
+                None => Endpoint::new(at.clone(), settings.peer.peer(&at)),
+            })
+            .collect();
+        let added: Vec<&str> = (next.iter())
+            .filter(|e| !old.iter().any(|o| Arc::ptr_eq(o, e)))
+            .map(|e| e.at.url.as_str())
+            .collect();
+        let removed: Vec<&str> = (old.iter())
+            .filter(|o| !next.iter().any(|e| Arc::ptr_eq(o, e)))
+            .map(|e| e.at.url.as_str())
+            .collect();
+        if !added.is_empty() || !removed.is_empty() {
+            tracing::info!(
+                upstream = %self.name,
+                added = %added.join(" "),
+                removed = %removed.join(" "),
+                endpoints = next.len(),
+                "endpoints changed"
+            );
+        }
+        self.members.store(Arc::new(next));
+        drop(_one);
+        self.refresh(self.clock.now());
+    }
+
+    /// The pool's background work, called every 100 ms: ejections that ended, the endpoints'
+    /// rate samples (each second), discovery, active checks and backend scrapes when due.
+    pub fn tick(self: &Arc<Self>, window: Duration, endpoint_labels: usize) {
+        let now = self.clock.now();
+        self.refresh(now);
+        let unlabelled = self.members.load().len() > endpoint_labels;
+        if self.unlabelled.swap(unlabelled, Relaxed) != unlabelled && unlabelled {
+            tracing::warn!(
+                upstream = %self.name,
+                endpoints = self.members.load().len(),
+                endpoint_labels,
+                "more endpoints than metrics.endpoint_labels: /metrics has this pool's series only"
+            );
+        }
+        let second = now / 1_000_000_000;
+        if self.sampled.swap(second, Relaxed) != second {
+            let w = window.as_nanos() as u64;
+            for e in self.members.load().iter() {
+                e.meter.sample(now, w);
+            }
+        }
+        let settings = self.settings.load_full();
+        if let Some(d) = &settings.discover {
+            if due(&self.discovery, discover::every(d)) {
+                let (pool, d) = (Arc::clone(self), d.clone());
+                tokio::spawn(async move { pool.discover(d).await });
+            }
+        }
+        if let Some(h) = &settings.health {
+            if due(&self.checks, h.every) {
+                let (pool, h) = (Arc::clone(self), h.clone());
+                tokio::spawn(async move { pool.check(h).await });
+            }
+        }
+        if let Some(path) = &settings.backend_path {
+            for e in self.members.load().iter() {
+                let backend = {
+                    let mut b = lock(&e.backend);
+                    let url = format!("http://{}{path}", e.at.addr);
+                    let fresh = b.as_ref().is_none_or(|b| {
+                        !url.parse().is_ok_and(|u| b.same_as(&u, settings.backend_scrape))
+                    });
+                    if fresh {
+                        *b = url
+                            .parse()
+                            .ok()
+                            .map(|u| Backend::new(u, settings.backend_scrape));
+                    }
+                    b.clone()
+                };
+                if let Some(b) = backend {
+                    b.tick(&self.name, Arc::clone(e) as _);
+                }
+            }
+        }
+    }
+
+    /// Finds the endpoints again and makes them the set; a failure keeps the set as it is
+    /// (logged once until discovery works again).
+    async fn discover(self: Arc<Self>, d: Discover) {
+        let found = discover::find(&d).await;
+        let mut due = lock(&self.discovery);
+        due.running = false;
+        match found {
+            Ok(found) => {
+                if due.failing {
+                    tracing::info!(upstream = %self.name, "endpoint discovery works again");
+                }
+                due.failing = false;
+                drop(due);
+                self.replace(found);
+            }
+            Err(e) => {
+                if !due.failing {
+                    tracing::warn!(
+                        upstream = %self.name,
+                        cause = %e,
+                        "endpoint discovery failed; the endpoints found before stay"
+                    );
+                }
+                due.failing = true;
+            }
+        }
+    }
+
+    /// Checks every endpoint at once and takes what each answered on.
+    async fn check(self: Arc<Self>, h: HealthCheck) {
+        let members = self.members.load_full();
+        let mut checks = tokio::task::JoinSet::new();
+        for e in members.iter() {
+            let (e, h) = (Arc::clone(e), h.clone());
+            checks.spawn(async move {
+                let result = health::probe(&e.at, &h).await;
+                (e, result)
+            });
+        }
+        while let Some(done) = checks.join_next().await {
+            if let Ok((e, result)) = done {
+                self.checked(&e, &h, result);
+            }
+        }
+        lock(&self.checks).running = false;
+        self.refresh(self.clock.now());
+    }
+
+    /// An active check of `e` came back.
+    fn checked(&self, e: &Endpoint, h: &HealthCheck, result: Result<(), String>) {
+        let mut c = lock(&e.checks);
+        match result {
+            Ok(()) => {
+                c.failed = 0;
+                c.ok = c.ok.saturating_add(1);
+                if !e.healthy.load(Relaxed) && c.ok >= h.healthy_after {
+                    e.healthy.store(true, Relaxed);
+                    tracing::info!(upstream = %self.name, endpoint = %e.at.url, "endpoint healthy again");
+                }
+                if e.healthy.load(Relaxed) && e.ejected(self.clock.now()) {
+                    // It answers its checks: it takes requests again at once.
+                    e.ejected_until.store(0, Relaxed);
+                    e.ejections.store(0, Relaxed);
+                    tracing::info!(upstream = %self.name, endpoint = %e.at.url, "endpoint passes its health check: ejection ended");
+                }
+            }
+            Err(cause) => {
+                c.ok = 0;
+                c.failed = c.failed.saturating_add(1);
+                e.set_error(&cause);
+                if e.healthy.load(Relaxed) && c.failed >= h.unhealthy_after {
+                    e.healthy.store(false, Relaxed);
+                    tracing::warn!(
+                        upstream = %self.name,
+                        endpoint = %e.at.url,
+                        cause = %cause,
+                        "endpoint unhealthy: {} failed health checks in a row",
+                        c.failed
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Marks the job running when it is due (and due again `every` later).
+fn due(job: &Mutex<Due>, every: Duration) -> bool {
+    let mut d = lock(job);
+    let now = Instant::now();
+    if d.running || d.next.is_some_and(|next| now < next) {
+        return false;
+    }
+    d.running = true;
+    d.next = Some(now + every);
+    true
+}
+
+/// The rendezvous score of `key` on an endpoint: a fixed hash of both (the same in every
+/// tokentap of a fleet).
+fn rendezvous(key: &[u8], at: &EndpointAddr) -> u64 {
+    let mut h = foldhash::fast::FixedState::with_seed(0x746f_6b65_6e74_6170).build_hasher();
+    h.write(key);
+    h.write(at.url.as_bytes());
+    h.finish()
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+// === impl Settings ===
+
+impl Settings {
+    fn of(u: &UpstreamConfig) -> Settings {
+        Settings {
+            balance: u.balance.clone(),
+            eject_after: u.eject_after,
+            eject: u.eject,
+            health: u.health.clone(),
+            discover: u.discover.clone(),
+            backend_path: u.backend_metrics_path.clone(),
+            backend_scrape: u.backend_scrape,
+            peer: PeerOptions {
+                connect: u.connect_timeout,
+                read: u.read_timeout,
+                write: u.write_timeout,
+                idle: u.idle_timeout,
+                verify: u.tls_verify,
+                trust: u.trust.clone(),
+            },
+        }
+    }
+}
+
+impl PeerOptions {
+    fn peer(&self, at: &EndpointAddr) -> HttpPeer {
+        let mut p = HttpPeer::new(at.addr, at.tls, at.sni.clone());
+        p.options.connection_timeout = Some(self.connect);
+        p.options.total_connection_timeout = Some(self.connect * 2);
+        p.options.read_timeout = Some(self.read);
+        p.options.write_timeout = Some(self.write);
+        p.options.idle_timeout = Some(self.idle);
+        p.options.verify_cert = self.verify;
+        p.options.verify_hostname = self.verify;
+        p.options.ca = self.trust.clone();
+        p
+    }
+}

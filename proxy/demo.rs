@@ -46,10 +46,11 @@ pub struct DemoArgs {
 }
 
 /// The two simulated backends: a small model that is fast alone but saturates early, and a
-/// big-batch deployment that is slower alone but holds its TPOT under load.
-const BACKENDS: [(&str, &str); 2] = [
-    ("small-fast", "1:12,16:15,64:28,128:50"),
-    ("big-batch", "1:22,16:23,64:26,128:31"),
+/// big-batch deployment that is slower alone but holds its TPOT under load, served by a
+/// pool of three replicas (one of which is killed for part of a phase, and restarted).
+const BACKENDS: [(&str, &str, usize); 2] = [
+    ("small-fast", "1:12,16:15,64:28,128:50", 1),
+    ("big-batch", "1:22,16:23,64:26,128:31", 3),
 ];
 /// small-fast's adaptive cap holds this TPOT p90, ms: met up to ~40 in flight on its curve,
 /// so the 128-client phase makes it cap and queue.
@@ -73,17 +74,19 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
         "--duration must be at least 1 second"
     );
     let mut sims = Vec::new();
-    for (name, curve) in BACKENDS {
-        let sim = Sim::start(SimArgs {
-            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
-            tpot_curve: curve.parse::<Curve>().map_err(anyhow::Error::msg)?,
-            ttft_ms: 40.0,
-            max_tokens: args.max_tokens,
-            ..SimArgs::defaults()
-        })
-        .await
-        .with_context(|| format!("starting the {name} simulator"))?;
-        sims.push((name, curve, sim));
+    for (name, curve, replicas) in BACKENDS {
+        let mut pool = Vec::new();
+        for _ in 0..replicas {
+            let sim = start_sim(
+                curve,
+                SocketAddr::from(([127, 0, 0, 1], 0)),
+                args.max_tokens,
+            )
+            .await
+            .with_context(|| format!("starting the {name} simulator"))?;
+            pool.push(sim);
+        }
+        sims.push((name, curve, pool));
     }
     let config = Config::parse(&demo_config(&args, &sims), "the demo's embedded config")?;
     let window = config.window.as_secs();
@@ -112,11 +115,15 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
     let phase = Duration::from_secs_f64(args.phase_secs.min(args.duration));
     let phases = ((args.duration / phase.as_secs_f64()).round() as usize).max(1);
     println!("tokentap demo: two simulated backends behind tokentap, split 50/50");
-    for (name, curve, sim) in &sims {
-        println!(
-            "  {name:<11} http://{}  TPOT curve (batch:ms) {curve}",
-            sim.addr
-        );
+    for (name, curve, pool) in &sims {
+        let urls: Vec<String> = pool.iter().map(|s| format!("http://{}", s.addr)).collect();
+        let what = if pool.len() > 1 {
+            " (a pool: least loaded, health checked every second)"
+        } else {
+            ""
+        };
+        println!("  {name:<11} {}{what}", urls.join(" "));
+        println!("  {:<11} TPOT curve (batch:ms) {curve}", "");
     }
     println!(
         "  small-fast has an adaptive cap holding TPOT p90 ≤ {SLO_TPOT_MS} ms ([upstream.slo])"
@@ -155,6 +162,29 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
     let (note_tx, note) = watch::channel(String::new());
     let (stop_tx, stop) = watch::channel(false);
     let reports = Arc::new(Mutex::new(Vec::new()));
+    // The last replica of the pool is killed a quarter into the second-to-last phase and
+    // started again at three quarters: ejected at once, its requests failing over, back
+    // after its next health check.
+    let chaos = sims
+        .iter_mut()
+        .find(|(_, _, pool)| pool.len() > 1)
+        .zip((phases >= 2).then(|| phases - 2))
+        .and_then(|((name, curve, pool), at_phase)| {
+            let sim = pool.pop()?;
+            println!(
+                "  in phase {}, replica http://{} of {name} is killed, then started again\n",
+                at_phase + 1,
+                sim.addr
+            );
+            Some(Chaos {
+                upstream: name,
+                curve,
+                addr: sim.addr,
+                max_tokens: args.max_tokens,
+                at_phase,
+                sim: Some(sim),
+            })
+        });
     let driver = tokio::spawn(drive(
         target,
         args.levels.iter().copied().cycle().take(phases).collect(),
@@ -162,6 +192,7 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
         note_tx,
         stop_tx,
         Arc::clone(&reports),
+        chaos,
     ));
     let token = std::env::var(crate::config::ADMIN_TOKEN_ENV).ok();
     let source = top::Source::parse(&args.admin.to_string(), token)?;
@@ -206,23 +237,31 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The demo's config: both simulators behind one 50/50 route, an SLO on the first.
-fn demo_config(args: &DemoArgs, sims: &[(&str, &str, Sim)]) -> String {
+/// The demo's config: both backends behind one 50/50 route, an SLO on the first, the
+/// second a pool with health checks.
+fn demo_config(args: &DemoArgs, sims: &[(&str, &str, Vec<Sim>)]) -> String {
     let mut c = format!(
         "[listen]\nproxy = \"{}\"\nadmin = \"{}\"\n[metrics]\nwindow_secs = 5\nmodel_label = true\n",
         args.listen, args.admin
     );
-    for (i, (name, _, sim)) in sims.iter().enumerate() {
+    for (i, (name, _, pool)) in sims.iter().enumerate() {
+        let urls: Vec<String> = pool
+            .iter()
+            .map(|s| format!("\"http://{}\"", s.addr))
+            .collect();
         let _ = write!(
             c,
-            "[[upstream]]\nname = \"{name}\"\nurl = \"http://{}\"\n",
-            sim.addr
+            "[[upstream]]\nname = \"{name}\"\nendpoints = [{}]\n",
+            urls.join(", ")
         );
         if i == 0 {
             let _ = write!(
                 c,
                 "[upstream.slo]\ntpot_ms = {SLO_TPOT_MS}\npercentile = 90\n"
             );
+        }
+        if pool.len() > 1 {
+            let _ = write!(c, "[upstream.health]\nevery_secs = 1\n");
         }
     }
     let split: Vec<String> = sims
@@ -237,6 +276,53 @@ fn demo_config(args: &DemoArgs, sims: &[(&str, &str, Sim)]) -> String {
     c
 }
 
+async fn start_sim(curve: &str, listen: SocketAddr, max_tokens: u64) -> anyhow::Result<Sim> {
+    Ok(Sim::start(SimArgs {
+        listen,
+        tpot_curve: curve.parse::<Curve>().map_err(anyhow::Error::msg)?,
+        ttft_ms: 40.0,
+        max_tokens,
+        ..SimArgs::defaults()
+    })
+    .await?)
+}
+
+/// A replica of a pool killed for part of a phase.
+struct Chaos {
+    upstream: &'static str,
+    curve: &'static str,
+    addr: SocketAddr,
+    max_tokens: u64,
+    at_phase: usize,
+    sim: Option<Sim>,
+}
+
+impl Chaos {
+    /// Kills or restarts the replica as `into` (the share of phase `phase` done) says; what
+    /// the view should say of it.
+    async fn step(&mut self, phase: usize, into: f64) -> Option<String> {
+        if phase != self.at_phase {
+            return None;
+        }
+        let (up, addr) = (self.upstream, self.addr);
+        if into < 0.25 {
+            None
+        } else if into < 0.75 {
+            self.sim.take(); // killed: its listener and connections closed
+            Some(format!(
+                "  — replica {addr} of {up} killed: ejected, its requests fail over"
+            ))
+        } else {
+            if self.sim.is_none() {
+                self.sim = start_sim(self.curve, addr, self.max_tokens).await.ok();
+            }
+            Some(format!(
+                "  — replica {addr} of {up} started again: back after its health check"
+            ))
+        }
+    }
+}
+
 /// Runs the phases in turn, saying which one runs; stops the view after the last.
 async fn drive(
     target: Arc<load::Target>,
@@ -245,6 +331,7 @@ async fn drive(
     note: watch::Sender<String>,
     stop: watch::Sender<bool>,
     reports: Arc<Mutex<Vec<PhaseReport>>>,
+    mut chaos: Option<Chaos>,
 ) {
     let started = tokio::time::Instant::now();
     let total = phases.len();
@@ -257,6 +344,7 @@ async fn drive(
             )
         };
         let _ = note.send(say(started.elapsed()));
+        let phase_start = tokio::time::Instant::now();
         let run = load::phase(
             &target,
             Mode::Closed { concurrency: c },
@@ -269,7 +357,14 @@ async fn drive(
         let r = loop {
             tokio::select! {
                 r = &mut run => break r,
-                _ = tick.tick() => { let _ = note.send(say(started.elapsed())); }
+                _ = tick.tick() => {
+                    let into = phase_start.elapsed().as_secs_f64() / phase.as_secs_f64();
+                    let event = match chaos.as_mut() {
+                        Some(c) => c.step(i, into).await,
+                        None => None,
+                    };
+                    let _ = note.send(say(started.elapsed()) + event.as_deref().unwrap_or(""));
+                }
             }
         };
         reports

@@ -153,7 +153,8 @@ impl BackgroundService for Pools {
             }
             let shared = self.0.load();
             for u in &shared.upstreams {
-                u.pool.tick(shared.config.window, shared.config.endpoint_labels);
+                u.pool
+                    .tick(shared.config.window, shared.config.endpoint_labels);
             }
         }
     }
@@ -248,6 +249,11 @@ impl Running {
             stop,
             thread,
         }
+    }
+
+    /// The running state and its reloads.
+    pub fn live(&self) -> &Arc<Live> {
+        &self.live
     }
 
     /// The state in force.

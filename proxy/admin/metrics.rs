@@ -242,26 +242,69 @@ fn upstream(x: &mut Exposition, report: &UpstreamReport) {
 fn endpoints(x: &mut Exposition, report: &UpstreamReport, labels: usize) {
     let name = report.meter.name.as_str();
     let eps = &report.endpoints;
-    let ejected = eps.iter().filter(|e| e.health_checks_pass && !e.healthy).count();
+    let ejected = eps
+        .iter()
+        .filter(|e| e.health_checks_pass && !e.healthy)
+        .count();
     let unhealthy = eps.iter().filter(|e| !e.health_checks_pass).count();
     let healthy = eps.len() - ejected - unhealthy;
-    for (state, n) in [("healthy", healthy), ("ejected", ejected), ("unhealthy", unhealthy)] {
-        x.add("tokentap_endpoints", &[("upstream", name), ("state", state)], n as f64);
+    for (state, n) in [
+        ("healthy", healthy),
+        ("ejected", ejected),
+        ("unhealthy", unhealthy),
+    ] {
+        x.add(
+            "tokentap_endpoints",
+            &[("upstream", name), ("state", state)],
+            n as f64,
+        );
     }
     if eps.len() > labels {
         return;
     }
     for e in eps {
         let l = [("upstream", name), ("endpoint", e.address.as_str())];
-        x.add("tokentap_endpoint_healthy", &l, f64::from(u8::from(e.healthy)));
-        x.add("tokentap_endpoint_in_flight_requests", &l, e.in_flight as f64);
-        x.opt("tokentap_endpoint_concurrency_limit", &l, e.limit.map(|v| v as f64));
-        x.add("tokentap_endpoint_requests_total", &l, e.requests_total as f64);
+        x.add(
+            "tokentap_endpoint_healthy",
+            &l,
+            f64::from(u8::from(e.healthy)),
+        );
+        x.add(
+            "tokentap_endpoint_in_flight_requests",
+            &l,
+            e.in_flight as f64,
+        );
+        x.opt(
+            "tokentap_endpoint_concurrency_limit",
+            &l,
+            e.limit.map(|v| v as f64),
+        );
+        x.add(
+            "tokentap_endpoint_requests_total",
+            &l,
+            e.requests_total as f64,
+        );
         x.add("tokentap_endpoint_errors_total", &l, e.errors_total as f64);
-        x.add("tokentap_endpoint_ejections_total", &l, e.ejections_total as f64);
-        x.add("tokentap_endpoint_output_tokens_total", &l, e.output_tokens_total as f64);
-        x.opt("tokentap_endpoint_system_tokens_per_second", &l, e.system_tps);
-        x.opt("tokentap_endpoint_single_stream_tokens_per_second", &l, e.single_stream_tps);
+        x.add(
+            "tokentap_endpoint_ejections_total",
+            &l,
+            e.ejections_total as f64,
+        );
+        x.add(
+            "tokentap_endpoint_output_tokens_total",
+            &l,
+            e.output_tokens_total as f64,
+        );
+        x.opt(
+            "tokentap_endpoint_system_tokens_per_second",
+            &l,
+            e.system_tps,
+        );
+        x.opt(
+            "tokentap_endpoint_single_stream_tokens_per_second",
+            &l,
+            e.single_stream_tps,
+        );
     }
 }
 

@@ -10,9 +10,8 @@ use serde::Deserialize;
 
 use super::{
     socket_addr, tls, AccessLog, AdminAuth, Balance, Cluster, Config, Discover, EndpointAddr,
-    HealthCheck, Limits, Listen,
-    ListenTls, Log, LogFormat, Problem, Problems, Route, Secret, UpstreamConfig, ADMIN_TOKEN_ENV,
-    DEFAULT_LOG_FILTER,
+    HealthCheck, Limits, Listen, ListenTls, Log, LogFormat, Problem, Problems, Route, Secret,
+    UpstreamConfig, ADMIN_TOKEN_ENV, DEFAULT_LOG_FILTER,
 };
 use super::{DEFAULT_CONNECT_TIMEOUT_MS, DEFAULT_READ_TIMEOUT_SECS};
 use crate::estimate::Estimate;
@@ -817,7 +816,10 @@ fn upstream(
     let queue_timeout = positive(p, "queue_timeout_ms", u.queue_timeout_ms, 30_000);
     let endpoints = endpoints(i, u, (proxy, admin), p);
     let https = u.url.starts_with("https://")
-        || u.endpoints.iter().flatten().any(|e| e.starts_with("https://"))
+        || u.endpoints
+            .iter()
+            .flatten()
+            .any(|e| e.starts_with("https://"))
         || u.discover.as_ref().is_some_and(|d| d.file.is_some());
     if !https && (u.ca_file.is_some() || u.tls_verify.is_some()) {
         let key = if u.ca_file.is_some() {
@@ -970,7 +972,10 @@ fn endpoints(
         match EndpointAddr::parse(url) {
             Ok(e) if proxy.as_ref().is_ok_and(|&l| l == e.addr) => p.add(
                 path,
-                format!("{} is tokentap's own listen.proxy: requests would loop", e.addr),
+                format!(
+                    "{} is tokentap's own listen.proxy: requests would loop",
+                    e.addr
+                ),
             ),
             Ok(e) if admin.as_ref().is_ok_and(|&l| l == e.addr) => {
                 p.add(path, format!("{} is tokentap's own listen.admin", e.addr))
@@ -1002,7 +1007,11 @@ fn discover(i: usize, d: &DiscoverFile, p: &mut Problems) -> Option<Discover> {
                 p.add(at("port"), "is required with dns: the endpoints' port");
             }
             let nameserver = d.nameserver.as_deref().and_then(|n| {
-                let with_port = if n.contains(':') { n.to_owned() } else { format!("{n}:53") };
+                let with_port = if n.contains(':') {
+                    n.to_owned()
+                } else {
+                    format!("{n}:53")
+                };
                 with_port
                     .parse::<SocketAddr>()
                     .map_err(|_| p.add(at("nameserver"), format!("must be an ip:port, not `{n}`")))
@@ -1017,8 +1026,15 @@ fn discover(i: usize, d: &DiscoverFile, p: &mut Problems) -> Option<Discover> {
         }
         (None, Some(file)) => {
             if d.port.is_some() || d.nameserver.is_some() {
-                let key = if d.port.is_some() { "port" } else { "nameserver" };
-                p.add(at(key), "applies with dns only (each line of the file is a URL)");
+                let key = if d.port.is_some() {
+                    "port"
+                } else {
+                    "nameserver"
+                };
+                p.add(
+                    at(key),
+                    "applies with dns only (each line of the file is a URL)",
+                );
             }
             Some(Discover::File {
                 path: file.into(),
@@ -1039,7 +1055,10 @@ fn health(i: usize, h: &HealthFile, p: &mut Problems) -> Option<HealthCheck> {
     let at = |f: &str| format!("upstream[{i}].health.{f}");
     let path = h.path.clone().unwrap_or_else(|| "/health".into());
     if !path.starts_with('/') || path.parse::<http::uri::PathAndQuery>().is_err() {
-        p.add(at("path"), format!("must be a path like /health, not `{path}`"));
+        p.add(
+            at("path"),
+            format!("must be a path like /health, not `{path}`"),
+        );
     }
     let every = h.every_secs.unwrap_or(5);
     if !(1..=3600).contains(&every) {

@@ -131,8 +131,7 @@ impl Stream {
             UNKNOWN => self.endpoint.concurrency(),
             backend => backend,
         };
-        self.endpoint
-            .add_tokens(u64::from(n) * u64::from(events));
+        self.endpoint.add_tokens(u64::from(n) * u64::from(events));
         let gap = self
             .meter
             .shard(self.shard)

@@ -34,7 +34,7 @@ pub(super) async fn find(d: &Discover) -> Result<Vec<EndpointAddr>, String> {
                 .map_err(|e| format!("reading the file: {e}"))??
         }
     };
-    found.sort_by(|a, b| a.addr.cmp(&b.addr));
+    found.sort_by_key(|e| e.addr);
     found.dedup_by(|a, b| a.addr == b.addr);
     Ok(found)
 }
@@ -108,7 +108,11 @@ mod tests {
         let urls: Vec<&str> = found.iter().map(|e| e.url.as_str()).collect();
         assert_eq!(
             urls,
-            ["http://127.0.0.1:8001", "http://127.0.0.1:8002", "https://127.0.0.1:8443"]
+            [
+                "http://127.0.0.1:8001",
+                "http://127.0.0.1:8002",
+                "https://127.0.0.1:8443"
+            ]
         );
         assert!(found[2].tls);
         let bad = parse_file("http://127.0.0.1:8001\nftp://x:1\n").unwrap_err();

@@ -148,11 +148,20 @@ impl Endpoint {
     }
 
     pub(super) fn set_error(&self, cause: &str) {
-        *self.last_error.lock().unwrap_or_else(PoisonError::into_inner) = Some(cause.into());
+        *self
+            .last_error
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(cause.into());
     }
 
     /// What `/stats` shows of it, its window figures over the `window` before `now`.
-    pub fn stats(&self, now: Nanos, window: Nanos, each: Option<u64>, clock_unix: f64) -> EndpointStats {
+    pub fn stats(
+        &self,
+        now: Nanos,
+        window: Nanos,
+        each: Option<u64>,
+        clock_unix: f64,
+    ) -> EndpointStats {
         let f = self.meter.figures(now, window);
         let until = self.ejected_until.load(Relaxed);
         EndpointStats {
@@ -233,6 +242,8 @@ impl Drop for Held {
 
 impl std::fmt::Debug for Endpoint {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Endpoint").field("at", &self.at.url).finish_non_exhaustive()
+        f.debug_struct("Endpoint")
+            .field("at", &self.at.url)
+            .finish_non_exhaustive()
     }
 }

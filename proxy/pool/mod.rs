@@ -241,7 +241,9 @@ impl Pool {
         let picked = match (&settings.balance, key) {
             (Balance::RoundRobin, _) => {
                 let start = self.next.fetch_add(1, Relaxed) % n;
-                (0..n).filter_map(|i| nth((start + i) % n)).find(|e| room(e))
+                (0..n)
+                    .filter_map(|i| nth((start + i) % n))
+                    .find(|e| room(e))
             }
             (Balance::ConsistentHash(_), Some(key)) => {
                 // Rendezvous: the endpoint whose hash with the key is highest, among those
@@ -255,7 +257,7 @@ impl Pool {
                     .filter(|e| takes(e))
                     .map(|e| (rendezvous(key, &e.at), e))
                     .collect();
-                ranked.sort_unstable_by(|a, b| b.0.cmp(&a.0));
+                ranked.sort_unstable_by_key(|r| std::cmp::Reverse(r.0));
                 (ranked.into_iter())
                     .map(|(_, e)| e)
                     .find(|e| e.in_flight() < bound && room(e))
@@ -310,7 +312,10 @@ impl Pool {
             e.set_error(&format!("answered {status}"));
             if fails >= self.settings.load().eject_after {
                 e.fails.store(0, Relaxed);
-                self.eject(e, &format!("{fails} answers 5xx in a row (the last {status})"));
+                self.eject(
+                    e,
+                    &format!("{fails} answers 5xx in a row (the last {status})"),
+                );
             }
         } else {
             if e.fails.load(Relaxed) != 0 {
@@ -372,8 +377,7 @@ impl Pool {
             let until = e.ejected_until.load(Relaxed);
             if until != 0
                 && until <= now
-                && e
-                    .ejected_until
+                && e.ejected_until
                     .compare_exchange(until, 0, Relaxed, Relaxed)
                     .is_ok()
             {
@@ -510,7 +514,8 @@ impl Pool {
                     let mut b = lock(&e.backend);
                     let url = format!("http://{}{path}", e.at.addr);
                     let fresh = b.as_ref().is_none_or(|b| {
-                        !url.parse().is_ok_and(|u| b.same_as(&u, settings.backend_scrape))
+                        !url.parse()
+                            .is_ok_and(|u| b.same_as(&u, settings.backend_scrape))
                     });
                     if fresh {
                         *b = url
@@ -673,5 +678,150 @@ impl PeerOptions {
         p.options.verify_hostname = self.verify;
         p.options.ca = self.trust.clone();
         p
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+    use crate::limit::LimitConfig;
+
+    fn pool(extra: &str, n: usize) -> (Arc<Pool>, Arc<Limiter>) {
+        let list: Vec<String> = (0..n)
+            .map(|i| format!("\"http://127.0.0.{}:9\"", i + 1))
+            .collect();
+        let text = format!(
+            "[[upstream]]\nname = \"p\"\nendpoints = [{}]\n{extra}",
+            list.join(", ")
+        );
+        let c = Config::parse(&text, "t").unwrap_or_else(|e| panic!("{e}"));
+        let u = &c.upstreams[0];
+        let limiter = Limiter::new(
+            LimitConfig {
+                initial: u.max_concurrency,
+                total: u.max_concurrency_total,
+                max_queue: 10,
+                queue_timeout: Duration::from_secs(1),
+            },
+            metrics::Histogram::noop(),
+        );
+        (Pool::new(u, Clock::new(), Arc::clone(&limiter)), limiter)
+    }
+
+    fn at(p: &Pool, i: usize) -> Arc<Endpoint> {
+        Arc::clone(&p.members()[i])
+    }
+
+    /// Ejections double while an endpoint keeps failing, end with a good answer's run, and
+    /// never take the last endpoint out; the limiter counts those taking requests.
+    #[test]
+    fn ejection_doubles_and_spares_the_last_endpoint() {
+        let (p, limiter) = pool("max_concurrency = 4\neject_secs = 2\n", 2);
+        assert_eq!(limiter.limit(), Some(8));
+        let (a, b) = (at(&p, 0), at(&p, 1));
+        let now = p.clock.now();
+        p.connect_failed(&a, "connect: refused");
+        let first = a.ejected_until.load(Relaxed) - now;
+        assert!((2_000_000_000..2_500_000_000).contains(&first), "{first}");
+        assert_eq!(limiter.limit(), Some(4));
+        // b is the last one taking requests: failing, it stays.
+        p.connect_failed(&b, "connect: refused");
+        assert!(b.eligible(p.clock.now()));
+        // Every request goes to b now.
+        for _ in 0..4 {
+            let h = p.pick(p.clock.now(), true, None, None).unwrap();
+            assert!(Arc::ptr_eq(&h.endpoint, &b));
+        }
+        // a's ejection ends; failing again, it is out for twice as long.
+        a.ejected_until.store(1, Relaxed);
+        p.refresh(p.clock.now());
+        assert_eq!(limiter.limit(), Some(8));
+        let now = p.clock.now();
+        p.connect_failed(&a, "connect: refused");
+        let second = a.ejected_until.load(Relaxed) - now;
+        assert!((4_000_000_000..4_500_000_000).contains(&second), "{second}");
+        // 5xx: eject_after (3) in a row eject; a good answer ends the run.
+        let (p, _) = pool("", 3);
+        let c = at(&p, 2);
+        p.answered(&c, 503);
+        p.answered(&c, 502);
+        p.answered(&c, 200);
+        p.answered(&c, 500);
+        p.answered(&c, 500);
+        assert!(c.eligible(p.clock.now()));
+        p.answered(&c, 500);
+        assert!(!c.eligible(p.clock.now()));
+        assert_eq!(c.ejections_total.load(Relaxed), 1);
+    }
+
+    /// With every endpoint out on passive evidence, requests go to all that pass their
+    /// checks (panic mode); with none passing its checks, there is no endpoint.
+    #[test]
+    fn panic_mode_and_no_endpoint() {
+        let (p, _) = pool("", 2);
+        let (a, b) = (at(&p, 0), at(&p, 1));
+        let far = p.clock.now() + 60_000_000_000;
+        a.ejected_until.store(far, Relaxed);
+        b.ejected_until.store(far, Relaxed);
+        assert!(p.serving(p.clock.now()));
+        assert!(p.pick(p.clock.now(), true, None, None).is_ok());
+        a.healthy.store(false, Relaxed);
+        b.healthy.store(false, Relaxed);
+        assert!(!p.serving(p.clock.now()));
+        assert_eq!(
+            p.pick(p.clock.now(), true, None, None).err(),
+            Some(NoEndpoint)
+        );
+    }
+
+    /// Caps: a generation request takes a slot under its endpoint's cap; others go without.
+    #[test]
+    fn slots_hold_the_cap_of_each_endpoint() {
+        let (p, _) = pool("max_concurrency = 2\nbalance = \"round_robin\"\n", 3);
+        let held: Vec<Held> = (0..6)
+            .map(|_| p.pick(p.clock.now(), true, None, None).unwrap())
+            .collect();
+        for e in p.members().iter() {
+            assert_eq!(e.in_flight(), 2);
+        }
+        let plain = p.pick(p.clock.now(), false, None, None).unwrap();
+        assert!(!plain.holds_slot());
+        drop(held);
+        for e in p.members().iter() {
+            assert_eq!(e.in_flight(), 0);
+        }
+    }
+
+    /// Consistent hashing: a key keeps its endpoint; an endpoint that leaves moves its own
+    /// keys only.
+    #[test]
+    fn a_leaving_endpoint_moves_only_its_keys() {
+        let (p, _) = pool("balance = \"consistent_hash:header:x-s\"\n", 4);
+        let place = |p: &Pool| -> Vec<String> {
+            (0..200)
+                .map(|k| {
+                    let key = format!("session-{k}");
+                    let h = p
+                        .pick(p.clock.now(), true, Some(key.as_bytes()), None)
+                        .unwrap();
+                    h.endpoint.at.url.clone()
+                })
+                .collect()
+        };
+        let before = place(&p);
+        assert_eq!(before, place(&p));
+        let gone = at(&p, 2).at.url.clone();
+        let moved_share = before.iter().filter(|u| **u == gone).count();
+        assert!((25..=75).contains(&moved_share), "{moved_share}");
+        at(&p, 2).healthy.store(false, Relaxed);
+        let after = place(&p);
+        for (b, a) in before.iter().zip(&after) {
+            if *b == gone {
+                assert_ne!(*a, gone);
+            } else {
+                assert_eq!(a, b);
+            }
+        }
     }
 }

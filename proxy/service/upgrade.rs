@@ -51,9 +51,10 @@ impl ProxyHttp for TokenTap {
         let shared = std::sync::Arc::clone(&ctx.shared);
         let upstream = &shared.upstreams[choice.upstream];
         if ctx.endpoint.is_none() {
-            let held = upstream.pool.pick(self.now(), false, None, None).map_err(|_| {
-                Error::explain(HTTPStatus(503), "no healthy endpoint")
-            })?;
+            let held = upstream
+                .pool
+                .pick(self.now(), false, None, None)
+                .map_err(|_| Error::explain(HTTPStatus(503), "no healthy endpoint"))?;
             ctx.endpoint = Some(held);
         }
         let endpoint = ctx

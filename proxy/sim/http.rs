@@ -24,13 +24,20 @@ static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
 /// Accepts connections until the task is aborted.
 pub async fn serve(listener: TcpListener, engine: Arc<Engine>) {
+    // Its connections are its own: when this task is aborted (a simulator killed), they
+    // close with it, as a process's would.
+    let mut connections = tokio::task::JoinSet::new();
     loop {
-        let Ok((stream, _)) = listener.accept().await else {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            Some(_) = connections.join_next(), if !connections.is_empty() => continue,
+        };
+        let Ok((stream, _)) = accepted else {
             continue;
         };
         let _ = stream.set_nodelay(true);
         let engine = Arc::clone(&engine);
-        tokio::spawn(async move {
+        connections.spawn(async move {
             let svc = service_fn(move |req| handle(Arc::clone(&engine), req));
             let _ = hyper::server::conn::http1::Builder::new()
                 .serve_connection(TokioIo::new(stream), svc)
@@ -119,6 +126,8 @@ async fn handle(
         ),
         ("GET", "/sim/stats") => json_response(StatusCode::OK, &json!(engine.stats())),
         ("GET", "/metrics") => metrics(&engine),
+        // As vLLM's: 200 and an empty body while it serves.
+        ("GET", "/health") => json_response(StatusCode::OK, &json!({})),
         ("POST", "/sim/peak/reset") => {
             engine.reset_peak();
             json_response(StatusCode::OK, &json!(engine.stats()))

@@ -92,6 +92,21 @@ pub struct UpstreamView {
     pub estimated_tokens_share_pct: Option<f64>,
     #[serde(default)]
     pub requests_total: u64,
+    /// Its pool's endpoints.
+    #[serde(default)]
+    pub endpoints: Vec<EndpointView>,
+}
+
+/// One endpoint of a pool, as `top` shows it.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+pub struct EndpointView {
+    pub address: String,
+    pub healthy: bool,
+    #[serde(default)]
+    pub health_checks_pass: bool,
+    pub in_flight: u64,
+    pub limit: Option<u64>,
+    pub system_tps: Option<f64>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]

@@ -8,6 +8,7 @@ use ratatui::text::{Line, Span};
 use ratatui::widgets::{Block, Borders, Cell, Paragraph, Row, Sparkline, Table, Wrap};
 use ratatui::Frame;
 
+use super::client::EndpointView;
 use super::client::{Board, UpstreamView};
 
 const COLOURS: [Color; 6] = [
@@ -60,15 +61,23 @@ pub fn plain_line(board: &Board, note: &str) -> String {
             f(u.tpot_ms.p90, 1),
             f(u.ttft_ms.p50, 0),
         );
+        if u.endpoints.len() > 1 {
+            let healthy = u.endpoints.iter().filter(|e| e.healthy).count();
+            let _ = write!(out, " endpoints {healthy}/{} healthy", u.endpoints.len());
+        }
     }
     out
 }
 
 /// The screen: a title line, a block per upstream, the A/B verdict.
 pub fn draw(frame: &mut Frame<'_>, title: &str, note: &str, board: &Board) {
-    let ups = board.upstreams.len().max(1) as u16;
     let mut rows = vec![Constraint::Length(1)];
-    rows.extend((0..ups).map(|_| Constraint::Length(10)));
+    rows.extend(
+        (board.upstreams.iter()).map(|u| Constraint::Length(10 + endpoint_lines(u) as u16)),
+    );
+    if board.upstreams.is_empty() {
+        rows.push(Constraint::Length(10));
+    }
     rows.push(Constraint::Length(5));
     rows.push(Constraint::Min(0));
     let areas = Layout::default()
@@ -122,6 +131,35 @@ pub fn draw(frame: &mut Frame<'_>, title: &str, note: &str, board: &Board) {
     );
 }
 
+/// The lines a pool's endpoints take (none for one endpoint), at most eight.
+fn endpoint_lines(u: &UpstreamView) -> usize {
+    if u.endpoints.len() > 1 {
+        u.endpoints.len().min(8)
+    } else {
+        0
+    }
+}
+
+/// An endpoint's line: its state, address, in flight / cap, T/s.
+fn endpoint_line(e: &EndpointView) -> Line<'static> {
+    let (mark, state, colour) = match (e.healthy, e.health_checks_pass) {
+        (true, _) => ("●", "", Color::Green),
+        (false, true) => ("✗", "  ejected", Color::Red),
+        (false, false) => ("✗", "  unhealthy", Color::Red),
+    };
+    let cap = e.limit.map_or_else(|| "-".into(), |l| l.to_string());
+    Line::from(vec![
+        Span::styled(format!("{mark} "), Style::new().fg(colour)),
+        Span::raw(format!(
+            "{:<28} in flight {:>3} / {cap:<4} {:>6} T/s",
+            e.address,
+            e.in_flight,
+            f(e.system_tps, 0)
+        )),
+        Span::styled(state.to_owned(), Style::new().fg(colour)),
+    ])
+}
+
 fn upstream(frame: &mut Frame<'_>, area: Rect, u: &UpstreamView, board: &Board, colour: Color) {
     let block = Block::default()
         .borders(Borders::ALL)
@@ -132,6 +170,16 @@ fn upstream(frame: &mut Frame<'_>, area: Rect, u: &UpstreamView, board: &Board, 
         ));
     let inner = block.inner(area);
     frame.render_widget(block, area);
+    let parts = Layout::default()
+        .direction(Direction::Vertical)
+        .constraints([Constraint::Length(8), Constraint::Min(0)])
+        .split(inner);
+    let (inner, pool) = (parts[0], parts[1]);
+    let shown = endpoint_lines(u);
+    if shown > 0 {
+        let lines: Vec<Line> = u.endpoints.iter().take(shown).map(endpoint_line).collect();
+        frame.render_widget(Paragraph::new(lines), pool);
+    }
     let cols = Layout::default()
         .direction(Direction::Horizontal)
         .constraints([

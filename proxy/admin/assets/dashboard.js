@@ -177,6 +177,21 @@ function esc(s) {
   return String(s).replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" })[c]);
 }
 
+// A pool's endpoints: state, in flight / cap, T/s, TPOT p50 (none for one endpoint).
+function endpoints(u) {
+  const eps = u.endpoints || [];
+  if (eps.length < 2) return "";
+  const state = (e) => (e.healthy ? "healthy" : e.health_checks_pass ? "ejected" : "unhealthy");
+  const rows = eps
+    .map(
+      (e) => `<tr class="ep ${state(e)}" data-up="${esc(u.name)}" data-endpoint="${esc(e.address)}" data-state="${state(e)}">
+        <td>${esc(e.address)}</td><td>${state(e)}</td><td>${e.in_flight} / ${e.limit ?? "–"}</td>
+        <td>${fmt(e.system_tps, 0)}</td><td>${fmt(e.tpot_ms.p50)}</td><td>${e.requests_total}</td><td>${e.errors_total}</td></tr>`,
+    )
+    .join("");
+  return `<table class="eps"><tr><th>endpoint (${esc(u.balance)})</th><th>state</th><th>in flight / cap</th><th>system T/s</th><th>TPOT p50</th><th>requests</th><th>errors</th></tr>${rows}</table>`;
+}
+
 function renderUpstreams(s) {
   const html = s.stats.upstreams.map((u) => {
     const c = state.colours.get(u.name);
@@ -203,6 +218,7 @@ function renderUpstreams(s) {
       <p>${slo}</p>
       <div>Output tokens counted exactly: <b data-up="${esc(u.name)}" data-fig="exact_share_pct" data-value="${exact ?? ""}">${fmt(exact)}%</b>, estimated ${fmt(u.estimated_tokens_share_pct)}%
         <div class="share"><div style="width:${exact ?? 0}%"></div></div></div>
+      ${endpoints(u)}
     </div>`;
   });
   $("upstreams").innerHTML = html.join("");

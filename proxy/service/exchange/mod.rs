@@ -468,7 +468,8 @@ impl TokenTap {
         let upstream = &shared.upstreams[choice.upstream];
         let read_whole = matches!(rest, Rest::Done);
         let write_timeout = Some(upstream.config.write_timeout);
-        let send = self.connect_and_write(&upstream.pool, (&mut ctx.endpoint, &mut ctx.stream), wire);
+        let send =
+            self.connect_and_write(&upstream.pool, (&mut ctx.endpoint, &mut ctx.stream), wire);
         let up = if read_whole {
             watching(client, &mut watch, &mut leftover, send).await?
         } else {

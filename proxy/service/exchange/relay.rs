@@ -87,11 +87,15 @@ impl TokenTap {
             // Passive health: a reset before the head ejects; 5xx in a row do.
             match &opened {
                 Ok(_) => upstream.pool.answered(endpoint, ctx.status),
-                Err(e) if e.esource() == &ErrorSource::Upstream
-                    && matches!(e.etype(), ConnectionClosed | ReadError) =>
+                Err(e)
+                    if e.esource() == &ErrorSource::Upstream
+                        && matches!(e.etype(), ConnectionClosed | ReadError) =>
                 {
                     let cause = e.etype().as_str();
-                    upstream.pool.reset_before_response(endpoint, &format!("before its response head: {cause}"));
+                    upstream.pool.reset_before_response(
+                        endpoint,
+                        &format!("before its response head: {cause}"),
+                    );
                 }
                 Err(_) => {}
             }

@@ -102,7 +102,10 @@ impl TokenTap {
         let ours = ctx.request_id.is_ours() && shared.config.request_id_upstream;
         let id = ours.then(|| ctx.request_id.as_str());
         let Some(endpoint) = ctx.endpoint.as_ref().map(|h| Arc::clone(&h.endpoint)) else {
-            return Err(Error::explain(InternalError, "a request sent with no endpoint"));
+            return Err(Error::explain(
+                InternalError,
+                "a request sent with no endpoint",
+            ));
         };
         let mut wire = BytesMut::with_capacity(512 + body.len());
         upstream_request(req, &endpoint.at.host_header, id, up_body, &mut wire);
@@ -192,7 +195,10 @@ impl TokenTap {
         loop {
             attempt += 1;
             let Some(endpoint) = held.as_ref().map(|h| Arc::clone(&h.endpoint)) else {
-                return Err(Error::explain(InternalError, "a request sent with no endpoint"));
+                return Err(Error::explain(
+                    InternalError,
+                    "a request sent with no endpoint",
+                ));
             };
             let peer = endpoint.peer();
             let mut e = match self.connect(endpoint.at.addr, &peer).await {

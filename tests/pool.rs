@@ -1,0 +1,699 @@
+//! Pools end to end, with real processes: simulators as `tokentap sim` processes (killed
+//! with SIGKILL, started again), dnsmasq as the DNS server discovery asks, and closed-loop
+//! clients. A replica that dies is ejected and its requests fail over; discovery follows
+//! records and files under load; caps hold per endpoint; least-loaded beats round robin on
+//! a slow replica; a session keeps to its replica.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::*;
+use tokentap::load::{self, LoadArgs, Mode};
+use tokentap::sim::{Sim, SimArgs};
+use tokio::time::Instant;
+
+const CHAT: &str = "/v1/chat/completions";
+
+/// `tokentap sim` as a process of its own, on `addr`.
+struct SimProc {
+    child: Child,
+    addr: SocketAddr,
+}
+
+impl SimProc {
+    async fn start(addr: SocketAddr, curve: &str, model: &str) -> SimProc {
+        let child = Command::new(env!("CARGO_BIN_EXE_tokentap"))
+            .args(["sim", "--listen", &addr.to_string(), "--tpot-curve", curve])
+            .args(["--ttft-ms", "5", "--max-tokens", "20", "--model", model])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while send(addr, "GET", "/health", b"", &[]).await.is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "the simulator on {addr} never answered"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        SimProc { child, addr }
+    }
+
+    fn kill(&mut self) {
+        self.child.kill().unwrap(); // SIGKILL
+        self.child.wait().unwrap();
+    }
+}
+
+impl Drop for SimProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One request of a closed-loop client: when it started, whether it completed (200 and
+/// the stream's `[DONE]`), and the model (the replica) that answered.
+#[derive(Debug, Clone)]
+struct Done {
+    start: Instant,
+    ok: bool,
+    status: u16,
+    model: Option<String>,
+}
+
+/// `clients` closed-loop clients of streaming chat requests for `secs`, each with the
+/// headers `headers(client)`.
+async fn closed_loop(
+    proxy: SocketAddr,
+    clients: usize,
+    secs: f64,
+    headers: impl Fn(usize) -> Vec<(String, String)>,
+) -> Vec<Done> {
+    let end = Instant::now() + Duration::from_secs_f64(secs);
+    let out = Arc::new(Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for c in 0..clients {
+        let (out, h) = (Arc::clone(&out), headers(c));
+        tasks.push(tokio::spawn(async move {
+            while Instant::now() < end {
+                let done = one(proxy, &h).await;
+                out.lock().unwrap().push(done);
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    Arc::try_unwrap(out).unwrap().into_inner().unwrap()
+}
+
+async fn one(proxy: SocketAddr, headers: &[(String, String)]) -> Done {
+    let body = br#"{"model":"m","stream":true,"max_tokens":20,"messages":[{"role":"user","content":"hi"}]}"#;
+    let h: Vec<(&str, &str)> = headers
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    let start = Instant::now();
+    match send(proxy, "POST", CHAT, body, &h).await {
+        Ok(r) => {
+            let text = String::from_utf8_lossy(&r.body);
+            Done {
+                start,
+                ok: r.status == 200 && !r.error && text.contains("[DONE]"),
+                status: r.status,
+                model: text
+                    .split("\"model\":\"")
+                    .nth(1)
+                    .and_then(|m| m.split('"').next())
+                    .map(str::to_owned),
+            }
+        }
+        Err(_) => Done {
+            start,
+            ok: false,
+            status: 0,
+            model: None,
+        },
+    }
+}
+
+/// The endpoint of `/stats`' first upstream whose address is `url`.
+fn endpoint<'a>(s: &'a serde_json::Value, url: &str) -> Option<&'a serde_json::Value> {
+    s["upstreams"][0]["endpoints"]
+        .as_array()?
+        .iter()
+        .find(|e| e["address"] == url)
+}
+
+fn pool_config(endpoints: &[SocketAddr], extra: &str) -> String {
+    let list: Vec<String> = endpoints
+        .iter()
+        .map(|a| format!("\"http://{a}\""))
+        .collect();
+    format!(
+        "[[upstream]]\nname = \"pool\"\nendpoints = [{}]\n{extra}",
+        list.join(", ")
+    )
+}
+
+/// Three replicas, 32 closed-loop clients, one SIGKILLed mid-run: the streams on it end as
+/// errors, every request started a second after the kill succeeds, it is ejected within a
+/// second, and started again it takes requests within its health interval.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_replica_is_ejected_and_requests_fail_over() {
+    let addrs = [free_addr(), free_addr(), free_addr()];
+    let mut sims = Vec::new();
+    for (i, a) in addrs.iter().enumerate() {
+        sims.push(SimProc::start(*a, "1:5", &format!("r{i}")).await);
+    }
+    let health = "[upstream.health]\npath = \"/health\"\nevery_secs = 1\n";
+    let tap = proxy(&[], &pool_config(&addrs, health)).await;
+    let p = proxy_addr(&tap);
+    let victim = format!("http://{}", addrs[1]);
+    let load = tokio::spawn(closed_loop(p, 32, 6.0, |_| Vec::new()));
+
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    sims[1].kill();
+    let killed = Instant::now();
+    let s = stats_where(&tap, |s| {
+        endpoint(s, &victim).is_some_and(|e| e["healthy"] == false)
+    })
+    .await;
+    let ejected_after = killed.elapsed();
+    let e = endpoint(&s, &victim).unwrap();
+    assert!(
+        ejected_after < Duration::from_secs(1),
+        "ejected {ejected_after:?} after the kill: {e:#}"
+    );
+    assert!(e["last_error"].as_str().is_some(), "{e:#}");
+
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let before = endpoint(&stats(&tap).await, &victim).unwrap()["requests_total"]
+        .as_u64()
+        .unwrap();
+    let addr = sims[1].addr;
+    sims[1] = SimProc::start(addr, "1:5", "r1").await;
+    let restarted = Instant::now();
+    stats_where(&tap, |s| {
+        endpoint(s, &victim).is_some_and(|e| e["requests_total"].as_u64() > Some(before))
+    })
+    .await;
+    let back_after = restarted.elapsed();
+    assert!(
+        back_after < Duration::from_millis(2500),
+        "it took requests again {back_after:?} after its restart (health every 1 s)"
+    );
+
+    let done = load.await.unwrap();
+    let settled = killed + Duration::from_secs(1);
+    let late_failures: Vec<&Done> = done
+        .iter()
+        .filter(|d| d.start >= settled && !d.ok)
+        .collect();
+    assert!(late_failures.is_empty(), "{late_failures:?}");
+    let failed: Vec<u16> = done.iter().filter(|d| !d.ok).map(|d| d.status).collect();
+    eprintln!(
+        "{} requests, {} failed (statuses {failed:?}; 200 is a stream cut short), all started within {:?} of the kill; ejected after {ejected_after:?}, back {back_after:?} after its restart",
+        done.len(),
+        failed.len(),
+        Duration::from_secs(1)
+    );
+    assert!(done.len() > 500, "{}", done.len());
+    // No slot is left behind, on the pool or on any endpoint.
+    let s = stats_when(&tap, |u| u["in_flight"] == 0).await;
+    for e in s["upstreams"][0]["endpoints"].as_array().unwrap() {
+        assert_eq!(e["in_flight"], 0, "{e:#}");
+    }
+}
+
+/// A DNS server of our own: dnsmasq on a free port, answering from a hosts file read again
+/// on SIGHUP.
+struct Dns {
+    child: Child,
+    port: u16,
+    hosts: std::path::PathBuf,
+    _dir: tempdir::Dir,
+}
+
+mod tempdir {
+    pub struct Dir(pub std::path::PathBuf);
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+impl Dns {
+    fn start(name: &str, ips: &[&str]) -> Option<Dns> {
+        let dnsmasq = ["/usr/sbin/dnsmasq", "/usr/bin/dnsmasq"]
+            .into_iter()
+            .find(|p| std::path::Path::new(p).exists());
+        let Some(dnsmasq) = dnsmasq else {
+            assert!(
+                std::env::var("CI").is_err(),
+                "dnsmasq is missing (apt-get install dnsmasq); CI must have it"
+            );
+            eprintln!("skipped: dnsmasq is not installed");
+            return None;
+        };
+        let dir = std::env::temp_dir().join(format!("tokentap-dns-{}-{name}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let hosts = dir.join("hosts");
+        let port = free_addr().port();
+        let dns = Dns {
+            child: Command::new(dnsmasq)
+                .args([
+                    "--keep-in-foreground",
+                    "--conf-file=/dev/null",
+                    "--no-resolv",
+                    "--no-hosts",
+                ])
+                .arg(format!("--port={port}"))
+                .args([
+                    "--listen-address=127.0.0.1",
+                    "--bind-interfaces",
+                    "--local-ttl=0",
+                ])
+                .arg(format!("--addn-hosts={}", hosts.display()))
+                .args(["--user=root", "--pid-file="])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap(),
+            port,
+            hosts,
+            _dir: tempdir::Dir(dir),
+        };
+        dns.set(name, ips, false);
+        Some(dns)
+    }
+
+    /// `name` has the records `ips` (SIGHUP reads them again).
+    fn set(&self, name: &str, ips: &[&str], reload: bool) {
+        let text: String = ips.iter().map(|ip| format!("{ip} {name}\n")).collect();
+        std::fs::write(&self.hosts, text).unwrap();
+        if reload {
+            let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+            nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGHUP).unwrap();
+        }
+    }
+}
+
+impl Drop for Dns {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Simulators on 127.0.0.2 to 127.0.0.5, one port.
+async fn four_sims() -> (Vec<Sim>, u16) {
+    loop {
+        let port = free_addr().port();
+        let mut sims = Vec::new();
+        for i in 2..=5 {
+            let listen: SocketAddr = format!("127.0.0.{i}:{port}").parse().unwrap();
+            match Sim::start(SimArgs {
+                listen,
+                tpot_curve: "1:5".parse().unwrap(),
+                ttft_ms: 5.0,
+                max_tokens: 20,
+                ..SimArgs::defaults()
+            })
+            .await
+            {
+                Ok(sim) => sims.push(sim),
+                Err(_) => break,
+            }
+        }
+        if sims.len() == 4 {
+            return (sims, port);
+        }
+    }
+}
+
+/// The endpoint addresses `/stats` shows, sorted.
+fn addresses(s: &serde_json::Value) -> Vec<String> {
+    let mut a: Vec<String> = s["upstreams"][0]["endpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["address"].as_str().unwrap().to_owned())
+        .collect();
+    a.sort();
+    a
+}
+
+/// How the set changes under load, by `change(step)`, each followed within two seconds
+/// (`every_secs = 1`), with no client error and no slot left behind.
+async fn follows_under_load(
+    tap: &tokentap::server::Running,
+    port: u16,
+    steps: &[&[&str]],
+    change: impl Fn(&[&str]),
+) {
+    let want = |ips: &[&str]| -> Vec<String> {
+        let mut v: Vec<String> = ips.iter().map(|ip| format!("http://{ip}:{port}")).collect();
+        v.sort();
+        v
+    };
+    stats_where(tap, |s| addresses(s) == want(steps[0])).await;
+    let load = tokio::spawn(closed_loop(
+        proxy_addr(tap),
+        8,
+        1.0 + steps.len() as f64 * 2.0,
+        |_| Vec::new(),
+    ));
+    for ips in &steps[1..] {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        change(ips);
+        let changed = Instant::now();
+        stats_where(tap, |s| addresses(s) == want(ips)).await;
+        let took = changed.elapsed();
+        eprintln!("{} endpoints after {took:?}", ips.len());
+        assert!(took < Duration::from_secs(3), "followed after {took:?}");
+    }
+    let done = load.await.unwrap();
+    let failed: Vec<&Done> = done.iter().filter(|d| !d.ok).collect();
+    assert!(
+        failed.is_empty(),
+        "{} of {}: {failed:?}",
+        failed.len(),
+        done.len()
+    );
+    assert!(done.len() > 100, "{}", done.len());
+    let s = stats_when(tap, |u| u["in_flight"] == 0).await;
+    for e in s["upstreams"][0]["endpoints"].as_array().unwrap() {
+        assert_eq!(e["in_flight"], 0, "{e:#}");
+    }
+}
+
+/// DNS records in dnsmasq go from three to two to four under load: followed within
+/// `every_secs`, no client error, no slot leaked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dns_discovery_follows_the_records() {
+    let (_sims, port) = four_sims().await;
+    let name = "vllm.pool.test";
+    let Some(dns) = Dns::start(name, &["127.0.0.2", "127.0.0.3", "127.0.0.4"]) else {
+        return;
+    };
+    let config = format!(
+        "[[upstream]]\nname = \"pool\"\ndiscover = {{ dns = \"{name}\", port = {port}, nameserver = \"127.0.0.1:{}\", every_secs = 1 }}\n",
+        dns.port
+    );
+    let tap = proxy(&[], &config).await;
+    let steps: [&[&str]; 3] = [
+        &["127.0.0.2", "127.0.0.3", "127.0.0.4"],
+        &["127.0.0.2", "127.0.0.4"],
+        &["127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"],
+    ];
+    follows_under_load(&tap, port, &steps, |ips| dns.set(name, ips, true)).await;
+    // The Host the endpoints get is the name's.
+    let s = stats(&tap).await;
+    assert_eq!(s["upstreams"][0]["endpoints"].as_array().unwrap().len(), 4);
+}
+
+/// A file of endpoints, edited under load, the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn file_discovery_follows_the_file() {
+    let (_sims, port) = four_sims().await;
+    let dir = std::env::temp_dir().join(format!("tokentap-pool-file-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let _gone = tempdir::Dir(dir.clone());
+    let file = dir.join("endpoints.txt");
+    let write = |ips: &[&str]| {
+        let text: String = ips
+            .iter()
+            .map(|ip| format!("http://{ip}:{port}\n"))
+            .collect();
+        // Written aside and renamed in: the reader never sees half a file.
+        let tmp = dir.join("endpoints.tmp");
+        std::fs::write(&tmp, format!("# the pool\n{text}")).unwrap();
+        std::fs::rename(&tmp, &file).unwrap();
+    };
+    let steps: [&[&str]; 3] = [
+        &["127.0.0.2", "127.0.0.3", "127.0.0.4"],
+        &["127.0.0.3"],
+        &["127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"],
+    ];
+    write(steps[0]);
+    let config = format!(
+        "[[upstream]]\nname = \"pool\"\ndiscover = {{ file = \"{}\", every_secs = 1 }}\n",
+        file.display()
+    );
+    let tap = proxy(&[], &config).await;
+    follows_under_load(&tap, port, &steps, write).await;
+
+    // A bad line keeps the endpoints found before; an empty file empties the pool: 503.
+    std::fs::write(&file, "http://127.0.0.2:1\nnot a url\n").unwrap();
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(addresses(&stats(&tap).await).len(), 4);
+    std::fs::write(&file, "# nothing\n").unwrap();
+    stats_where(&tap, |s| addresses(s).is_empty()).await;
+    let r = fetch(
+        proxy_addr(&tap),
+        "POST",
+        CHAT,
+        br#"{"model":"m","stream":true}"#,
+    )
+    .await;
+    assert_eq!(r.status, 503);
+    let body: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+    assert_eq!(body["error"]["code"], "no_healthy_endpoint", "{body}");
+    assert_eq!(r.headers["x-tokentap-upstream"], "pool");
+}
+
+async fn sim(curve: &str, model: &str) -> Sim {
+    Sim::start(SimArgs {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        tpot_curve: curve.parse().unwrap(),
+        ttft_ms: 5.0,
+        max_tokens: 30,
+        model: model.into(),
+        ..SimArgs::defaults()
+    })
+    .await
+    .unwrap()
+}
+
+/// A closed-loop phase of `clients` through the proxy for `secs`.
+async fn phase(tap: &tokentap::server::Running, clients: usize, secs: f64) -> load::PhaseReport {
+    let target = LoadArgs {
+        duration: secs,
+        warmup: 0.0,
+        max_tokens: 30,
+        model: "m".into(),
+        prompt: "p".into(),
+        ..LoadArgs::for_url(format!("http://{}", proxy_addr(tap)))
+    }
+    .target()
+    .unwrap();
+    load::phase(
+        &target,
+        Mode::Closed {
+            concurrency: clients,
+        },
+        Duration::ZERO,
+        Duration::from_secs_f64(secs),
+        false,
+    )
+    .await
+}
+
+/// Three replicas with room for 128, a cap of 8 on each, 48 clients: each replica's batch
+/// peaks at 8 (and reaches 6), the other 24 wait in the pool's queue, none gets 429.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cap_holds_on_each_endpoint() {
+    let sims = [
+        sim("1:5", "a").await,
+        sim("1:5", "b").await,
+        sim("1:5", "c").await,
+    ];
+    let addrs: Vec<SocketAddr> = sims.iter().map(|s| s.addr).collect();
+    let tap = proxy(
+        &[],
+        &pool_config(&addrs, "max_concurrency = 8\nmax_queue = 1000\n"),
+    )
+    .await;
+    let run = phase(&tap, 48, 2.0);
+    let peaks = async {
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let s = stats(&tap).await;
+        let u = &s["upstreams"][0];
+        assert_eq!(u["limit"], 24, "{u:#}");
+        assert!(u["queued"].as_u64().unwrap() >= 20, "{u:#}");
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        sims.iter()
+            .map(|s| s.engine.stats().peak_batch)
+            .collect::<Vec<_>>()
+    };
+    let (r, peaks) = tokio::join!(run, peaks);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    for peak in &peaks {
+        assert!((6..=8).contains(peak), "peaks {peaks:?}");
+    }
+    let s = stats_when(&tap, |u| u["in_flight"] == 0 && u["queued"] == 0).await;
+    assert_eq!(s["upstreams"][0]["rejected_total"], 0);
+    for e in s["upstreams"][0]["endpoints"].as_array().unwrap() {
+        assert_eq!(e["limit"], 8, "{e:#}");
+        assert_eq!(e["in_flight"], 0, "{e:#}");
+    }
+}
+
+/// One replica twice as slow per token: least-loaded sends it fewer requests than round
+/// robin does, and the pool's TPOT p90 is lower for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn least_loaded_spares_a_slow_replica() {
+    let mut figures = Vec::new();
+    for balance in ["round_robin", "least_loaded"] {
+        let sims = [
+            sim("1:5,24:15", "fast-1").await,
+            sim("1:5,24:15", "fast-2").await,
+            sim("1:10,24:30", "slow").await,
+        ];
+        let addrs: Vec<SocketAddr> = sims.iter().map(|s| s.addr).collect();
+        let tap = proxy(
+            &[],
+            &pool_config(&addrs, &format!("balance = \"{balance}\"\n")),
+        )
+        .await;
+        let r = phase(&tap, 24, 3.0).await;
+        assert!(r.errors.is_empty(), "{:?}", r.errors);
+        let requests: Vec<u64> = sims.iter().map(|s| s.engine.stats().completed).collect();
+        let total: u64 = requests.iter().sum();
+        let slow_share = requests[2] as f64 / total as f64;
+        let p90 = r.tpot_ms.p90.unwrap();
+        eprintln!("{balance}: requests {requests:?}, slow replica's share {slow_share:.3}, TPOT p90 {p90:.2} ms");
+        figures.push((slow_share, p90));
+    }
+    let (rr, ll) = (figures[0], figures[1]);
+    assert!(
+        ll.0 < rr.0 * 0.85,
+        "least-loaded share {} vs round robin {}",
+        ll.0,
+        rr.0
+    );
+    assert!(
+        ll.1 < rr.1,
+        "TPOT p90 least-loaded {} vs round robin {}",
+        ll.1,
+        rr.1
+    );
+}
+
+/// `consistent_hash:header:x-session`: every request of a session goes to one replica while
+/// it takes requests; when one replica dies, only its sessions move.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_keeps_to_its_replica() {
+    let addrs = [free_addr(), free_addr(), free_addr()];
+    let mut sims = Vec::new();
+    for (i, a) in addrs.iter().enumerate() {
+        sims.push(SimProc::start(*a, "1:2", &format!("r{i}")).await);
+    }
+    let tap = proxy(
+        &[],
+        &pool_config(
+            &addrs,
+            "balance = \"consistent_hash:header:x-session\"\nmax_concurrency = 4\n",
+        ),
+    )
+    .await;
+    let p = proxy_addr(&tap);
+    // Three at a time (under every cap): 30 sessions of 4 requests.
+    let placed = || async move {
+        let mut seen: Vec<Vec<Option<String>>> = vec![Vec::new(); 30];
+        for group in (0..30).collect::<Vec<_>>().chunks(3) {
+            let mut tasks = Vec::new();
+            for &session in group {
+                tasks.push(tokio::spawn(async move {
+                    let h = [("x-session".to_owned(), format!("s{session}"))];
+                    let mut models = Vec::new();
+                    for _ in 0..4 {
+                        let d = one(p, &h).await;
+                        assert!(d.ok, "{d:?}");
+                        models.push(d.model);
+                    }
+                    (session, models)
+                }));
+            }
+            for t in tasks {
+                let (session, models) = t.await.unwrap();
+                seen[session] = models;
+            }
+        }
+        seen
+    };
+    let before = placed().await;
+    let mut home = Vec::new();
+    for (s, models) in before.iter().enumerate() {
+        assert!(
+            models.iter().all(|m| m == &models[0]),
+            "session {s}: {models:?}"
+        );
+        home.push(models[0].clone().unwrap());
+    }
+    let on_r1 = home.iter().filter(|m| *m == "r1").count();
+    assert!(on_r1 > 0 && on_r1 < 30, "{home:?}");
+    sims[1].kill();
+    // The first request of an r1 session finds it gone (and ejects it); from then on:
+    let _ = placed().await;
+    let after = placed().await;
+    for (s, models) in after.iter().enumerate() {
+        assert!(
+            models.iter().all(|m| m == &models[0]),
+            "session {s}: {models:?}"
+        );
+        let now = models[0].clone().unwrap();
+        if home[s] == "r1" {
+            assert_ne!(now, "r1");
+        } else {
+            assert_eq!(now, home[s], "session {s} moved though its replica stayed");
+        }
+    }
+}
+
+/// A reload changes the endpoints, the balance and the health settings live; an endpoint
+/// kept by address keeps its state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_changes_the_pool_and_keeps_endpoints_by_address() {
+    let sims = [
+        sim("1:1", "a").await,
+        sim("1:1", "b").await,
+        sim("1:1", "c").await,
+    ];
+    let [a, b, c] = [sims[0].addr, sims[1].addr, sims[2].addr];
+    let tap = proxy(&[], &pool_config(&[a, b], "")).await;
+    let p = proxy_addr(&tap);
+    for _ in 0..20 {
+        assert!(one(p, &[]).await.ok);
+    }
+    let s = stats(&tap).await;
+    let b_url = format!("http://{b}");
+    let b_before = endpoint(&s, &b_url).unwrap()["requests_total"]
+        .as_u64()
+        .unwrap();
+    assert!(b_before > 0);
+    let listen = &tap.shared().config.listen;
+    let text = format!(
+        "[listen]\nproxy = \"{}\"\nadmin = \"{}\"\n{}",
+        listen.proxy,
+        listen.admin,
+        pool_config(
+            &[b, c],
+            "balance = \"round_robin\"\n[upstream.health]\nevery_secs = 1\n"
+        )
+    );
+    let reloaded = tap
+        .live()
+        .apply(tokentap::config::Config::parse(&text, "reload").unwrap());
+    assert!(reloaded.ok, "{reloaded:?}");
+    let s = stats(&tap).await;
+    assert_eq!(addresses(&s), {
+        let mut v = vec![b_url.clone(), format!("http://{c}")];
+        v.sort();
+        v
+    });
+    assert_eq!(s["upstreams"][0]["balance"], "round_robin");
+    assert_eq!(
+        endpoint(&s, &b_url).unwrap()["requests_total"].as_u64(),
+        Some(b_before)
+    );
+    for _ in 0..10 {
+        assert!(one(p, &[]).await.ok);
+    }
+    let s = stats(&tap).await;
+    // Round robin: five each.
+    assert_eq!(
+        endpoint(&s, &b_url).unwrap()["requests_total"].as_u64(),
+        Some(b_before + 5)
+    );
+    assert_eq!(sims[0].engine.stats().completed, 20 - b_before);
+}

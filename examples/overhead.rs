@@ -24,7 +24,8 @@
 //! both cores while it was measured (a VM's pause stalls every stream at once). A warning
 //! says when the load side itself was saturated.
 //!
-//! `--scenarios` (default `plain,ops,many,tls,short`) sets what else is switched on, on both
+//! `--scenarios` (default `plain,ops,many,tls,short`; also `pool`, three endpoints of one
+//! origin, on 127.0.0.1, .2 and .3, against `plain`'s one) sets what else is switched on, on both
 //! proxies alike: **plain** nothing; **ops** an access log to a file and a scrape every
 //! second (tokentap's `/metrics` and `/stats`, nginx's `stub_status`); **many** 100
 //! upstreams and 20 routes, the traffic to one of them (matched by the last route);
@@ -98,6 +99,7 @@ enum Scenario {
     Many,
     Tls,
     Short,
+    Pool,
 }
 
 impl Scenario {
@@ -108,7 +110,8 @@ impl Scenario {
             "many" => Scenario::Many,
             "tls" => Scenario::Tls,
             "short" => Scenario::Short,
-            _ => panic!("unknown scenario {s}: plain, ops, many, tls or short"),
+            "pool" => Scenario::Pool,
+            _ => panic!("unknown scenario {s}: plain, ops, many, tls, short or pool"),
         }
     }
 
@@ -119,6 +122,7 @@ impl Scenario {
             Scenario::Many => "many (100 upstreams, 20 routes)",
             Scenario::Tls => "tls (TLS origin)",
             Scenario::Short => "short (16-token replies, 64 keep-alive connections)",
+            Scenario::Pool => "pool (three endpoints of one origin: 127.0.0.1, .2, .3)",
         }
     }
 }
@@ -475,6 +479,7 @@ async fn origin(
     epoch: Instant,
     tls: Option<TlsAcceptor>,
     short: bool,
+    pool: bool,
 ) -> Origin {
     // A backlog as deep as the kernel allows (`somaxconn`): `TcpListener::bind`'s 128
     // overflowed in the connection storm, and a proxy that connects upstream faster than
@@ -494,28 +499,44 @@ async fn origin(
         late: Arc::clone(&late),
         short,
     });
-    let s = Arc::clone(&stop);
     let n = Arc::new(AtomicU64::new(0));
-    tokio::spawn(async move {
-        loop {
-            let (sock, _) = tokio::select! {
-                a = listener.accept() => match a { Ok(a) => a, Err(_) => continue },
-                _ = s.notified() => return,
-            };
-            let _ = sock.set_nodelay(true);
-            let (serve, k, tls) = (Arc::clone(&serve), n.fetch_add(1, Relaxed), tls.clone());
-            tokio::spawn(async move {
-                match tls {
-                    Some(tls) => {
-                        if let Ok(sock) = tls.accept(sock).await {
-                            connection(sock, &serve, k).await;
+    // A pool's other endpoints: the same origin on 127.0.0.2 and 127.0.0.3, same port.
+    let mut listeners = vec![listener];
+    for ip in ["127.0.0.2", "127.0.0.3"].into_iter().filter(|_| pool) {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket
+            .bind(format!("{ip}:{}", addr.port()).parse().unwrap())
+            .unwrap();
+        listeners.push(socket.listen(65_535).unwrap());
+    }
+    for listener in listeners {
+        let (s, n, serve, tls) = (
+            Arc::clone(&stop),
+            Arc::clone(&n),
+            Arc::clone(&serve),
+            tls.clone(),
+        );
+        tokio::spawn(async move {
+            loop {
+                let (sock, _) = tokio::select! {
+                    a = listener.accept() => match a { Ok(a) => a, Err(_) => continue },
+                    _ = s.notified() => return,
+                };
+                let _ = sock.set_nodelay(true);
+                let (serve, k, tls) = (Arc::clone(&serve), n.fetch_add(1, Relaxed), tls.clone());
+                tokio::spawn(async move {
+                    match tls {
+                        Some(tls) => {
+                            if let Ok(sock) = tls.accept(sock).await {
+                                connection(sock, &serve, k).await;
+                            }
                         }
+                        None => connection(sock, &serve, k).await,
                     }
-                    None => connection(sock, &serve, k).await,
-                }
-            });
-        }
-    });
+                });
+            }
+        });
+    }
     Origin {
         addr,
         epoch,
@@ -805,8 +826,12 @@ async fn start_proxy(
         Mode::Tokentap => {
             let conf = dir.join("tokentap.toml");
             let url = format!("{scheme}://{origin}");
+            let port = origin.port();
             let upstreams = match scenario {
                 Scenario::Many => many_tokentap(&url),
+                Scenario::Pool => format!(
+                    "[[upstream]]\nname = \"origin\"\nendpoints = [\"http://127.0.0.1:{port}\", \"http://127.0.0.2:{port}\", \"http://127.0.0.3:{port}\"]\n"
+                ),
                 _ => format!(
                     "[[upstream]]\nname = \"origin\"\nurl = \"{url}\"\n{}{}",
                     if tls { "tls_verify = false\n" } else { "" },
@@ -852,8 +877,13 @@ async fn start_proxy(
             // 20,000 files it may open, of which it uses fewer than 19,810.
             let conf = dir.join("nginx.conf");
             let d = dir.display();
+            let port = origin.port();
             let (ups, locs) = match scenario {
                 Scenario::Many => many_nginx(origin, scheme),
+                Scenario::Pool => (
+                    format!("upstream origin {{ server 127.0.0.1:{port}; server 127.0.0.2:{port}; server 127.0.0.3:{port}; keepalive 1024; keepalive_requests 1000000; }}\n"),
+                    format!("location / {{ proxy_pass {scheme}://origin; }}\n"),
+                ),
                 _ => (
                     format!("upstream origin {{ server {origin}; keepalive 1024; keepalive_requests 1000000; }}\n"),
                     format!("location / {{ proxy_pass {scheme}://origin; }}\n"),
@@ -1064,7 +1094,8 @@ async fn run_once(
     let epoch = Instant::now();
     let short = scenario == Scenario::Short;
     let tls = (scenario == Scenario::Tls).then(tls_acceptor);
-    let origin = origin(interval, shape.streams, epoch, tls, short).await;
+    let pool = scenario == Scenario::Pool;
+    let origin = origin(interval, shape.streams, epoch, tls, short, pool).await;
     let queued = mode == Mode::Tokentap && std::env::var_os("TOKENTAP_OVERHEAD_QUEUED").is_some();
     let proxy = start_proxy(
         mode,
@@ -1318,7 +1349,7 @@ async fn soak(length: Duration, streams: usize, rate: u64, bin: &Path) -> anyhow
     const EVENTS: u64 = 500;
     let interval = Duration::from_millis(20);
     let epoch = Instant::now();
-    let origin = origin(interval, streams, epoch, None, false).await;
+    let origin = origin(interval, streams, epoch, None, false, false).await;
     let proxy = start_proxy(Mode::Tokentap, Scenario::Ops, origin.addr, bin, None)
         .await
         .ok_or_else(|| anyhow::anyhow!("tokentap did not start"))?;

@@ -697,3 +697,76 @@ async fn a_reload_changes_the_pool_and_keeps_endpoints_by_address() {
     );
     assert_eq!(sims[0].engine.stats().completed, 20 - b_before);
 }
+
+/// `/metrics` has each endpoint's series for pools of at most `metrics.endpoint_labels`
+/// endpoints, and the pool's count by state always.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn endpoint_series_are_bounded() {
+    let sims = [
+        sim("1:1", "a").await,
+        sim("1:1", "b").await,
+        sim("1:1", "c").await,
+    ];
+    let addrs: Vec<SocketAddr> = sims.iter().map(|s| s.addr).collect();
+    for (labels, series) in [(64, 3), (2, 0)] {
+        let extra = format!(
+            "[metrics]\nendpoint_labels = {labels}\n{}",
+            pool_config(&addrs, "max_concurrency = 4\n")
+        );
+        let tap = proxy(&[], &extra).await;
+        assert!(one(proxy_addr(&tap), &[]).await.ok);
+        let text = String::from_utf8(
+            fetch(tap.shared().config.listen.admin, "GET", "/metrics", b"")
+                .await
+                .body,
+        )
+        .unwrap();
+        assert!(
+            text.contains("tokentap_endpoints{upstream=\"pool\",state=\"healthy\"} 3"),
+            "{text}"
+        );
+        let healthy: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with("tokentap_endpoint_healthy{"))
+            .collect();
+        assert_eq!(healthy.len(), series, "{healthy:?}");
+        if series > 0 {
+            let a = format!(
+                "tokentap_endpoint_concurrency_limit{{upstream=\"pool\",endpoint=\"http://{}\"}} 4",
+                addrs[0]
+            );
+            assert!(text.contains(&a), "{text}");
+            assert_eq!(
+                text.lines()
+                    .filter(|l| l.starts_with("tokentap_endpoint_requests_total{"))
+                    .map(|l| l.rsplit(' ').next().unwrap().parse::<u64>().unwrap())
+                    .sum::<u64>(),
+                1
+            );
+        }
+    }
+}
+
+/// `backend_metrics_path`: each endpoint's own metrics are scraped, and its batch buckets
+/// the curve.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_endpoints_backend_is_scraped() {
+    let sims = [sim("1:2", "a").await, sim("1:2", "b").await];
+    let addrs: Vec<SocketAddr> = sims.iter().map(|s| s.addr).collect();
+    let extra = "backend_metrics_path = \"/metrics\"\nbackend_scrape_ms = 100\n";
+    let tap = proxy(&[], &pool_config(&addrs, extra)).await;
+    let s = stats_when(&tap, |u| {
+        u["endpoints"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|e| e["backend"]["running"].is_number())
+    })
+    .await;
+    assert_eq!(s["upstreams"][0]["concurrency_source"], "backend", "{s:#}");
+    let r = phase(&tap, 4, 1.0).await;
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    let s = stats(&tap).await;
+    let curve = s["upstreams"][0]["curve"].as_array().unwrap();
+    assert!(!curve.is_empty(), "{s:#}");
+}

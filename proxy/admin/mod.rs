@@ -143,6 +143,7 @@ pub fn stats(shared: &Shared, transport: &Transport) -> Stats {
 /// One upstream's part of `/stats`.
 fn report(shared: &Shared, i: usize, u: &Upstream, now: crate::meter::Nanos) -> UpstreamReport {
     let l = u.limiter.stats();
+    let endpoints = u.pool.stats(now, shared.config.window);
     UpstreamReport {
         meter: u.meter.stats(now),
         queued: l.queued,
@@ -168,14 +169,23 @@ fn report(shared: &Shared, i: usize, u: &Upstream, now: crate::meter::Nanos) -> 
             }
         }),
         arms: arms(shared, i),
-        concurrency_source: u.meter.concurrency_source(),
+        concurrency_source: if endpoints.iter().any(|e| {
+            e.backend
+                .as_ref()
+                .is_some_and(|b| b.running.is_some() && b.age_ms.is_some())
+        }) {
+            // Each endpoint's own batch (`backend_metrics_path`) buckets its tokens.
+            "backend"
+        } else {
+            u.meter.concurrency_source()
+        },
         backend: u.backend.as_ref().map(|b| b.stats()),
         balance: match &u.config.balance {
             crate::config::Balance::LeastLoaded => "least_loaded".into(),
             crate::config::Balance::RoundRobin => "round_robin".into(),
             crate::config::Balance::ConsistentHash(h) => format!("consistent_hash:header:{h}"),
         },
-        endpoints: u.pool.stats(now, shared.config.window),
+        endpoints,
     }
 }
 

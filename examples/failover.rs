@@ -74,11 +74,15 @@ fn main() -> anyhow::Result<()> {
 /// `/metrics` of three pools × 16 endpoints under load: its size, and scrape times.
 async fn scrape() -> anyhow::Result<()> {
     let mut sims = Vec::new();
-    let mut text = format!("[listen]\nproxy = \"{}\"\nadmin = \"{}\"\n", free(), free());
+    let mut text = format!(
+        "[listen]\nproxy = \"{}\"\nadmin = \"{}\"\n",
+        free()?,
+        free()?
+    );
     for pool in 0..3 {
         let mut list = Vec::new();
         for _ in 0..16 {
-            let sim = replica(free()).await?;
+            let sim = replica(free()?).await?;
             list.push(format!("\"http://{}\"", sim.addr));
             sims.push(sim);
         }
@@ -161,18 +165,17 @@ async fn replica(listen: SocketAddr) -> anyhow::Result<Sim> {
     .await?)
 }
 
-fn free() -> SocketAddr {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
-    l.local_addr().expect("its address")
+fn free() -> anyhow::Result<SocketAddr> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?)
 }
 
 async fn run(proxy: &str) -> anyhow::Result<Result> {
     let mut sims = Vec::new();
     for _ in 0..3 {
-        sims.push(Some(replica(free()).await?));
+        sims.push(Some(replica(free()?).await?));
     }
     let addrs: Vec<SocketAddr> = sims.iter().flatten().map(|s| s.addr).collect();
-    let listen = free();
+    let listen = free()?;
     let dir = std::env::temp_dir().join(format!("tokentap-failover-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let mut nginx = None;
@@ -182,7 +185,7 @@ async fn run(proxy: &str) -> anyhow::Result<Result> {
             let list: Vec<String> = addrs.iter().map(|a| format!("\"http://{a}\"")).collect();
             let text = format!(
                 "[listen]\nproxy = \"{listen}\"\nadmin = \"{}\"\n[[upstream]]\nname = \"pool\"\nendpoints = [{}]\n[upstream.health]\nevery_secs = 1\n",
-                free(),
+                free()?,
                 list.join(", ")
             );
             let running = Running::start(Config::parse(&text, "failover")?);

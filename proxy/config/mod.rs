@@ -775,6 +775,65 @@ split = { "a" = 0 }
         );
     }
 
+    /// A pool's keys: where its endpoints come from (one way), discovery, health, balance.
+    #[test]
+    fn a_pools_mistakes_are_each_reported() {
+        let p = problems(concat!(
+            "[[upstream]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"\nendpoints = [\"http://127.0.0.1:2\"]\n",
+            "[[upstream]]\nname = \"b\"\nendpoints = [\"http://127.0.0.1:3\", \"http://127.0.0.1:3\", \"ftp://x:1\"]\n",
+            "balance = \"random\"\neject_secs = 0\n",
+            "[[upstream]]\nname = \"c\"\ndiscover = { dns = \"vllm.svc\", nameserver = \"dns\" }\n",
+            "health = { path = \"health\", timeout_ms = 1, unhealthy_after = 0 }\n",
+            "[[upstream]]\nname = \"d\"\ndiscover = { file = \"e.txt\", port = 80 }\nbackend_metrics_path = \"metrics\"\n",
+            "[[upstream]]\nname = \"e\"\nendpoints = []\n",
+            "[[route]]\nsplit = { a = 1 }\n",
+        ));
+        let want = [
+            "upstream[0].url: give one of url, endpoints and discover",
+            "upstream[1].endpoints[1]: 127.0.0.1:3 is listed twice",
+            "upstream[1].endpoints[2]: scheme `ftp` is not http or https",
+            "upstream[1].balance: must be \"least_loaded\", \"round_robin\" or \"consistent_hash:header:NAME\", not `random`",
+            "upstream[1].eject_secs: must be between 1 and 300",
+            "upstream[2].discover.port: is required with dns",
+            "upstream[2].discover.nameserver: must be an ip:port, not `dns`",
+            "upstream[2].health.path: must be a path like /health, not `health`",
+            "upstream[2].health.timeout_ms: must be between 10 and 60000",
+            "upstream[2].health.unhealthy_after: must be at least 1",
+            "upstream[3].discover.port: applies with dns only",
+            "upstream[3].backend_metrics_path: must be a path like /metrics, not `metrics`",
+            "upstream[4].endpoints: is empty",
+        ];
+        for w in want {
+            assert!(p.iter().any(|p| p.starts_with(w)), "missing {w}: {p:#?}");
+        }
+        assert_eq!(p.len(), want.len(), "{p:#?}");
+        // A good pool: its endpoints in order, its settings.
+        let c = Config::parse(
+            "[[upstream]]\nname = \"p\"\nendpoints = [\"http://127.0.0.1:2\", \"https://localhost:8443\"]\nbalance = \"consistent_hash:header:x-session\"\nmax_concurrency_total = 12\n[upstream.health]\n",
+            "t",
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let u = &c.upstreams[0];
+        let urls: Vec<&str> = u.endpoints.iter().map(|e| e.url.as_str()).collect();
+        assert_eq!(urls, ["http://127.0.0.1:2", "https://localhost:8443"]);
+        assert_eq!(u.endpoints[1].sni, "localhost");
+        assert_eq!(
+            u.balance,
+            Balance::ConsistentHash(HeaderName::from_static("x-session"))
+        );
+        assert_eq!(u.max_concurrency_total, Some(12));
+        let h = u.health.as_ref().unwrap_or_else(|| unreachable!());
+        assert_eq!(
+            (
+                h.path.as_str(),
+                h.every.as_secs(),
+                h.unhealthy_after,
+                h.healthy_after
+            ),
+            ("/health", 5, 2, 1)
+        );
+    }
+
     #[test]
     fn backend_metrics_is_an_http_url() {
         let got = problems(

@@ -192,7 +192,7 @@ impl Upstream {
         );
         Upstream {
             config: u.clone(),
-            pool: Pool::new(u, clock, Arc::clone(&limiter)),
+            pool: Pool::new(u, clock, Arc::clone(&limiter), cluster.cloned()),
             meter,
             limiter,
             slo,

@@ -716,3 +716,73 @@ async fn a_redis_that_never_answers_holds_admission_no_longer_than_one_call() {
         running.stop();
     }
 }
+
+/// A pool across the fleet: two replicas in front of two simulators, `max_concurrency = 4`
+/// on each endpoint, every request of the same session, so that both replicas' consistent
+/// hash prefers one simulator. Each endpoint's cap is a lease in Redis: the preferred
+/// simulator's batch stays ≤ 4 (not 4 from each replica), the rest goes to the other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_endpoints_cap_holds_across_the_fleet() {
+    if redis_missing() {
+        return;
+    }
+    let _one = ONE_AT_A_TIME.lock().await;
+    let redis = Redis::start(free_addr().port()).unwrap();
+    let sims = [sim().await, sim().await];
+    let dir = Scratch::new("fleet-pool");
+    let mut taps = Vec::new();
+    for name in ["a", "b"] {
+        let (listen, proxy, admin) = listen_section();
+        let sub = dir.path(name);
+        std::fs::create_dir_all(&sub).unwrap();
+        let cfg = format!(
+            "{listen}[cluster]\nredis_url = \"redis://127.0.0.1:{}\"\nlease_secs = {LEASE_SECS}\n\
+             [[upstream]]\nname = \"pool\"\nendpoints = [\"http://{}\", \"http://{}\"]\n\
+             max_concurrency = 4\nqueue_timeout_ms = 60000\nbalance = \"consistent_hash:header:x-session\"\n",
+            redis.port, sims[0].addr, sims[1].addr
+        );
+        taps.push(Tokentap::start(&sub, &cfg, proxy, admin, &[]));
+    }
+    let mut runs = Vec::new();
+    for tap in &taps {
+        let target = LoadArgs {
+            max_tokens: 30,
+            headers: vec!["x-session: one".into()],
+            ..LoadArgs::for_url(format!("http://{}", tap.proxy))
+        }
+        .target()
+        .unwrap();
+        runs.push(tokio::spawn(async move {
+            load::phase(
+                &target,
+                Mode::Closed { concurrency: 8 },
+                Duration::ZERO,
+                Duration::from_secs(3),
+                false,
+            )
+            .await
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let peaks = [
+        peak_batch(sims[0].addr).await,
+        peak_batch(sims[1].addr).await,
+    ];
+    let reports: Vec<PhaseReport> = {
+        let mut out = Vec::new();
+        for r in runs {
+            out.push(r.await.unwrap());
+        }
+        out
+    };
+    for r in &reports {
+        assert!(r.errors.is_empty(), "{:?}", r.errors);
+    }
+    eprintln!("peak batches {peaks:?}");
+    assert!(peaks.iter().all(|&p| p <= 4), "peaks {peaks:?}");
+    assert_eq!(peaks.iter().max(), Some(&4), "peaks {peaks:?}");
+    assert!(
+        peaks.iter().all(|&p| p >= 3),
+        "the other endpoint took the rest: {peaks:?}"
+    );
+}

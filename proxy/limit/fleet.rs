@@ -54,6 +54,10 @@ redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 local limit = tonumber(ARGV[1])
 if KEYS[2] then
   local fleet = tonumber(redis.call('GET', KEYS[2]) or '')
+  if fleet then
+    -- The fleet's limit is each endpoint's: the pool's is that times its endpoints.
+    fleet = fleet * tonumber(ARGV[4] or '1')
+  end
   if fleet and fleet < limit then
     limit = fleet
   end
@@ -152,6 +156,27 @@ impl Drop for Pending<'_> {
         if self.armed {
             self.fleet.forget(self.id);
         }
+    }
+}
+
+/// What asking for one endpoint's lease found.
+pub enum Leased {
+    Held(Lease),
+    /// The fleet holds the limit there.
+    Full,
+    /// Redis is away: the local cap holds alone.
+    Away,
+}
+
+/// A lease on one endpoint of a pool, freed when dropped.
+pub struct Lease {
+    fleet: Arc<Fleet>,
+    id: u64,
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.fleet.release(self.id);
     }
 }
 
@@ -506,7 +531,10 @@ impl Fleet {
                 // The fleet's limit as it is now, when its leader has set one.
                 call.key(&self.limit_key);
             }
-            call.arg(limit).arg(c.lease_ms()).arg(c.member(id));
+            call.arg(limit)
+                .arg(c.lease_ms())
+                .arg(c.member(id))
+                .arg(limiter.members().max(1));
             let got: anyhow::Result<u64> = timed(call.invoke_async(&mut conn)).await;
             self.set_full(matches!(got, Ok(0)));
             match got {
@@ -531,6 +559,48 @@ impl Fleet {
                     return self.share(limiter, permit, id, deadline).await;
                 }
             }
+        }
+    }
+
+    /// A lease under `limit`, asked once, not queued (an endpoint of a pool: the pool's own
+    /// slot, taken first, is what queues). Redis away, or slow: [`Leased::Away`].
+    pub async fn try_lease(self: &Arc<Self>, limit: u64) -> Leased {
+        let c = &self.cluster;
+        if c.degraded() {
+            return Leased::Away;
+        }
+        let Ok(mut conn) = c.connect().await else {
+            return Leased::Away;
+        };
+        let id = c.next_lease.fetch_add(1, Relaxed);
+        self.limit.store(limit, Relaxed);
+        let mut pending = Pending {
+            fleet: self,
+            id,
+            armed: true,
+        };
+        let mut call = c.acquire.key(&self.key);
+        call.arg(limit).arg(c.lease_ms()).arg(c.member(id)).arg(1);
+        let got: anyhow::Result<u64> = timed(call.invoke_async(&mut conn)).await;
+        self.set_full(matches!(got, Ok(0)));
+        match got {
+            Ok(1) => {
+                pending.armed = false;
+                self.held
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .insert(id);
+                Leased::Held(Lease {
+                    fleet: Arc::clone(self),
+                    id,
+                })
+            }
+            Ok(_) => {
+                pending.armed = false;
+                Leased::Full
+            }
+            // Timed out, the script may still have run: `pending` frees it.
+            Err(_) => Leased::Away,
         }
     }
 

@@ -9,6 +9,7 @@ use pingora::upstreams::peer::HttpPeer;
 
 use crate::backend::{Backend, BackendStats};
 use crate::config::EndpointAddr;
+use crate::limit::fleet::{Fleet, FleetLink, Lease};
 use crate::meter::{EndpointMeter, Nanos};
 
 /// The backend's load is not known.
@@ -39,6 +40,8 @@ pub struct Endpoint {
     /// Consecutive good and failed active checks, and whether one is running.
     pub(super) checks: Mutex<Checks>,
     pub(super) last_error: Mutex<Option<Box<str>>>,
+    /// Its slots as leases in the fleet's Redis (`[cluster]`), made when first needed.
+    fleet: std::sync::OnceLock<Arc<Fleet>>,
 }
 
 #[derive(Debug, Default)]
@@ -94,7 +97,14 @@ impl Endpoint {
             backend: Mutex::new(None),
             checks: Mutex::default(),
             last_error: Mutex::new(None),
+            fleet: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Its part of the fleet: leases under `tokentap:UPSTREAM@URL:leases`.
+    pub(super) fn fleet(&self, cluster: &Arc<FleetLink>, upstream: &str) -> Arc<Fleet> {
+        let name = || format!("{upstream}@{}", self.at.url);
+        Arc::clone(self.fleet.get_or_init(|| Fleet::new(cluster, &name())))
     }
 
     /// Its connection settings now.
@@ -210,12 +220,18 @@ impl crate::backend::Sink for Endpoint {
 pub struct Held {
     pub endpoint: Arc<Endpoint>,
     slot: bool,
+    /// The slot's lease in the fleet's Redis, with `[cluster]`.
+    pub(super) lease: Option<Lease>,
 }
 
 impl Held {
     pub(super) fn new(endpoint: Arc<Endpoint>, slot: bool) -> Held {
         endpoint.requests.fetch_add(1, Relaxed);
-        Held { endpoint, slot }
+        Held {
+            endpoint,
+            slot,
+            lease: None,
+        }
     }
 
     /// Whether it holds a slot there (a generation request's).

@@ -32,6 +32,7 @@ use pingora::upstreams::peer::HttpPeer;
 
 use crate::backend::Backend;
 use crate::config::{Balance, Discover, EndpointAddr, HealthCheck, UpstreamConfig};
+use crate::limit::fleet::{FleetLink, Leased};
 use crate::limit::Limiter;
 use crate::meter::{Clock, Nanos};
 
@@ -44,6 +45,8 @@ const MAX_EJECTION: Duration = Duration::from_secs(300);
 pub struct Pool {
     name: Arc<str>,
     clock: Clock,
+    /// The fleet's Redis, with `[cluster]`: each endpoint's cap as leases there.
+    cluster: Option<Arc<FleetLink>>,
     limiter: Arc<Limiter>,
     members: ArcSwap<Vec<Arc<Endpoint>>>,
     settings: ArcSwap<Settings>,
@@ -111,7 +114,12 @@ pub struct PoolCounts {
 // === impl Pool ===
 
 impl Pool {
-    pub fn new(u: &UpstreamConfig, clock: Clock, limiter: Arc<Limiter>) -> Arc<Pool> {
+    pub fn new(
+        u: &UpstreamConfig,
+        clock: Clock,
+        limiter: Arc<Limiter>,
+        cluster: Option<Arc<FleetLink>>,
+    ) -> Arc<Pool> {
         let settings = Settings::of(u);
         let members = u
             .endpoints
@@ -121,6 +129,7 @@ impl Pool {
         let pool = Arc::new(Pool {
             name: u.name.as_str().into(),
             clock,
+            cluster,
             limiter,
             members: ArcSwap::from_pointee(members),
             settings: ArcSwap::from_pointee(settings),
@@ -190,10 +199,10 @@ impl Pool {
         now: Nanos,
         slot: bool,
         key: Option<&[u8]>,
-        avoid: Option<&Endpoint>,
+        avoid: &[Arc<Endpoint>],
     ) -> Result<Held, NoEndpoint> {
         let members = self.members.load();
-        let avoided = |e: &Endpoint| avoid.is_some_and(|a| std::ptr::eq(a, e));
+        let avoided = |e: &Endpoint| avoid.iter().any(|a| std::ptr::eq(&**a, e));
         // Panic mode when none takes requests: every endpoint that passes its checks.
         let panic = !members.iter().any(|e| !avoided(e) && e.eligible(now));
         let takes = |e: &Endpoint| {
@@ -209,9 +218,40 @@ impl Pool {
         let room = |e: &Endpoint| !slot || e.take_slot(each);
         match self.choose(&members, each, key, &takes, &room) {
             Some(e) => Ok(Held::new(Arc::clone(e), slot)),
-            None => {
-                self.log_none(now);
-                Err(NoEndpoint)
+            None => Err(NoEndpoint),
+        }
+    }
+
+    /// With `[cluster]` and a cap, the endpoint's slot as a lease in Redis too, so that
+    /// each endpoint's cap holds across every tokentap of the fleet: `held`'s endpoint, or,
+    /// when the fleet holds its cap there, the next the balance picks (the pool's own
+    /// lease, taken first, says one has room). Redis away: the local caps hold alone.
+    pub async fn lease(&self, mut held: Held, now: Nanos, key: Option<&[u8]>) -> Held {
+        let (Some(cluster), Some(each)) = (&self.cluster, self.limiter.each()) else {
+            return held;
+        };
+        if !held.holds_slot() || self.members.load().len() < 2 {
+            // One endpoint: the pool's lease is its lease.
+            return held;
+        }
+        let mut tried = Vec::new();
+        loop {
+            let fleet = held.endpoint.fleet(cluster, &self.name);
+            match fleet.try_lease(each).await {
+                Leased::Held(lease) => {
+                    held.lease = Some(lease);
+                    return held;
+                }
+                Leased::Away => return held,
+                Leased::Full => {
+                    tried.push(Arc::clone(&held.endpoint));
+                    match self.pick(now, true, key, &tried) {
+                        Ok(next) => held = next,
+                        // Every one full as far as Redis counts now (leases freed a moment
+                        // ago elsewhere): this one, over the fleet's count.
+                        Err(NoEndpoint) => return held,
+                    }
+                }
             }
         }
     }
@@ -706,7 +746,10 @@ mod tests {
             },
             metrics::Histogram::noop(),
         );
-        (Pool::new(u, Clock::new(), Arc::clone(&limiter)), limiter)
+        (
+            Pool::new(u, Clock::new(), Arc::clone(&limiter), None),
+            limiter,
+        )
     }
 
     fn at(p: &Pool, i: usize) -> Arc<Endpoint> {
@@ -730,7 +773,7 @@ mod tests {
         assert!(b.eligible(p.clock.now()));
         // Every request goes to b now.
         for _ in 0..4 {
-            let h = p.pick(p.clock.now(), true, None, None).unwrap();
+            let h = p.pick(p.clock.now(), true, None, &[]).unwrap();
             assert!(Arc::ptr_eq(&h.endpoint, &b));
         }
         // a's ejection ends; failing again, it is out for twice as long.
@@ -765,12 +808,12 @@ mod tests {
         a.ejected_until.store(far, Relaxed);
         b.ejected_until.store(far, Relaxed);
         assert!(p.serving(p.clock.now()));
-        assert!(p.pick(p.clock.now(), true, None, None).is_ok());
+        assert!(p.pick(p.clock.now(), true, None, &[]).is_ok());
         a.healthy.store(false, Relaxed);
         b.healthy.store(false, Relaxed);
         assert!(!p.serving(p.clock.now()));
         assert_eq!(
-            p.pick(p.clock.now(), true, None, None).err(),
+            p.pick(p.clock.now(), true, None, &[]).err(),
             Some(NoEndpoint)
         );
     }
@@ -780,12 +823,12 @@ mod tests {
     fn slots_hold_the_cap_of_each_endpoint() {
         let (p, _) = pool("max_concurrency = 2\nbalance = \"round_robin\"\n", 3);
         let held: Vec<Held> = (0..6)
-            .map(|_| p.pick(p.clock.now(), true, None, None).unwrap())
+            .map(|_| p.pick(p.clock.now(), true, None, &[]).unwrap())
             .collect();
         for e in p.members().iter() {
             assert_eq!(e.in_flight(), 2);
         }
-        let plain = p.pick(p.clock.now(), false, None, None).unwrap();
+        let plain = p.pick(p.clock.now(), false, None, &[]).unwrap();
         assert!(!plain.holds_slot());
         drop(held);
         for e in p.members().iter() {
@@ -803,7 +846,7 @@ mod tests {
                 .map(|k| {
                     let key = format!("session-{k}");
                     let h = p
-                        .pick(p.clock.now(), true, Some(key.as_bytes()), None)
+                        .pick(p.clock.now(), true, Some(key.as_bytes()), &[])
                         .unwrap();
                     h.endpoint.at.url.clone()
                 })

@@ -53,7 +53,7 @@ impl ProxyHttp for TokenTap {
         if ctx.endpoint.is_none() {
             let held = upstream
                 .pool
-                .pick(self.now(), false, None, None)
+                .pick(self.now(), false, None, &[])
                 .map_err(|_| Error::explain(HTTPStatus(503), "no healthy endpoint"))?;
             ctx.endpoint = Some(held);
         }

@@ -389,8 +389,8 @@ impl TokenTap {
         }
 
         let key = pool.hash_header().and_then(|h| req.fields.get(h.as_str()));
-        match pool.pick(self.now(), ctx.dialect.is_some(), key, None) {
-            Ok(held) => ctx.endpoint = Some(held),
+        match pool.pick(self.now(), ctx.dialect.is_some(), key, &[]) {
+            Ok(held) => ctx.endpoint = Some(pool.lease(held, self.now(), key).await),
             Err(NoEndpoint) => {
                 let (keep, after) = no_endpoint(&leftover, watch);
                 ctx.status = 503;

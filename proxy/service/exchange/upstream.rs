@@ -214,7 +214,8 @@ impl TokenTap {
                 return Err(e.into_up());
             }
             let slot = held.as_ref().is_some_and(Held::holds_slot);
-            if let Ok(next) = pool.pick(self.now(), slot, None, Some(&endpoint)) {
+            if let Ok(next) = pool.pick(self.now(), slot, None, std::slice::from_ref(&endpoint)) {
+                let next = pool.lease(next, self.now(), None).await;
                 let (from, to) = (&endpoint.at.host_header, &next.endpoint.at.host_header);
                 if from != to {
                     wire = rehost(&wire, from, to);

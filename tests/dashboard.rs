@@ -74,6 +74,7 @@ return {
   charts: Object.fromEntries(Object.entries(t.charts).map(([k, c]) => [k, c.data[0].length])),
   curve_points: t.charts.curve ? t.charts.curve.data.slice(1).map(s => s.filter(v => v !== null).length) : [],
   figs: [...document.querySelectorAll('[data-fig]')].map(e => [e.dataset.up || '', e.dataset.fig, e.dataset.value]),
+  endpoints: [...document.querySelectorAll('tr.ep')].map(e => [e.dataset.up, e.dataset.endpoint, e.dataset.state]),
   errors: t.errors,
 };"#;
 
@@ -196,6 +197,17 @@ async fn the_dashboard_in_a_real_browser() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
     assert_eq!(shown["errors"], json!([]), "page errors");
+    // The demo's pool: big-batch's three replicas, each with its state.
+    let endpoints = shown["endpoints"].as_array().unwrap();
+    assert_eq!(endpoints.len(), 3, "{endpoints:?}");
+    for e in endpoints {
+        assert_eq!(e[0], "big-batch", "{e}");
+        assert!(
+            e[1].as_str().unwrap().starts_with("http://127.0.0.1:"),
+            "{e}"
+        );
+        assert_eq!(e[2], "healthy", "{e}");
+    }
 
     // The figures shown are those of the second the page names, as /stats/history has it.
     let auth = format!("Bearer {TOKEN}");

@@ -354,4 +354,45 @@ mod tests {
             assert!(text.contains(want), "{want} missing");
         }
     }
+
+    /// A pool's endpoints: a line each, with its state, in the block and the plain line.
+    #[test]
+    fn a_pool_shows_its_endpoints() {
+        let mut board = board();
+        let endpoint = |address: &str, healthy: bool, checks: bool| EndpointView {
+            address: address.into(),
+            healthy,
+            health_checks_pass: checks,
+            in_flight: 3,
+            limit: Some(8),
+            system_tps: Some(120.0),
+        };
+        board.upstreams[0].endpoints = vec![
+            endpoint("http://10.0.0.1:8000", true, true),
+            endpoint("http://10.0.0.2:8000", false, true),
+            endpoint("http://10.0.0.3:8000", false, false),
+        ];
+        let backend = ratatui::backend::TestBackend::new(130, 30);
+        let mut terminal = ratatui::Terminal::new(backend).unwrap_or_else(|e| panic!("{e}"));
+        terminal
+            .draw(|f| draw(f, "tokentap top", "", &board))
+            .unwrap_or_else(|e| panic!("{e}"));
+        let text: String = terminal
+            .backend()
+            .buffer()
+            .content()
+            .iter()
+            .map(|c| c.symbol())
+            .collect();
+        for want in [
+            "http://10.0.0.1:8000",
+            "in flight   3 / 8",
+            "ejected",
+            "unhealthy",
+            "in flight 12 / limit 48",
+        ] {
+            assert!(text.contains(want), "{want} missing");
+        }
+        assert!(plain_line(&board, "").ends_with("endpoints 1/3 healthy"));
+    }
 }

@@ -60,6 +60,7 @@ pub fn build(live: &Arc<Live>) -> (Server, Arc<Transport>) {
     let scraper = background_service("backend metrics", BackendScrape(Arc::clone(live)));
     let fleet = background_service("cluster", FleetKeeper(Arc::clone(live)));
     let pools = background_service("pools", Pools(Arc::clone(live)));
+    let watch = background_service("config watch", ConfigWatch(Arc::clone(live)));
 
     server.add_service(proxy);
     server.add_service(admin);
@@ -69,6 +70,7 @@ pub fn build(live: &Arc<Live>) -> (Server, Arc<Transport>) {
     server.add_service(scraper);
     server.add_service(fleet);
     server.add_service(pools);
+    server.add_service(watch);
     (server, transport)
 }
 
@@ -156,6 +158,66 @@ impl BackgroundService for Pools {
                 u.pool
                     .tick(shared.config.window, shared.config.endpoint_labels);
             }
+        }
+    }
+}
+
+/// How often the config file is read for a change, and how long a change must stay the same
+/// before it is loaded (an editor's or a ConfigMap's several writes are one change).
+const WATCH_EVERY: Duration = Duration::from_millis(500);
+const WATCH_SETTLE: Duration = Duration::from_millis(300);
+
+/// Reloads when the config file's content changes (`server.watch_config`). The file is read
+/// through its symlinks, so a Kubernetes ConfigMap update (a new directory, the `..data`
+/// symlink swapped to it) is a change like an edit in place. Content, not timestamps: a
+/// `touch` reloads nothing. A file that cannot be read for a moment (mid-swap) is looked at
+/// again next time.
+struct ConfigWatch(Arc<Live>);
+
+#[async_trait]
+impl BackgroundService for ConfigWatch {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        let Some(path) = self.0.source().map(std::path::Path::to_path_buf) else {
+            return;
+        };
+        let read = |path: std::path::PathBuf| async move {
+            tokio::task::spawn_blocking(move || std::fs::read(path))
+                .await
+                .ok()
+                .and_then(Result::ok)
+        };
+        let mut seen = read(path.clone()).await;
+        let mut tick = tokio::time::interval(WATCH_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = shutdown.changed() => return,
+            }
+            if !self.0.load().config.watch_config {
+                seen = None; // looked at afresh when switched on again
+                continue;
+            }
+            let Some(now) = read(path.clone()).await else {
+                continue;
+            };
+            if seen.is_none() {
+                seen = Some(now);
+                continue;
+            }
+            if seen.as_deref() == Some(&now[..]) {
+                continue;
+            }
+            tokio::time::sleep(WATCH_SETTLE).await;
+            let Some(settled) = read(path.clone()).await else {
+                continue;
+            };
+            if settled != now {
+                continue; // still being written: next time
+            }
+            seen = Some(settled);
+            let live = Arc::clone(&self.0);
+            let _ = tokio::task::spawn_blocking(move || live.reload("config file changed")).await;
         }
     }
 }
@@ -361,6 +423,8 @@ impl Signals {
     ) -> ShutdownSignal {
         let grace = self.live.load().config.grace_period;
         let connections = &self.transport.connections;
+        // Not ready from now on (`/readyz` 503), before the listener stops accepting.
+        self.live.start_draining();
         self.transport.drain();
         tracing::info!(
             open_connections = connections.open(),

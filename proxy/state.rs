@@ -303,6 +303,8 @@ pub struct Live {
     reloads_failed: AtomicU64,
     /// Unix time of the last successful reload (of the start until one), seconds.
     last_success: AtomicU64,
+    /// A drain (SIGTERM) has begun: `/readyz` answers 503.
+    draining: std::sync::atomic::AtomicBool,
 }
 
 /// What `/metrics` shows of the process itself: its reloads and its access log.
@@ -344,7 +346,22 @@ impl Live {
             reloads_ok: AtomicU64::new(0),
             reloads_failed: AtomicU64::new(0),
             last_success: AtomicU64::new(unix_now()),
+            draining: std::sync::atomic::AtomicBool::new(false),
         })
+    }
+
+    /// The file the config came from (`None`: given in memory).
+    pub fn source(&self) -> Option<&std::path::Path> {
+        self.source.as_deref()
+    }
+
+    /// A drain has begun: not ready for new traffic.
+    pub fn start_draining(&self) {
+        self.draining.store(true, Relaxed);
+    }
+
+    pub fn draining(&self) -> bool {
+        self.draining.load(Relaxed)
     }
 
     /// The clock every generation of the state shares.

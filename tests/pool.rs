@@ -449,6 +449,9 @@ async fn file_discovery_follows_the_file() {
     let body: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
     assert_eq!(body["error"]["code"], "no_healthy_endpoint", "{body}");
     assert_eq!(r.headers["x-tokentap-upstream"], "pool");
+    let ready = fetch(tap.shared().config.listen.admin, "GET", "/readyz", b"").await;
+    assert_eq!(ready.status, 503);
+    assert_eq!(ready.body, b"not ready: no healthy endpoint: pool\n");
 }
 
 async fn sim(curve: &str, model: &str) -> Sim {

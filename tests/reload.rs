@@ -2,8 +2,9 @@
 //! two upstreams while the split is reloaded 20 times (SIGHUP and `POST /reload` in turn,
 //! weights 90/10 and 10/90): no client sees an error, the new weights show in `/stats`
 //! within a second of each reload, no slot is leaked, and a broken file keeps the running
-//! config and is counted as a failure. A new admin token ends the `/events` streams the
-//! old one opened.
+//! config and is counted as a failure. A Kubernetes-style ConfigMap update (the `..data`
+//! symlink swapped to a new directory) is seen and loaded without a signal. A new admin
+//! token ends the `/events` streams the old one opened.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -22,7 +23,7 @@ const RELOADS: usize = 20;
 
 fn config(listen: &str, a: &Sim, b: &Sim, weights: (u32, u32)) -> String {
     format!(
-        "{listen}[server]\ngrace_period_secs = 5\n\
+        "{listen}[server]\ngrace_period_secs = 5\nwatch_config = false\n\
          [[upstream]]\nname = \"a\"\nurl = \"http://{}\"\nmax_concurrency = 1024\n\
          [[upstream]]\nname = \"b\"\nurl = \"http://{}\"\nmax_concurrency = 1024\n\
          [[route]]\npath_prefix = \"/\"\nsplit = {{ a = {}, b = {} }}\n",
@@ -271,4 +272,119 @@ async fn a_new_admin_token_ends_the_event_streams_the_old_one_opened() {
             break;
         }
     }
+}
+
+/// A ConfigMap as Kubernetes mounts it: `tokentap.toml` → `..data/tokentap.toml`, `..data`
+/// → a directory of this version; an update writes a new directory and swaps `..data` to
+/// it in one rename. Under 64 streaming clients, with no signal: the new weights in
+/// `/stats` within 2 s, no client error; a broken file keeps the running config and is
+/// reported.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_configmap_update_reloads_without_a_signal() {
+    let sim_args = || SimArgs {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        ttft_ms: 5.0,
+        tpot_curve: "1:3,64:4".parse().unwrap(),
+        max_tokens: 12,
+        ..SimArgs::defaults()
+    };
+    let a = Sim::start(sim_args()).await.unwrap();
+    let b = Sim::start(sim_args()).await.unwrap();
+    let dir = Scratch::new("configmap");
+    let version = |n: usize, text: &str| {
+        let v = dir.path(&format!("..2026_12_03_00_00_0{n}.000{n}"));
+        std::fs::create_dir_all(&v).unwrap();
+        std::fs::write(v.join("tokentap.toml"), text).unwrap();
+        v
+    };
+    let swap = |to: &std::path::Path| {
+        let tmp = dir.path("..data_tmp");
+        std::os::unix::fs::symlink(to.file_name().unwrap(), &tmp).unwrap();
+        std::fs::rename(&tmp, dir.path("..data")).unwrap();
+    };
+    let (listen, proxy, admin) = listen_section();
+    let with_watch =
+        |w: (u32, u32)| config(&listen, &a, &b, w).replace("watch_config = false\n", "");
+    let first = version(1, "");
+    std::os::unix::fs::symlink(first.file_name().unwrap(), dir.path("..data")).unwrap();
+    std::os::unix::fs::symlink("..data/tokentap.toml", dir.path("tokentap.toml")).unwrap();
+    // Written through the symlinks, into the first version's directory.
+    let tap = Tokentap::start(&dir.0, &with_watch((90, 10)), proxy, admin, &[]);
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let (ok, errors) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let mut clients = Vec::new();
+    for _ in 0..64 {
+        let (stop, ok, errors) = (Arc::clone(&stop), Arc::clone(&ok), Arc::clone(&errors));
+        clients.push(tokio::spawn(async move {
+            let body =
+                br#"{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
+            while !stop.load(SeqCst) {
+                match send(proxy, "POST", "/v1/chat/completions", body, &[]).await {
+                    Ok(r)
+                        if r.status == 200 && !r.error && r.body.ends_with(b"data: [DONE]\n\n") =>
+                    {
+                        ok.fetch_add(1, SeqCst);
+                    }
+                    _ => {
+                        errors.fetch_add(1, SeqCst);
+                    }
+                }
+            }
+        }));
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while ok.load(SeqCst) < 64 {
+        assert!(Instant::now() < deadline, "clients did not get going");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    let second = version(2, &with_watch((10, 90)));
+    swap(&second);
+    std::fs::remove_dir_all(&first).unwrap();
+    let swapped = Instant::now();
+    loop {
+        let s = admin_json(admin, "/stats").await;
+        if share(&s, "a") == 10.0 && share(&s, "b") == 90.0 {
+            break;
+        }
+        assert!(
+            swapped.elapsed() < Duration::from_secs(2),
+            "the new weights are not in /stats 2 s after the ConfigMap swap"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    eprintln!(
+        "new weights in /stats {:?} after the swap",
+        swapped.elapsed()
+    );
+    tap.log_line(
+        &["config reloaded", "config file changed"],
+        Duration::from_secs(5),
+    );
+
+    // A broken file: refused, reported, the running config kept.
+    let third = version(3, "[[upstream]]\nname = ");
+    swap(&third);
+    tap.log_line(
+        &["config reload refused", "config file changed"],
+        Duration::from_secs(5),
+    );
+    let m = String::from_utf8(fetch(admin, "GET", "/metrics", b"").await.body).unwrap();
+    assert_eq!(
+        metric(&m, "tokentap_config_reloads_total{result=\"failure\"}"),
+        1.0
+    );
+    assert_eq!(
+        metric(&m, "tokentap_config_reloads_total{result=\"success\"}"),
+        1.0
+    );
+    let s = admin_json(admin, "/stats").await;
+    assert_eq!((share(&s, "a"), share(&s, "b")), (10.0, 90.0));
+
+    stop.store(true, SeqCst);
+    for c in clients {
+        c.await.unwrap();
+    }
+    assert_eq!(errors.load(SeqCst), 0, "{} ok", ok.load(SeqCst));
 }

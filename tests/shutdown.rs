@@ -86,9 +86,21 @@ async fn sigterm_lets_a_running_stream_finish_and_refuses_new_connections() {
     let dir = Scratch::new("term-stream");
     let mut tap = start(&dir, &backend, 30);
     let proxy = tap.proxy;
+    let ready = fetch(tap.admin, "GET", "/readyz", b"").await;
+    assert_eq!((ready.status, &ready.body[..]), (200, &b"ready\n"[..]));
     let (s, first) = streaming(proxy).await;
     tap.signal(Signal::SIGTERM);
     tap.log_line(&["SIGTERM", "draining"], Duration::from_secs(5));
+    // Not ready (a Service stops sending traffic), alive (no restart), no token needed.
+    let ready = fetch(tap.admin, "GET", "/readyz", b"").await;
+    assert_eq!(
+        ready.status,
+        503,
+        "{}",
+        String::from_utf8_lossy(&ready.body)
+    );
+    assert!(String::from_utf8_lossy(&ready.body).contains("draining"));
+    assert_eq!(fetch(tap.admin, "GET", "/healthz", b"").await.status, 200);
     // The listener stopped: a new connection is refused or closed unanswered.
     let refused = match TcpStream::connect(proxy).await {
         Err(_) => true,

@@ -472,6 +472,7 @@ fn guard(shared: &Shared, req: &pingora::http::RequestHeader) -> Option<Response
     // The page and its scripts hold no figures: they load without the token, then ask
     // for it to read the data endpoints (`/auth` tells them whether one is needed).
     let open = path == "/healthz"
+        || path == "/readyz"
         || path == "/auth"
         || dashboard::is_static(path)
         || (path == "/metrics" && auth.metrics_public);
@@ -607,10 +608,11 @@ impl Admin {
                 Err(e) => json_error(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
             },
             "/healthz" => respond(StatusCode::OK, "text/plain", b"ok\n".to_vec()),
+            "/readyz" => readiness(&self.live, shared),
             path if dashboard::is_static(path) => dashboard::serve(path),
             other => json_error(
                 StatusCode::NOT_FOUND,
-                &format!("no such endpoint: {other} (try /, /stats, /stats/history, /events, /metrics, /compare, /healthz)"),
+                &format!("no such endpoint: {other} (try /, /stats, /stats/history, /events, /metrics, /compare, /healthz, /readyz)"),
             ),
         }
     }
@@ -618,6 +620,30 @@ impl Admin {
 
 /// Whether a `Host` (or an origin's authority) names the admin listener: its own address,
 /// or `localhost`, at its port (an IP literal of any interface when it listens on all).
+/// `/readyz`: 200 while tokentap takes traffic (its config loaded, its listeners up — this
+/// answer is served by one — and every upstream with an endpoint taking requests); 503,
+/// saying why, from the moment a drain begins, or while an upstream has none.
+fn readiness(live: &Live, shared: &Shared) -> Response<Vec<u8>> {
+    let now = shared.clock.now();
+    let why = if live.draining() {
+        Some("draining: tokentap is shutting down".to_owned())
+    } else {
+        let down: Vec<&str> = (shared.upstreams.iter())
+            .filter(|u| !u.pool.serving(now))
+            .map(|u| u.config.name.as_str())
+            .collect();
+        (!down.is_empty()).then(|| format!("no healthy endpoint: {}", down.join(", ")))
+    };
+    match why {
+        None => respond(StatusCode::OK, "text/plain", b"ready\n".to_vec()),
+        Some(why) => respond(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "text/plain",
+            format!("not ready: {why}\n").into_bytes(),
+        ),
+    }
+}
+
 fn own_authority(authority: &str, admin: std::net::SocketAddr) -> bool {
     let Ok(parsed) = authority.parse::<http::uri::Authority>() else {
         return false;

@@ -252,6 +252,9 @@ pub struct ServerFile {
     /// `x-request-id`) upstream in `x-request-id`. Default true; false for a backend that
     /// wants nothing added (the client still gets the id).
     pub request_id_upstream: Option<bool>,
+    /// Reload when the config file changes (its directory too: Kubernetes swaps a
+    /// ConfigMap's `..data` symlink). Default true.
+    pub watch_config: Option<bool>,
 }
 
 impl ListenFile {
@@ -633,6 +636,7 @@ impl FileConfig {
             keepalive_pool,
             work_stealing: self.server.work_stealing.unwrap_or(true),
             request_id_upstream: self.server.request_id_upstream.unwrap_or(true),
+            watch_config: self.server.watch_config.unwrap_or(true),
             limits,
             admin: admin_auth,
             log,

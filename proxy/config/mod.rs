@@ -48,6 +48,8 @@ pub struct Config {
     pub work_stealing: bool,
     /// The id tokentap makes for a request is sent upstream (`server.request_id_upstream`).
     pub request_id_upstream: bool,
+    /// Reload when the config file changes (`server.watch_config`).
+    pub watch_config: bool,
     /// What a client connection may take: time, head and body size, connections.
     pub limits: Limits,
     /// Who may use the admin API.

@@ -70,6 +70,7 @@ const FILE: &[Field] = &[
             ("max_request_body_bytes", BYTES),
             ("keepalive_timeout_secs", SECS),
             ("request_id_upstream", Kind::Bool),
+            ("watch_config", Kind::Bool),
         ]),
     ),
     ("compare", Kind::Table(&[("window_secs", SECS)])),
@@ -495,6 +496,7 @@ mod tests {
                 "server.request_id_upstream",
                 c.request_id_upstream.to_string(),
             ),
+            ("server.watch_config", c.watch_config.to_string()),
             (
                 "server.client_write_timeout_secs",
                 secs(c.limits.client_write_timeout),

@@ -84,7 +84,7 @@ impl Shared {
             .upstreams
             .iter()
             .map(|u| match kept(&u.name) {
-                Some(old) => old.successor(u, &config, cluster.as_ref()),
+                Some(old) => old.successor(u, &config, &telemetry, cluster.as_ref()),
                 None => Upstream::new(u, &config, clock, &telemetry, cluster.as_ref()),
             })
             .collect();
@@ -178,13 +178,14 @@ impl Upstream {
         u: &config::UpstreamConfig,
         config: &Config,
         clock: Clock,
-        telemetry: &Telemetry,
+        telemetry: &Arc<Telemetry>,
         cluster: Option<&Arc<FleetLink>>,
     ) -> Self {
         let meter =
             UpstreamMeter::new(&u.name, config.window, clock, telemetry.histograms(&u.name));
         meter.set_sample_window(config.compare_window);
         meter.set_curve_window(config.curve_window);
+        meter.set_semconv(config.semconv.then(|| Arc::clone(telemetry)));
         let slo = u.slo.map(|slo| Arc::new(Adaptive::new(slo)));
         let limiter = Limiter::new(
             limit_config(u, slo.as_deref()),
@@ -214,9 +215,12 @@ impl Upstream {
         &self,
         u: &config::UpstreamConfig,
         config: &Config,
+        telemetry: &Arc<Telemetry>,
         cluster: Option<&Arc<FleetLink>>,
     ) -> Upstream {
         self.meter.set_sample_window(config.compare_window);
+        self.meter
+            .set_semconv(config.semconv.then(|| Arc::clone(telemetry)));
         // A new length starts the curve's window afresh; the same keeps it.
         self.meter.set_curve_window(config.curve_window);
         let slo = match (u.slo, &self.slo) {

@@ -51,6 +51,43 @@ pub static TOKEN_GAP_BUCKETS: LazyLock<Vec<f64>> = LazyLock::new(|| e12(0.001, 2
 /// Whole-request buckets (end to end, queue wait): 1 ms to 6.8 min.
 pub static REQUEST_BUCKETS: LazyLock<Vec<f64>> = LazyLock::new(|| e12(0.001, 400.0));
 
+/// `gen_ai.client.token.usage` buckets: the semantic conventions' own (powers of 4).
+pub const GEN_AI_TOKEN_BUCKETS: &[f64] = &[
+    1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0, 262144.0, 1048576.0, 4194304.0,
+    16777216.0, 67108864.0,
+];
+
+/// The OpenTelemetry GenAI histograms `metrics.semconv` adds, under their Prometheus names.
+/// Their time buckets are tokentap's own (the conventions' are advisory): TPOT from 1 ms in
+/// steps of 18–25% where the conventions start at 10 ms and then step 2.5×, too coarse for
+/// a decode of 5–50 ms a token; and one set of edges lets each agree with tokentap's
+/// histogram of the same thing bucket for bucket.
+pub const GEN_AI_TTFT: &str = "gen_ai_server_time_to_first_token_seconds";
+pub const GEN_AI_TPOT: &str = "gen_ai_server_time_per_output_token_seconds";
+pub const GEN_AI_DURATION: &str = "gen_ai_server_request_duration_seconds";
+pub const GEN_AI_TOKENS: &str = "gen_ai_client_token_usage";
+
+/// The attributes of one request's GenAI figures.
+pub struct GenAi<'a> {
+    /// `gen_ai.operation.name`: `chat` or `text_completion`.
+    pub operation: &'static str,
+    /// `gen_ai.provider.name`: the API the upstream speaks.
+    pub provider: &'static str,
+    /// `gen_ai.request.model`, bounded as `metrics.model_label` bounds it.
+    pub model: &'a str,
+    /// `server.address`: the upstream's name.
+    pub server: &'a str,
+}
+
+/// One request's GenAI figures, seconds and tokens.
+pub struct GenAiFigures {
+    pub ttft: Option<f64>,
+    pub tpot: Option<f64>,
+    pub duration: f64,
+    pub input_tokens: Option<u64>,
+    pub output_tokens: u64,
+}
+
 /// Histogram buckets for tokens per event.
 pub const TOKEN_BUCKETS: &[f64] = &[1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0, 64.0];
 
@@ -127,6 +164,10 @@ impl Telemetry {
             buckets("tokentap_tpot_seconds", &TOKEN_GAP_BUCKETS),
             buckets("tokentap_e2e_seconds", &REQUEST_BUCKETS),
             buckets("tokentap_queue_wait_seconds", &REQUEST_BUCKETS),
+            buckets(GEN_AI_TTFT, &TTFT_BUCKETS),
+            buckets(GEN_AI_TPOT, &TOKEN_GAP_BUCKETS),
+            buckets(GEN_AI_DURATION, &REQUEST_BUCKETS),
+            buckets(GEN_AI_TOKENS, GEN_AI_TOKEN_BUCKETS),
         ]
         .into_iter()
         .try_fold(PrometheusBuilder::new(), |b, (m, v)| {
@@ -156,6 +197,35 @@ impl Telemetry {
             &self.recorder,
             || histogram!("tokentap_queue_wait_seconds", "upstream" => name),
         )
+    }
+
+    /// Records one finished request's GenAI histograms (`metrics.semconv`).
+    pub fn gen_ai(&self, a: &GenAi<'_>, f: &GenAiFigures) {
+        metrics::with_local_recorder(&self.recorder, || {
+            let labels = |extra: Option<&'static str>| {
+                let mut l = vec![
+                    ("gen_ai_operation_name", a.operation.to_owned()),
+                    ("gen_ai_provider_name", a.provider.to_owned()),
+                    ("gen_ai_request_model", a.model.to_owned()),
+                    ("server_address", a.server.to_owned()),
+                ];
+                if let Some(kind) = extra {
+                    l.push(("gen_ai_token_type", kind.to_owned()));
+                }
+                l
+            };
+            if let Some(t) = f.ttft {
+                histogram!(GEN_AI_TTFT, &labels(None)).record(t);
+            }
+            if let Some(t) = f.tpot {
+                histogram!(GEN_AI_TPOT, &labels(None)).record(t);
+            }
+            histogram!(GEN_AI_DURATION, &labels(None)).record(f.duration);
+            if let Some(n) = f.input_tokens {
+                histogram!(GEN_AI_TOKENS, &labels(Some("input"))).record(n as f64);
+            }
+            histogram!(GEN_AI_TOKENS, &labels(Some("output"))).record(f.output_tokens as f64);
+        });
     }
 
     /// Runs `set` (which sets counters and gauges) against this recorder, then renders
@@ -193,6 +263,25 @@ fn describe() {
         "tokentap_tpot_seconds",
         Unit::Seconds,
         "Time per output token of finished requests: (t_last - t_first) / (N - 1)."
+    );
+    describe_histogram!(
+        GEN_AI_TTFT,
+        Unit::Seconds,
+        "gen_ai.server.time_to_first_token (metrics.semconv): time to first token, as tokentap_ttft_seconds."
+    );
+    describe_histogram!(
+        GEN_AI_TPOT,
+        Unit::Seconds,
+        "gen_ai.server.time_per_output_token (metrics.semconv): time per output token after the first, as tokentap_tpot_seconds."
+    );
+    describe_histogram!(
+        GEN_AI_DURATION,
+        Unit::Seconds,
+        "gen_ai.server.request.duration (metrics.semconv): a generation request end to end, as tokentap_e2e_seconds."
+    );
+    describe_histogram!(
+        GEN_AI_TOKENS,
+        "gen_ai.client.token.usage (metrics.semconv): tokens per request, by gen_ai_token_type (input where the stream reports it, output)."
     );
     describe_histogram!(
         "tokentap_e2e_seconds",

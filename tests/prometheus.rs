@@ -259,3 +259,122 @@ async fn the_rules_and_the_dashboard_against_a_real_prometheus() {
     assert!(checked >= 19, "{checked} rules loaded: {rules}");
     eprintln!("{total} queries returned data; {checked} rules healthy");
 }
+
+/// `metrics.semconv`: the OpenTelemetry GenAI histograms, which `promtool check metrics`
+/// accepts, agree with tokentap's own bucket for bucket (the same edges, the same requests),
+/// and their output tokens add up to tokentap's count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gen_ai_histograms_agree_with_tokentaps_own() {
+    use tokentap::load::{self, LoadArgs, Mode};
+    use tokentap::sim::{Sim, SimArgs};
+    let sim = Sim::start(SimArgs {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        tpot_curve: "1:2".parse().unwrap(),
+        ttft_ms: 3.0,
+        max_tokens: 16,
+        ..SimArgs::defaults()
+    })
+    .await
+    .unwrap();
+    let tap = common::proxy(&[("sim", sim.addr)], "[metrics]\nsemconv = true\n").await;
+    let proxy = common::proxy_addr(&tap);
+    for path in ["/v1/chat/completions", "/v1/completions"] {
+        let target = LoadArgs {
+            max_tokens: 16,
+            include_usage: true,
+            path: Some(path.into()),
+            ..LoadArgs::for_url(format!("http://{proxy}"))
+        }
+        .target()
+        .unwrap();
+        let r = load::phase(
+            &target,
+            Mode::Closed { concurrency: 4 },
+            Duration::ZERO,
+            Duration::from_secs(1),
+            false,
+        )
+        .await;
+        assert!(r.errors.is_empty(), "{:?}", r.errors);
+    }
+    common::stats_when(&tap, |u| u["in_flight"] == 0).await;
+    let admin = tap.shared().config.listen.admin;
+    let text =
+        String::from_utf8(send(admin, "GET", "/metrics", b"", &[]).await.unwrap().body).unwrap();
+    if found("promtool") {
+        promtool(&["check", "metrics"], Some(text.as_bytes()));
+    } else {
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "CI needs promtool"
+        );
+    }
+    // Σ over the gen_ai label sets of `family{…}` lines, by `le` (or "" for _sum/_count).
+    let summed = |family: &str, only: &str| -> std::collections::BTreeMap<String, f64> {
+        let mut out = std::collections::BTreeMap::new();
+        for line in text
+            .lines()
+            .filter(|l| l.starts_with(family) && l.contains(only))
+        {
+            let (series, value) = line.rsplit_once(' ').unwrap();
+            let le = series
+                .split("le=\"")
+                .nth(1)
+                .map_or("", |r| r.split('"').next().unwrap());
+            let name = series.split('{').next().unwrap();
+            *out.entry(format!("{name} {le}")).or_insert(0.0) += value.parse::<f64>().unwrap();
+        }
+        out
+    };
+    for (ours, theirs) in [
+        (
+            "tokentap_ttft_seconds",
+            "gen_ai_server_time_to_first_token_seconds",
+        ),
+        (
+            "tokentap_tpot_seconds",
+            "gen_ai_server_time_per_output_token_seconds",
+        ),
+        (
+            "tokentap_e2e_seconds",
+            "gen_ai_server_request_duration_seconds",
+        ),
+    ] {
+        let a = summed(&format!("{ours}_"), "upstream=\"sim\"");
+        let b = summed(&format!("{theirs}_"), "server_address=\"sim\"");
+        assert!(a.len() > 10, "{ours}: {a:?}");
+        for (key, v) in &a {
+            let k = key.replacen(ours, theirs, 1);
+            let w = b.get(&k).copied().unwrap_or(f64::NAN);
+            if key.ends_with("_sum ") {
+                assert!((v - w).abs() < 1e-6 * v.max(1.0), "{key}: {v} vs {w}");
+            } else {
+                assert_eq!(*v, w, "{key} against {k}");
+            }
+        }
+    }
+    for op in ["chat", "text_completion"] {
+        assert!(
+            text.contains(&format!("gen_ai_operation_name=\"{op}\"")),
+            "no {op} series"
+        );
+    }
+    let output = summed(
+        "gen_ai_client_token_usage_sum",
+        "gen_ai_token_type=\"output\"",
+    );
+    let total: f64 = output.values().sum();
+    let ours = text
+        .lines()
+        .find(|l| l.starts_with("tokentap_output_tokens_total{upstream=\"sim\"}"))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse::<f64>().ok())
+        .unwrap();
+    assert_eq!(total, ours);
+    assert!(text.contains("gen_ai_provider_name=\"openai\""));
+    assert!(
+        text.contains("gen_ai_request_model=\"tokentap-sim\"")
+            || text.contains("gen_ai_request_model=\"m\""),
+        "model label"
+    );
+}

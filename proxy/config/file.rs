@@ -157,6 +157,10 @@ pub struct MetricsFile {
     /// Per-endpoint series on `/metrics` (an `endpoint` label) for pools of at most this
     /// many endpoints; a larger pool gets its pool series only. 0: none. Default 64.
     pub endpoint_labels: usize,
+    /// The OpenTelemetry GenAI histograms too (`gen_ai_server_time_to_first_token_seconds`,
+    /// `…_time_per_output_token_seconds`, `…_request_duration_seconds`,
+    /// `gen_ai_client_token_usage`). Default false.
+    pub semconv: bool,
 }
 
 impl Default for MetricsFile {
@@ -167,6 +171,7 @@ impl Default for MetricsFile {
             model_label: false,
             curve_window_secs: 900,
             endpoint_labels: 64,
+            semconv: false,
         }
     }
 }
@@ -617,6 +622,7 @@ impl FileConfig {
         let model_label = self.metrics.model_label;
         let curve_window = Duration::from_secs(self.metrics.curve_window_secs);
         let endpoint_labels = self.metrics.endpoint_labels;
+        let semconv = self.metrics.semconv;
         p.into_result(move || Config {
             listen: Listen {
                 // Both are Ok here: an Err added a problem.
@@ -630,6 +636,7 @@ impl FileConfig {
             model_label,
             curve_window,
             endpoint_labels,
+            semconv,
             cluster,
             threads,
             grace_period: Duration::from_secs(grace),

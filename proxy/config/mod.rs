@@ -36,6 +36,8 @@ pub struct Config {
     pub curve_window: Duration,
     /// Pools of at most this many endpoints get per-endpoint series (`metrics.endpoint_labels`).
     pub endpoint_labels: usize,
+    /// The OpenTelemetry GenAI histograms too (`metrics.semconv`).
+    pub semconv: bool,
     /// Caps shared by every replica through Redis (`[cluster]`).
     pub cluster: Option<Cluster>,
     /// Worker threads of the proxy service.

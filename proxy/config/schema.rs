@@ -53,6 +53,7 @@ const FILE: &[Field] = &[
             ("model_label", Kind::Bool),
             ("curve_window_secs", SECS),
             ("endpoint_labels", COUNT),
+            ("semconv", Kind::Bool),
         ]),
     ),
     (
@@ -483,6 +484,7 @@ mod tests {
             ("metrics.curve_window_secs", secs(c.curve_window)),
             ("metrics.model_label", c.model_label.to_string()),
             ("metrics.endpoint_labels", c.endpoint_labels.to_string()),
+            ("metrics.semconv", c.semconv.to_string()),
             ("upstream[].eject_after", u.eject_after.to_string()),
             ("upstream[].eject_secs", secs(u.eject)),
             ("compare.window_secs", secs(c.compare_window)),

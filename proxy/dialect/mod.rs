@@ -135,6 +135,33 @@ impl Dialect {
         }
     }
 
+    /// The GenAI semantic conventions' `gen_ai.operation.name` of a request to `path`:
+    /// `chat` for a conversation (chat completions, the Responses API, Anthropic messages,
+    /// Ollama's chat), `text_completion` for a prompt completed.
+    pub fn operation(self, path: &str) -> &'static str {
+        let path = path.split('?').next().unwrap_or(path).trim_end_matches('/');
+        match self {
+            Dialect::OpenAi if path.ends_with("/chat/completions") => "chat",
+            Dialect::Ollama if path.ends_with("/api/chat") => "chat",
+            Dialect::Responses | Dialect::Anthropic => "chat",
+            Dialect::OpenAi | Dialect::Ollama | Dialect::Tgi | Dialect::LlamaCpp => {
+                "text_completion"
+            }
+        }
+    }
+
+    /// `gen_ai.provider.name`: the API the upstream speaks (`openai` for the OpenAI API, the
+    /// Responses API included, whoever serves it: vLLM, SGLang…).
+    pub fn provider(self) -> &'static str {
+        match self {
+            Dialect::OpenAi | Dialect::Responses => "openai",
+            Dialect::Anthropic => "anthropic",
+            Dialect::Tgi => "tgi",
+            Dialect::Ollama => "ollama",
+            Dialect::LlamaCpp => "llama.cpp",
+        }
+    }
+
     /// The dialect of a request path, or `None` for traffic that is not generation
     /// (model lists, health checks, embeddings…), which is forwarded and counted only.
     pub fn from_path(path: &str) -> Option<Dialect> {

@@ -149,6 +149,8 @@ pub struct UpstreamMeter {
     curve_window: Mutex<Duration>,
     /// The endpoint of requests begun without one ([`UpstreamMeter::begin`]).
     lone: Arc<EndpointMeter>,
+    /// Where finished requests' GenAI histograms go (`metrics.semconv`).
+    semconv: arc_swap::ArcSwapOption<crate::telemetry::Telemetry>,
 }
 
 pub(super) const UNKNOWN: u64 = u64::MAX;
@@ -192,6 +194,7 @@ impl UpstreamMeter {
             exported_curve: Mutex::new([0; curve::CURVE_BUCKETS]),
             curve_window: Mutex::new(DEFAULT_CURVE_WINDOW),
             lone: Arc::default(),
+            semconv: arc_swap::ArcSwapOption::empty(),
         })
     }
 
@@ -356,7 +359,9 @@ impl UpstreamMeter {
         v
     }
 
-    fn count_model(&self, model: &str, output_tokens: u64) {
+    /// Counts a request of `model` (its first `MODEL_LABELS` models by name, then
+    /// `other`); the name it is counted under.
+    fn count_model(&self, model: &str, output_tokens: u64) -> Box<str> {
         const SPECIAL: [&str; 2] = ["other", "unknown"];
         let mut m = self.models.lock().unwrap_or_else(PoisonError::into_inner);
         let named = m.keys().filter(|k| !SPECIAL.contains(&&***k)).count();
@@ -366,9 +371,17 @@ impl UpstreamMeter {
         } else {
             "other"
         };
-        let c = m.entry(key.into()).or_default();
+        let key: Box<str> = key.into();
+        let c = m.entry(key.clone()).or_default();
         c.requests += 1;
         c.output_tokens = c.output_tokens.saturating_add(output_tokens);
+        key
+    }
+
+    /// Records each finished request's OpenTelemetry GenAI histograms into `telemetry`
+    /// (`metrics.semconv`), or none.
+    pub fn set_semconv(&self, telemetry: Option<Arc<crate::telemetry::Telemetry>>) {
+        self.semconv.store(telemetry);
     }
 
     /// Counts a request that is not generation traffic (forwarded, not metered).

@@ -35,6 +35,8 @@ pub struct Stream {
     input: Option<u64>,
     /// The request's model, counted per model at the end (`metrics.model_label`).
     model: Option<Box<str>>,
+    /// Its GenAI operation and provider names (`metrics.semconv`).
+    gen_ai: Option<(&'static str, &'static str)>,
     /// Its body could not be read (a content or transfer coding): its tokens are unknown.
     unread: bool,
 }
@@ -77,6 +79,7 @@ impl Stream {
             held_n: 0,
             input: None,
             model: None,
+            gen_ai: None,
             unread: false,
         }
     }
@@ -164,6 +167,12 @@ impl Stream {
         self.input = Some(n);
     }
 
+    /// Records its GenAI histograms when it ends (`metrics.semconv`): its operation
+    /// (`chat`, `text_completion`) and provider (the API) names.
+    pub fn set_gen_ai(&mut self, operation: &'static str, provider: &'static str) {
+        self.gen_ai = Some((operation, provider));
+    }
+
     /// Counts this request under `model` when it ends.
     pub fn set_model(&mut self, model: Option<String>) {
         self.model = model.map(String::into_boxed_str);
@@ -225,11 +234,36 @@ impl Stream {
             .hist
             .e2e
             .record(secs(now.saturating_sub(self.t0)));
-        if let Some(model) = self.model.take() {
-            self.meter.count_model(&model, total);
-        }
+        let counted = self
+            .model
+            .take()
+            .map(|model| self.meter.count_model(&model, total));
         let summary = self.summary();
         self.endpoint.done(now, summary.ttft_ms, summary.tpot_ms);
+        if let (Some((operation, provider)), Some(telemetry)) =
+            (self.gen_ai, self.meter.semconv.load_full())
+        {
+            // The same figures, and the same requests, as the histograms above and below.
+            let tpot = self
+                .first
+                .filter(|&f| total >= 2 && self.last > f)
+                .map(|f| secs(self.last - f) / (total - 1) as f64);
+            telemetry.gen_ai(
+                &crate::telemetry::GenAi {
+                    operation,
+                    provider,
+                    model: counted.as_deref().unwrap_or("unknown"),
+                    server: &self.meter.name,
+                },
+                &crate::telemetry::GenAiFigures {
+                    ttft: self.first.map(|f| secs(f.saturating_sub(self.t0))),
+                    tpot,
+                    duration: secs(now.saturating_sub(self.t0)),
+                    input_tokens: self.input,
+                    output_tokens: total,
+                },
+            );
+        }
         if let Some(first) = self.first {
             if total >= 2 && self.last > first {
                 let tpot = secs(self.last - first) / (total - 1) as f64;

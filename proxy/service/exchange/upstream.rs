@@ -72,6 +72,7 @@ impl TokenTap {
             body,
             rest,
         } = outgoing;
+        let operation = ctx.dialect.map(|d| d.operation(req.uri.path()));
         let http10 = !req.http11;
         let head_request = req.method == http::Method::HEAD;
         let keep_alive = !shutdown && !http10 && !req.fields.has_token("connection", "close");
@@ -115,7 +116,8 @@ impl TokenTap {
             wire.extend_from_slice(&body);
         }
         let sent_so_far = body.len() as u64;
-        let model = (shared.config.model_label && ctx.dialect.is_some())
+        let counted = shared.config.model_label || shared.config.semconv;
+        let model = (counted && ctx.dialect.is_some())
             .then(|| model_of(&body).unwrap_or_else(|| "unknown".into()));
         drop(body);
 
@@ -123,6 +125,11 @@ impl TokenTap {
             let on = Arc::clone(&endpoint.meter);
             let mut stream = upstream.meter.begin_on(ctx.t0, self.now(), on);
             stream.set_model(model);
+            if let (true, Some(dialect), Some(operation)) =
+                (shared.config.semconv, ctx.dialect, operation)
+            {
+                stream.set_gen_ai(operation, dialect.provider());
+            }
             ctx.stream = Some(stream);
         }
         Ok(Ready {

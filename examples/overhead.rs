@@ -78,6 +78,9 @@ struct Shape {
 enum Mode {
     Direct,
     Tokentap,
+    /// Another build of tokentap (`TOKENTAP_OVERHEAD_BIN_B`: the image's musl binary, an
+    /// earlier commit's), measured in the same invocation, run for run.
+    TokentapB,
     Nginx,
 }
 
@@ -86,6 +89,7 @@ impl Mode {
         match self {
             Mode::Direct => "direct",
             Mode::Tokentap => "tokentap",
+            Mode::TokentapB => "tokentap-b",
             Mode::Nginx => "nginx",
         }
     }
@@ -207,12 +211,14 @@ fn main() -> anyhow::Result<()> {
     rlimit::setrlimit(rlimit::Resource::NOFILE, hard, hard)?;
     println!("open-file limit raised from {soft} to {hard}; origin + client pinned to CPU 0, proxies to CPU 1 (taskset)");
 
-    // TOKENTAP_OVERHEAD_BIN measures another build (an earlier commit's, say).
+    // TOKENTAP_OVERHEAD_BIN measures another build (an earlier commit's, say);
+    // TOKENTAP_OVERHEAD_BIN_B adds one beside it ("tokentap-b"), run for run.
     let bin = std::env::var_os("TOKENTAP_OVERHEAD_BIN").map_or_else(
         || Path::new(env!("CARGO_MANIFEST_DIR")).join("target/release/tokentap"),
         PathBuf::from,
     );
     anyhow::ensure!(bin.exists(), "build the proxy first: cargo build --release");
+    let bin_b = std::env::var_os("TOKENTAP_OVERHEAD_BIN_B").map(PathBuf::from);
     let nginx = which("nginx");
     if !nginx {
         println!("nginx not found: its column is skipped (Debian: apt-get install nginx)");
@@ -244,9 +250,10 @@ fn main() -> anyhow::Result<()> {
             (None, _) => parse_shapes("512x20"),
         };
         for shape in shapes {
-            let modes: Vec<Mode> = [Mode::Direct, Mode::Tokentap, Mode::Nginx]
+            let modes: Vec<Mode> = [Mode::Direct, Mode::Tokentap, Mode::TokentapB, Mode::Nginx]
                 .into_iter()
                 .filter(|m| *m != Mode::Nginx || nginx)
+                .filter(|m| *m != Mode::TokentapB || bin_b.is_some())
                 .filter(|m| {
                     only.as_ref()
                         .is_none_or(|o| o.split(',').any(|n| n == m.name()))
@@ -260,7 +267,11 @@ fn main() -> anyhow::Result<()> {
                         mode,
                         scenario,
                         Duration::from_secs(secs),
-                        &bin,
+                        if mode == Mode::TokentapB {
+                            bin_b.as_deref().unwrap_or(&bin)
+                        } else {
+                            &bin
+                        },
                     ))?;
                     println!(
                         "{} {}x{}ms rep {} {:>8}: p50 {:.0} µs, p99 {:.0} µs (at the app {:.0}, {:.0}), {} events, {:.0} requests/s, stalls {} (the origin's own {}; steal {} / {} ms on CPU 0 / 1), errors {}, cpu {} µs/event, {} µs/request (kernel {}), rss {} KiB/stream",
@@ -311,7 +322,7 @@ fn table(shape: Shape, scenario: Scenario, runs: &[(Mode, Run)]) -> String {
         }
     };
     // Runs of a mode measured (`--modes` may leave out the direct one).
-    let reps = [Mode::Direct, Mode::Tokentap, Mode::Nginx]
+    let reps = [Mode::Direct, Mode::Tokentap, Mode::TokentapB, Mode::Nginx]
         .iter()
         .map(|mode| runs.iter().filter(|(m, _)| m == mode).count())
         .max()
@@ -333,7 +344,7 @@ fn table(shape: Shape, scenario: Scenario, runs: &[(Mode, Run)]) -> String {
     let app50 = of(Mode::Direct, &|r| r.app_p50_us);
     let app99 = of(Mode::Direct, &|r| r.app_p99_us);
     let base_ttft = of(Mode::Direct, &|r| r.ttft_p99_us);
-    for m in [Mode::Direct, Mode::Tokentap, Mode::Nginx] {
+    for m in [Mode::Direct, Mode::Tokentap, Mode::TokentapB, Mode::Nginx] {
         if !runs.iter().any(|(x, _)| *x == m) {
             continue;
         }
@@ -389,6 +400,22 @@ fn table(shape: Shape, scenario: Scenario, runs: &[(Mode, Run)]) -> String {
             .filter(move |(x, _)| *x == m)
             .map(|(_, r)| cost(r))
     };
+    let b: Vec<f64> = pair(Mode::TokentapB)
+        .zip(pair(Mode::Tokentap))
+        .filter_map(|(b, t)| Some(b? / t?))
+        .collect();
+    if !b.is_empty() {
+        let _ = writeln!(
+            out,
+            "tokentap-b / tokentap CPU per {unit}: {:.2}× (median of {} pairs: {})",
+            median(b.clone()),
+            b.len(),
+            b.iter()
+                .map(|r| format!("{r:.2}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
     let ratios: Vec<f64> = pair(Mode::Tokentap)
         .zip(pair(Mode::Nginx))
         .filter_map(|(t, n)| Some(t? / n?))
@@ -823,7 +850,7 @@ async fn start_proxy(
     let scheme = if tls { "https" } else { "http" };
     let (child, scrape) = match mode {
         Mode::Direct => return None,
-        Mode::Tokentap => {
+        Mode::Tokentap | Mode::TokentapB => {
             let conf = dir.join("tokentap.toml");
             let url = format!("{scheme}://{origin}");
             let port = origin.port();

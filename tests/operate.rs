@@ -233,6 +233,8 @@ async fn failures_explain_themselves_to_the_client_and_in_one_log_line() {
     assert!(message.contains("dead"), "{message}");
     let line = tap.log_line(&["client-id-1", "connect_refused"], Duration::from_secs(5));
     assert!(line.contains("dead"), "{line}");
+    // The replica of the upstream's pool it went to.
+    assert!(line.contains("endpoint=\"http://127.0.0.1:"), "{line}");
 
     // Silent past read_timeout_secs: 504, upstream_timeout.
     let r = ask("slow", None).await;
@@ -305,6 +307,7 @@ async fn failures_explain_themselves_to_the_client_and_in_one_log_line() {
         "method",
         "path",
         "upstream",
+        "endpoint",
         "route",
         "status",
         "outcome",
@@ -333,6 +336,7 @@ async fn failures_explain_themselves_to_the_client_and_in_one_log_line() {
     assert_eq!(first["path"], "/v1/chat/completions");
     let ok = lines.iter().find(|l| l["upstream"] == "private").unwrap();
     assert_eq!(ok["status"], 200);
+    assert!(ok["endpoint"].as_str().unwrap().starts_with("http"), "{ok}");
     assert_eq!(ok["outcome"], "ok");
     assert_eq!(ok["dialect"], "openai");
     assert_eq!(ok["model"], "test-model");

@@ -220,6 +220,9 @@ impl crate::backend::Sink for Endpoint {
 pub struct Held {
     pub endpoint: Arc<Endpoint>,
     slot: bool,
+    /// The request ended: its slot and lease are given back (the endpoint is kept, to be
+    /// named in the request's log lines).
+    ended: bool,
     /// The slot's lease in the fleet's Redis, with `[cluster]`.
     pub(super) lease: Option<Lease>,
 }
@@ -230,6 +233,7 @@ impl Held {
         Held {
             endpoint,
             slot,
+            ended: false,
             lease: None,
         }
     }
@@ -239,12 +243,19 @@ impl Held {
         self.slot
     }
 
-    /// The request on it ended; `failed`: as an error (5xx, a failed connection, an
-    /// upstream that broke off).
-    pub fn end(self, failed: bool) {
+    /// The request on it ended (`failed`: as an error: 5xx, a failed connection, an
+    /// upstream that broke off): counted, its slot and lease given back. Once.
+    pub fn end(&mut self, failed: bool) {
+        if std::mem::replace(&mut self.ended, true) {
+            return;
+        }
         if failed {
             self.endpoint.errors.fetch_add(1, Relaxed);
         }
+        if std::mem::take(&mut self.slot) {
+            self.endpoint.slots.fetch_sub(1, Relaxed);
+        }
+        self.lease = None;
     }
 }
 

@@ -90,6 +90,8 @@ pub(crate) struct Line<'a> {
     pub(crate) method: &'a str,
     pub(crate) path: &'a str,
     pub(crate) upstream: Option<&'a str>,
+    /// The endpoint of its pool it went to.
+    pub(crate) endpoint: Option<&'a str>,
     pub(crate) route: Option<&'a str>,
     pub(crate) status: Option<u16>,
     pub(crate) outcome: &'a str,

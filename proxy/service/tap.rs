@@ -205,7 +205,7 @@ impl TokenTap {
             }
             None => meter.count_plain(outcome),
         }
-        if let Some(held) = ctx.endpoint.take() {
+        if let Some(held) = ctx.endpoint.as_mut() {
             held.end(matches!(
                 outcome,
                 Outcome::ServerError | Outcome::UpstreamError | Outcome::Truncated

@@ -189,6 +189,7 @@ impl TokenTap {
             upstream: ctx
                 .choice
                 .map(|c| ctx.shared.upstreams[c.upstream].config.name.as_str()),
+            endpoint: ctx.endpoint_url(),
             route: ctx
                 .choice
                 .map(|c| ctx.shared.config.routes[c.route].name.as_str()),

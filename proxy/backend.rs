@@ -135,6 +135,11 @@ impl Backend {
         })
     }
 
+    /// Scrapes `path` (and query) every `interval`.
+    pub fn scrapes(&self, path: &str, interval: Duration) -> bool {
+        self.url.path_and_query().map(|p| p.as_str()) == Some(path) && self.interval == interval
+    }
+
     /// The same endpoint and interval: a reload keeps its readings.
     pub fn same_as(&self, url: &http::Uri, interval: Duration) -> bool {
         &self.url == url && self.interval == interval

@@ -57,9 +57,8 @@ pub fn build(live: &Arc<Live>) -> (Server, Arc<Transport>) {
     let control = background_service("slo control", SloControl(Arc::clone(live)));
     let sampler = Sampler(history, Arc::clone(live), Arc::clone(&transport));
     let sampler = background_service("history", sampler);
-    let scraper = background_service("backend metrics", BackendScrape(Arc::clone(live)));
+    let scraper = background_service("upstream upkeep", UpstreamUpkeep(Arc::clone(live)));
     let fleet = background_service("cluster", FleetKeeper(Arc::clone(live)));
-    let pools = background_service("pools", Pools(Arc::clone(live)));
     let watch = background_service("config watch", ConfigWatch(Arc::clone(live)));
 
     server.add_service(proxy);
@@ -69,7 +68,6 @@ pub fn build(live: &Arc<Live>) -> (Server, Arc<Transport>) {
     server.add_service(sampler);
     server.add_service(scraper);
     server.add_service(fleet);
-    server.add_service(pools);
     server.add_service(watch);
     (server, transport)
 }
@@ -117,34 +115,13 @@ impl BackgroundService for Sampler {
     }
 }
 
-/// Scrapes each upstream's `backend_metrics` when due (`backend`): looked at every 100 ms.
-struct BackendScrape(Arc<Live>);
+/// Each upstream's upkeep, looked at every 100 ms: its `backend_metrics` scraped when due
+/// (`backend`); its pool's ejections that ended, discovery, health checks and endpoints'
+/// scrapes (`pool`).
+struct UpstreamUpkeep(Arc<Live>);
 
 #[async_trait]
-impl BackgroundService for BackendScrape {
-    async fn start(&self, mut shutdown: ShutdownWatch) {
-        let mut tick = tokio::time::interval(Duration::from_millis(100));
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
-        loop {
-            tokio::select! {
-                _ = tick.tick() => {}
-                _ = shutdown.changed() => return,
-            }
-            for u in &self.0.load().upstreams {
-                if let Some(b) = &u.backend {
-                    b.tick(&u.config.name, Arc::clone(&u.meter) as _);
-                }
-            }
-        }
-    }
-}
-
-/// Keeps each upstream's pool (`pool`): ejections that ended, discovery, health checks
-/// and each endpoint's backend scrape when due; looked at every 100 ms.
-struct Pools(Arc<Live>);
-
-#[async_trait]
-impl BackgroundService for Pools {
+impl BackgroundService for UpstreamUpkeep {
     async fn start(&self, mut shutdown: ShutdownWatch) {
         let mut tick = tokio::time::interval(Duration::from_millis(100));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
@@ -155,6 +132,9 @@ impl BackgroundService for Pools {
             }
             let shared = self.0.load();
             for u in &shared.upstreams {
+                if let Some(b) = &u.backend {
+                    b.tick(&u.config.name, Arc::clone(&u.meter) as _);
+                }
                 u.pool
                     .tick(shared.config.window, shared.config.endpoint_labels);
             }

@@ -624,12 +624,11 @@ impl Admin {
 /// answer is served by one — and every upstream with an endpoint taking requests); 503,
 /// saying why, from the moment a drain begins, or while an upstream has none.
 fn readiness(live: &Live, shared: &Shared) -> Response<Vec<u8>> {
-    let now = shared.clock.now();
     let why = if live.draining() {
         Some("draining: tokentap is shutting down".to_owned())
     } else {
         let down: Vec<&str> = (shared.upstreams.iter())
-            .filter(|u| !u.pool.serving(now))
+            .filter(|u| !u.pool.serving())
             .map(|u| u.config.name.as_str())
             .collect();
         (!down.is_empty()).then(|| format!("no healthy endpoint: {}", down.join(", ")))

@@ -73,10 +73,10 @@ impl EndpointMeter {
     }
 
     /// The count the curve buckets this endpoint's tokens by: the backend's batch while
-    /// it is known, else tokentap's requests on it.
-    pub(super) fn concurrency(&self) -> u64 {
+    /// it is known, else `own` (tokentap's requests on it, as the caller read them).
+    pub(super) fn batch(&self, own: u64) -> u64 {
         match self.backend_running.load(Relaxed) {
-            UNKNOWN => self.streams.load(Relaxed),
+            UNKNOWN => own,
             backend => backend,
         }
     }

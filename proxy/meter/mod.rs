@@ -6,8 +6,8 @@
 //!
 //! Each upstream has one [`UpstreamMeter`]. A token event locks only the current worker
 //! thread's shard of it (no lock or written cache line shared with other threads'
-//! connections; the in-flight count it reads is an atomic written only when a request begins
-//! or ends). Beginning and ending a request take the upstream's own lock; the admin API and
+//! connections; the in-flight count it reads is its endpoint's, an atomic written only when
+//! a request begins or ends: [`EndpointMeter`]). Beginning and ending a request take the upstream's own lock; the admin API and
 //! the SLO controller take it and every shard's in turn to read.
 
 mod clock;
@@ -127,8 +127,6 @@ pub struct UpstreamMeter {
     clock: Clock,
     /// What changes when requests begin and end.
     inner: Mutex<Windows>,
-    /// `inner`'s in-flight count, for token events to read without its lock.
-    in_flight: AtomicU64,
     /// What changes on every token event, per worker thread.
     shards: Box<[Padded<Mutex<Shard>>]>,
     hist: Histograms,
@@ -181,7 +179,6 @@ impl UpstreamMeter {
             name: name.into(),
             clock,
             inner: Mutex::new(Windows::new(window, DEFAULT_CURVE_WINDOW, now)),
-            in_flight: AtomicU64::new(0),
             shards: (0..shards)
                 .map(|_| Padded(Mutex::new(Shard::new(window, DEFAULT_CURVE_WINDOW))))
                 .collect(),
@@ -251,11 +248,7 @@ impl UpstreamMeter {
     /// A request begun at `t0` and sent at `now` to the endpoint `on` meters.
     pub fn begin_on(self: &Arc<Self>, t0: Nanos, now: Nanos, on: Arc<EndpointMeter>) -> Stream {
         on.streams.fetch_add(1, Relaxed);
-        {
-            // Stored under the lock, so the atomic never goes back to an older count.
-            let mut windows = self.lock();
-            self.in_flight.store(windows.begin(now), Relaxed);
-        }
+        self.lock().begin(now);
         let shard = shard_of_thread(self.shards.len());
         let key = self.shard(shard).begin(t0, now);
         Stream::new(Arc::clone(self), shard, key, t0, on)

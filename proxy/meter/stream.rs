@@ -131,7 +131,7 @@ impl Stream {
         // scraped, per endpoint or for the upstream), else tokentap's requests on it.
         let in_flight = self.endpoint.streams.load(Relaxed);
         let curve_at = match self.meter.backend_running.load(Relaxed) {
-            UNKNOWN => self.endpoint.concurrency(),
+            UNKNOWN => self.endpoint.batch(in_flight),
             backend => backend,
         };
         self.endpoint.add_tokens(u64::from(n) * u64::from(events));
@@ -219,17 +219,13 @@ impl Stream {
         self.meter
             .shard(self.shard)
             .finish(self.key, now, self.tokens, self.exact);
-        {
-            let mut windows = self.meter.lock();
-            let in_flight = windows.finish(
-                now,
-                outcome,
-                (self.tokens, self.unread),
-                self.exact,
-                self.input,
-            );
-            self.meter.in_flight.store(in_flight, Relaxed);
-        }
+        self.meter.lock().finish(
+            now,
+            outcome,
+            (self.tokens, self.unread),
+            self.exact,
+            self.input,
+        );
         self.meter
             .hist
             .e2e

@@ -184,17 +184,15 @@ impl Windows {
         }
     }
 
-    /// A request was sent upstream at `now`; returns the requests now in flight.
-    pub(super) fn begin(&mut self, now: Nanos) -> u64 {
+    /// A request was sent upstream at `now`.
+    pub(super) fn begin(&mut self, now: Nanos) {
         self.advance(now);
         self.in_flight += 1;
         self.metered = true;
-        self.in_flight
     }
 
     /// A request ended at `now`, having counted `estimated` tokens from its events (none
-    /// when its body was `unread`) and reported an `exact` total or not; returns the
-    /// requests still in flight.
+    /// when its body was `unread`) and reported an `exact` total or not.
     pub(super) fn finish(
         &mut self,
         now: Nanos,
@@ -202,7 +200,7 @@ impl Windows {
         (estimated, unread): (u64, bool),
         exact: Option<u64>,
         input: Option<u64>,
-    ) -> u64 {
+    ) {
         self.advance(now);
         self.in_flight = self.in_flight.saturating_sub(1);
         self.count(outcome);
@@ -232,7 +230,6 @@ impl Windows {
                 add(&mut t.estimated_tokens, estimated);
             }
         }
-        self.in_flight
     }
 
     /// From `now` on, the curve counts the backend's `running` (or, `None`, tokentap's own

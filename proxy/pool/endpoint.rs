@@ -252,6 +252,11 @@ impl Held {
         if failed {
             self.endpoint.errors.fetch_add(1, Relaxed);
         }
+        self.release();
+    }
+
+    /// Gives the slot and its lease back (once).
+    fn release(&mut self) {
         if std::mem::take(&mut self.slot) {
             self.endpoint.slots.fetch_sub(1, Relaxed);
         }
@@ -261,9 +266,7 @@ impl Held {
 
 impl Drop for Held {
     fn drop(&mut self) {
-        if self.slot {
-            self.endpoint.slots.fetch_sub(1, Relaxed);
-        }
+        self.release();
     }
 }
 

@@ -184,11 +184,9 @@ impl Pool {
     }
 
     /// Whether any endpoint can take a request now (else: 503 `no_healthy_endpoint`).
-    pub fn serving(&self, now: Nanos) -> bool {
-        self.members
-            .load()
-            .iter()
-            .any(|e| e.healthy.load(Relaxed) || e.eligible(now))
+    pub fn serving(&self) -> bool {
+        // Ejected or not: panic mode sends requests to any endpoint passing its checks.
+        self.members.load().iter().any(|e| e.healthy.load(Relaxed))
     }
 
     /// An endpoint for a request (`slot`: a generation request, which holds a slot there
@@ -552,16 +550,11 @@ impl Pool {
             for e in self.members.load().iter() {
                 let backend = {
                     let mut b = lock(&e.backend);
-                    let url = format!("http://{}{path}", e.at.addr);
-                    let fresh = b.as_ref().is_none_or(|b| {
-                        !url.parse()
-                            .is_ok_and(|u| b.same_as(&u, settings.backend_scrape))
-                    });
-                    if fresh {
-                        *b = url
-                            .parse()
-                            .ok()
-                            .map(|u| Backend::new(u, settings.backend_scrape));
+                    let every = settings.backend_scrape;
+                    // Made when first needed, and again when a reload changes its path or pace.
+                    if !b.as_ref().is_some_and(|b| b.scrapes(path, every)) {
+                        let url = format!("http://{}{path}", e.at.addr);
+                        *b = url.parse().ok().map(|u| Backend::new(u, every));
                     }
                     b.clone()
                 };
@@ -807,11 +800,11 @@ mod tests {
         let far = p.clock.now() + 60_000_000_000;
         a.ejected_until.store(far, Relaxed);
         b.ejected_until.store(far, Relaxed);
-        assert!(p.serving(p.clock.now()));
+        assert!(p.serving());
         assert!(p.pick(p.clock.now(), true, None, &[]).is_ok());
         a.healthy.store(false, Relaxed);
         b.healthy.store(false, Relaxed);
-        assert!(!p.serving(p.clock.now()));
+        assert!(!p.serving());
         assert_eq!(
             p.pick(p.clock.now(), true, None, &[]).err(),
             Some(NoEndpoint)

@@ -330,21 +330,20 @@ mod tests {
         );
     }
 
+    /// What `draw` puts on a 130-column screen of `rows`, as one string.
+    fn screen(board: &Board, rows: u16) -> String {
+        let backend = ratatui::backend::TestBackend::new(130, rows);
+        let mut terminal = ratatui::Terminal::new(backend).unwrap_or_else(|e| panic!("{e}"));
+        terminal
+            .draw(|f| draw(f, "tokentap top", "", board))
+            .unwrap_or_else(|e| panic!("{e}"));
+        let buffer = terminal.backend().buffer();
+        buffer.content().iter().map(|c| c.symbol()).collect()
+    }
+
     #[test]
     fn the_screen_draws_every_figure() {
-        let backend = ratatui::backend::TestBackend::new(130, 24);
-        let mut terminal = ratatui::Terminal::new(backend).unwrap_or_else(|e| panic!("{e}"));
-        let board = board();
-        terminal
-            .draw(|f| draw(f, "tokentap top", "", &board))
-            .unwrap_or_else(|e| panic!("{e}"));
-        let text: String = terminal
-            .backend()
-            .buffer()
-            .content()
-            .iter()
-            .map(|c| c.symbol())
-            .collect();
+        let text = screen(&board(), 24);
         for want in [
             "in flight 12 / limit 48",
             "single-stream 70.7",
@@ -372,18 +371,7 @@ mod tests {
             endpoint("http://10.0.0.2:8000", false, true),
             endpoint("http://10.0.0.3:8000", false, false),
         ];
-        let backend = ratatui::backend::TestBackend::new(130, 30);
-        let mut terminal = ratatui::Terminal::new(backend).unwrap_or_else(|e| panic!("{e}"));
-        terminal
-            .draw(|f| draw(f, "tokentap top", "", &board))
-            .unwrap_or_else(|e| panic!("{e}"));
-        let text: String = terminal
-            .backend()
-            .buffer()
-            .content()
-            .iter()
-            .map(|c| c.symbol())
-            .collect();
+        let text = screen(&board, 30);
         for want in [
             "http://10.0.0.1:8000",
             "in flight   3 / 8",

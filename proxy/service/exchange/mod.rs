@@ -348,7 +348,7 @@ impl TokenTap {
             pool.log_none(self.now());
             answered(leftover, watch)
         };
-        if !pool.serving(self.now()) {
+        if !pool.serving() {
             let (keep, after) = no_endpoint(&leftover, true);
             ctx.status = 503;
             ctx.bytes_out += unavailable(client, ctx, choice, keep).await;
@@ -368,7 +368,7 @@ impl TokenTap {
             }
             match granted {
                 Ok(Ok(permit)) => ctx.permit = Some(permit),
-                Ok(Err(_)) if !pool.serving(self.now()) => {
+                Ok(Err(_)) if !pool.serving() => {
                     // It waited for endpoints that all went away.
                     let (keep, after) = no_endpoint(&leftover, watch);
                     ctx.status = 503;

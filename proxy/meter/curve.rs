@@ -81,6 +81,13 @@ impl Cell for Bucket {
     }
 }
 
+impl Cell for Attain {
+    fn merge(&mut self, other: &Attain) {
+        self.judged += other.judged;
+        self.good += other.good;
+    }
+}
+
 impl Cell for Time {
     fn merge(&mut self, other: &Time) {
         self.ns += other.ns;
@@ -229,6 +236,41 @@ impl Times {
     }
 }
 
+/// The requests judged against the SLOs in one bucket (by the mean batch their tokens
+/// arrived at), and the good ones.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Attain {
+    pub(super) judged: u64,
+    pub(super) good: u64,
+}
+
+/// The judgements by bucket, by epoch.
+pub(super) struct Verdicts(Epochs<Attain>);
+
+impl Verdicts {
+    pub(super) fn new(window: Duration) -> Verdicts {
+        Verdicts(Epochs::new(window))
+    }
+
+    /// A request judged `good` or not finished at `now` in bucket `b`.
+    pub(super) fn add(&mut self, now: Nanos, b: usize, good: bool) {
+        let id = now / self.0.epoch_ns;
+        let cell = &mut self.0.epoch(id)[b.min(CURVE_BUCKETS - 1)];
+        cell.judged += 1;
+        cell.good += u64::from(good);
+    }
+
+    pub(super) fn sum(&self, scope: Scope) -> [Attain; CURVE_BUCKETS] {
+        let mut out = [Attain::default(); CURVE_BUCKETS];
+        self.0.add_into(&mut out, scope);
+        out
+    }
+
+    pub(super) fn reset(&mut self, window: Duration) {
+        self.0.reset(window);
+    }
+}
+
 // === export ===
 
 /// One concurrency bucket of the curve, since start, in a form that adds up across
@@ -243,15 +285,21 @@ pub struct CurveTotals {
     pub gap_sum_us: f64,
 }
 
-/// The curve's points from the shards' `buckets` and the `times` spent in each: every
-/// bucket with tokens, `sparse` when it lacks the support of a point.
-pub(super) fn points(buckets: &[Bucket], times: [Time; CURVE_BUCKETS]) -> Vec<CurvePoint> {
+/// The curve's points from the shards' `buckets`, the `times` spent in each and the
+/// requests judged there: every bucket with tokens, `sparse` when it lacks the support of
+/// a point.
+pub(super) fn points(
+    buckets: &[Bucket],
+    times: [Time; CURVE_BUCKETS],
+    verdicts: [Attain; CURVE_BUCKETS],
+) -> Vec<CurvePoint> {
     buckets
         .iter()
         .zip(times)
+        .zip(verdicts)
         .enumerate()
-        .filter(|(_, (b, _))| b.tokens > 0)
-        .map(|(i, (b, t))| {
+        .filter(|(_, ((b, _), _))| b.tokens > 0)
+        .map(|(i, ((b, t), v))| {
             let samples = b.gaps.as_ref().map_or(0, Histogram::len);
             let q = |p: f64| {
                 b.gaps
@@ -279,6 +327,8 @@ pub(super) fn points(buckets: &[Bucket], times: [Time; CURVE_BUCKETS]) -> Vec<Cu
                 mean_concurrency,
                 samples,
                 sparse: sparse(b, &t),
+                slo_requests: v.judged,
+                slo_attainment_pct: (v.judged > 0).then(|| 100.0 * v.good as f64 / v.judged as f64),
             }
         })
         .collect()
@@ -302,25 +352,92 @@ pub(super) fn totals(buckets: Vec<Bucket>, times: [Time; CURVE_BUCKETS]) -> Vec<
         .collect()
 }
 
-/// The highest system T/s among `points` whose bucket's `percentile` of per-token gaps
-/// meets `tpot_ms`.
-pub(super) fn slo_bounded_system_tps(
+/// Requests a point needs judged before its attainment counts.
+pub const MIN_JUDGED: u64 = 20;
+
+/// What a curve point must meet to be within the SLO.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Bound {
+    /// Its `percentile` of per-token gaps at most this, when set.
+    pub tpot_ms: Option<f64>,
+    pub percentile: f64,
+    /// At least this share of its requests good ([`MIN_JUDGED`] of them at least), when
+    /// set: with a TTFT or e2e SLO, which per-token gaps cannot show.
+    pub attainment_pct: Option<f64>,
+}
+
+/// The SLO-bounded point: the highest system T/s among supported points within the SLO,
+/// and how sure it is to be the edge.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SloBound {
+    pub concurrency: u64,
+    pub system_tps: f64,
+    /// The bound's percentile of per-token gaps there, ms.
+    pub tpot_ms: Option<f64>,
+    /// A supported point at a higher concurrency breaks the SLO: the edge lies between.
+    pub bracketed: bool,
+    /// The point runs near its SLO: bracketed, at 80% of the TPOT SLO or more, or with
+    /// requests that broke it. Otherwise the edge lies past the highest concurrency seen.
+    pub near: bool,
+    /// The highest concurrency with a supported point.
+    pub highest_supported: u64,
+}
+
+/// The SLO-bounded point of `points` (their buckets' gaps in `buckets`) under `bound`.
+pub(super) fn slo_bound(
     points: &[CurvePoint],
     buckets: &[Bucket],
-    tpot_ms: f64,
-    percentile: f64,
-) -> Option<f64> {
-    let meets = |b: &Bucket| {
-        b.gaps
+    bound: &Bound,
+) -> Option<SloBound> {
+    let gaps_at = |p: &CurvePoint| {
+        buckets[p.concurrency.trailing_zeros() as usize]
+            .gaps
             .as_ref()
-            .is_some_and(|h| !h.is_empty() && quantile_us(h, percentile / 100.0) / 1e3 <= tpot_ms)
+            .filter(|h| !h.is_empty())
+            .map(|h| quantile_us(h, bound.percentile / 100.0) / 1e3)
     };
-    points
+    // Some(true) within, Some(false) broken, None: not enough requests to say.
+    let within = |p: &CurvePoint| -> Option<bool> {
+        let tpot = bound
+            .tpot_ms
+            .map(|slo| gaps_at(p).is_some_and(|t| t <= slo));
+        let requests = bound.attainment_pct.map(|target| {
+            (p.slo_requests >= MIN_JUDGED)
+                .then(|| p.slo_attainment_pct.is_some_and(|a| a >= target))
+        });
+        match (tpot, requests) {
+            (Some(false), _) | (_, Some(Some(false))) => Some(false),
+            (_, Some(None)) => None,
+            (None, None) => None,
+            _ => Some(true),
+        }
+    };
+    let supported: Vec<&CurvePoint> = points.iter().filter(|p| !p.sparse).collect();
+    let highest_supported = supported.iter().map(|p| p.concurrency).max()?;
+    let best = supported
         .iter()
-        .filter(|p| !p.sparse)
-        .filter(|p| meets(&buckets[p.concurrency.trailing_zeros() as usize]))
-        .filter_map(|p| p.system_tps)
-        .max_by(f64::total_cmp)
+        .filter(|p| within(p) == Some(true))
+        .filter_map(|p| p.system_tps.map(|tps| (*p, tps)))
+        .max_by(|a, b| a.1.total_cmp(&b.1))?;
+    let (p, system_tps) = best;
+    let tpot_ms = gaps_at(p);
+    let bracketed = supported
+        .iter()
+        .any(|q| q.concurrency > p.concurrency && within(q) == Some(false));
+    let near_tpot = bound
+        .tpot_ms
+        .zip(tpot_ms)
+        .is_some_and(|(slo, t)| t >= 0.8 * slo);
+    let near_requests =
+        bound.attainment_pct.is_some() && p.slo_attainment_pct.is_some_and(|a| a < 100.0);
+    Some(SloBound {
+        concurrency: p.concurrency,
+        system_tps,
+        tpot_ms,
+        bracketed,
+        near: bracketed || near_tpot || near_requests,
+        highest_supported,
+    })
 }
 
 /// Whether a bucket lacks the support of a point: [`MIN_SECS`] spent there and

@@ -13,6 +13,7 @@
 mod clock;
 mod curve;
 mod endpoint;
+mod goodput;
 mod hist;
 mod records;
 mod samples;
@@ -28,11 +29,12 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 pub use clock::{Clock, Nanos, Outcome};
-pub use curve::CurveTotals;
+pub use curve::{Bound, CurveTotals, SloBound};
 pub use endpoint::{EndpointFigures, EndpointMeter};
+pub use goodput::{Targets, Verdict};
 pub use samples::{ControlSample, Gaps};
 use shard::Shard;
-pub use stats::{CurvePoint, MeterStats, Percentiles, TokensPerEvent};
+pub use stats::{CurvePoint, Goodput, MeterStats, Percentiles, TokensPerEvent};
 pub use stream::{Stream, Summary};
 use window::{Sums, Windows};
 
@@ -248,7 +250,7 @@ impl UpstreamMeter {
     /// A request begun at `t0` and sent at `now` to the endpoint `on` meters.
     pub fn begin_on(self: &Arc<Self>, t0: Nanos, now: Nanos, on: Arc<EndpointMeter>) -> Stream {
         on.streams.fetch_add(1, Relaxed);
-        self.lock().begin(now);
+        self.lock().begin(now, &on);
         let shard = shard_of_thread(self.shards.len());
         let key = self.shard(shard).begin(t0, now);
         Stream::new(Arc::clone(self), shard, key, t0, on)
@@ -398,8 +400,15 @@ impl UpstreamMeter {
         self.lock().control_sample(now, percentile, &sums)
     }
 
-    /// The highest system T/s among the curve's points (in its window) that meet the SLO.
-    pub fn slo_bounded_system_tps(&self, tpot_ms: f64, percentile: f64) -> Option<f64> {
+    /// The latency SLOs requests finishing from now on are judged against
+    /// (`[upstream.slo]`); none set, none are judged.
+    pub fn set_slo_targets(&self, targets: Targets) {
+        self.lock().set_targets(targets);
+    }
+
+    /// The SLO-bounded point of the curve (in its window) under `bound`: the highest system
+    /// T/s of one endpoint among the supported points within the SLO.
+    pub fn slo_bound(&self, bound: &Bound) -> Option<SloBound> {
         let now = self.clock.now();
         let mut sums = Sums::new();
         for i in 0..self.shards.len() {
@@ -408,7 +417,17 @@ impl UpstreamMeter {
         }
         let mut windows = self.lock();
         let (now, _) = windows.span(now);
-        windows.slo_bounded_system_tps(now, tpot_ms, percentile, &sums)
+        windows.slo_bound(now, bound, &sums)
+    }
+
+    /// [`Self::slo_bound`]'s system T/s for a TPOT SLO alone.
+    pub fn slo_bounded_system_tps(&self, tpot_ms: f64, percentile: f64) -> Option<f64> {
+        let bound = Bound {
+            tpot_ms: Some(tpot_ms),
+            percentile,
+            attainment_pct: None,
+        };
+        self.slo_bound(&bound).map(|b| b.system_tps)
     }
 
     /// The per-event distributions since start, merged over the shards.
@@ -692,6 +711,138 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// A pool of three endpoints, eight streams each: the curve is one endpoint's (its
+    /// batch of 8 at its own rate), not the pool's 24.
+    #[test]
+    fn a_pool_s_curve_is_one_endpoint_s() {
+        let m = meter(10);
+        let endpoints: Vec<Arc<EndpointMeter>> = (0..3).map(|_| Arc::default()).collect();
+        let mut streams: Vec<Stream> = endpoints
+            .iter()
+            .flat_map(|e| (0..8).map(|_| m.begin_on(0, 0, Arc::clone(e))))
+            .collect();
+        let mut t = 0;
+        while t < 20 * S {
+            t += 20 * MS;
+            for s in &mut streams {
+                s.tokens(t, 1);
+            }
+        }
+        let st = m.stats(20 * S);
+        assert_eq!(st.curve.len(), 1, "{:?}", st.curve);
+        let p = &st.curve[0];
+        assert_eq!(p.concurrency, 8);
+        assert!(!p.sparse);
+        assert!(close(p.mean_concurrency, 8.0, 0.001), "{p:?}");
+        assert!(close(p.system_tps, 400.0, 0.01), "{p:?}");
+        // The window's figures are the pool's.
+        assert!(close(st.system_tps, 1200.0, 0.01));
+        assert!(close(st.concurrency, 24.0, 0.001));
+        // A stream moved to another endpoint takes its time there.
+        let other: Arc<EndpointMeter> = Arc::default();
+        streams[0].move_to(Arc::clone(&other));
+        for s in streams {
+            s.finish(20 * S, Outcome::Ok);
+        }
+        assert_eq!(m.lock().active_endpoints(), 0, "no endpoint left active");
+    }
+
+    /// `n` requests of `tokens` tokens, one every `tpot` after a first at `ttft`, all at
+    /// once from `at`.
+    fn wave(m: &Arc<UpstreamMeter>, n: usize, at: Nanos, ttft: Nanos, tpot: Nanos, tokens: u64) {
+        let mut s: Vec<Stream> = (0..n).map(|_| m.begin(at, at)).collect();
+        for i in 0..tokens {
+            for st in &mut s {
+                st.tokens(at + ttft + i * tpot, 1);
+            }
+        }
+        for st in s {
+            st.finish(at + ttft + (tokens - 1) * tpot, Outcome::Ok);
+        }
+    }
+
+    #[test]
+    fn goodput_counts_the_requests_that_met_every_slo() {
+        let m = meter(10);
+        assert_eq!(m.stats(S).goodput, None, "no SLO, no goodput");
+        m.set_slo_targets(Targets {
+            ttft_ms: Some(100.0),
+            tpot_ms: Some(25.0),
+            e2e_ms: None,
+        });
+        // 4 good (TTFT 50, TPOT 20), 2 late (TTFT 150), 2 slow (TPOT 30), 1 aborted.
+        wave(&m, 4, 0, 50 * MS, 20 * MS, 51);
+        wave(&m, 2, S, 150 * MS, 20 * MS, 51);
+        wave(&m, 2, 2 * S, 50 * MS, 30 * MS, 51);
+        drop(m.begin(3 * S, 3 * S));
+        let st = m.stats(10 * S);
+        let g = st.goodput.expect("goodput");
+        assert_eq!((g.requests, g.good_requests), (9, 4));
+        assert!(close(g.attainment_pct, 400.0 / 9.0, 1e-9), "{g:?}");
+        // Over the window's 19 full slots of 0.5 s and the newest, empty one.
+        assert!(close(g.requests_per_sec, 4.0 / 9.5, 1e-9), "{g:?}");
+        assert!(
+            close(g.output_tokens_per_sec, 4.0 * 51.0 / 9.5, 1e-9),
+            "{g:?}"
+        );
+        assert_eq!(
+            st.slo_requests_total,
+            vec![
+                ("good", 4),
+                ("ttft", 2),
+                ("tpot", 2),
+                ("e2e", 0),
+                ("error", 1)
+            ]
+        );
+        // Each wave ran at its own batch: the curve says where the SLO held.
+        let at = |c: u64| st.curve.iter().find(|p| p.concurrency == c).cloned();
+        let four = at(4).expect("bucket 4");
+        assert_eq!(
+            (four.slo_requests, four.slo_attainment_pct),
+            (4, Some(100.0))
+        );
+        let two = at(2).expect("bucket 2");
+        assert_eq!((two.slo_requests, two.slo_attainment_pct), (4, Some(0.0)));
+        // The window slides; the totals stay.
+        let later = m.stats(40 * S);
+        assert_eq!(later.goodput.map(|g| g.requests), Some(0));
+        assert_eq!(later.slo_requests_total[0], ("good", 4));
+    }
+
+    #[test]
+    fn the_slo_bound_is_the_highest_supported_point_within_it() {
+        let m = meter(10);
+        m.set_curve_window(Duration::from_secs(600));
+        // TPOT grows with the batch: 20 ms at 1, 24 at 4, 40 at 16.
+        run(&m, 1, 20 * MS, 0, 20 * S);
+        run(&m, 4, 24 * MS, 30 * S, 50 * S);
+        let tpot30 = Bound {
+            tpot_ms: Some(30.0),
+            percentile: 90.0,
+            attainment_pct: None,
+        };
+        let b = m.slo_bound(&tpot30).expect("a bound");
+        assert_eq!(b.concurrency, 4);
+        assert!((b.system_tps - 4000.0 / 24.0).abs() < 2.0, "{b:?}");
+        // Nothing above it seen yet, and 24 ms is 80% of 30: near.
+        assert!(!b.bracketed && b.near && b.highest_supported == 4, "{b:?}");
+        let loose = Bound {
+            tpot_ms: Some(100.0),
+            ..tpot30
+        };
+        assert!(!m.slo_bound(&loose).is_some_and(|b| b.near));
+        run(&m, 16, 40 * MS, 60 * S, 80 * S);
+        let b = m.slo_bound(&tpot30).expect("a bound");
+        assert_eq!(b.concurrency, 4);
+        assert!(b.bracketed && b.highest_supported == 16, "{b:?}");
+        let tight = Bound {
+            tpot_ms: Some(10.0),
+            ..tpot30
+        };
+        assert_eq!(m.slo_bound(&tight), None);
     }
 
     #[test]

@@ -86,6 +86,10 @@ pub struct CurvePoint {
     /// Too little support to be a point (under 2 s in the bucket or 50 gaps): shown here,
     /// left out of `/metrics`, not to be read as the backend's figure.
     pub sparse: bool,
+    /// Requests judged against `[upstream.slo]` that ran at this concurrency (the mean
+    /// batch their tokens arrived at), and the share of them that were good, percent.
+    pub slo_requests: u64,
+    pub slo_attainment_pct: Option<f64>,
 }
 
 /// What the meter knows of one upstream: its part of `/stats`, which the admin API combines
@@ -123,6 +127,25 @@ pub struct MeterStats {
     /// End-to-end latency of requests that finished in the window (non-streaming included).
     pub e2e_ms: Percentiles,
     pub curve: Vec<CurvePoint>,
+    /// Requests that met every `[upstream.slo]` over the window; `null` without one.
+    pub goodput: Option<Goodput>,
+    /// Finished requests since start by verdict: `good`, the first SLO broken (`ttft`,
+    /// `tpot`, `e2e`) or `error` (all 0 without an SLO).
+    #[serde(skip)]
+    pub slo_requests_total: Vec<(&'static str, u64)>,
+}
+
+/// Goodput over the live window: the requests that met every latency SLO set.
+#[derive(Debug, Clone, Copy, Serialize, PartialEq)]
+pub struct Goodput {
+    pub requests_per_sec: Option<f64>,
+    /// Output tokens of the good requests, per second.
+    pub output_tokens_per_sec: Option<f64>,
+    /// Good requests among those judged, percent; `null` before the first.
+    pub attainment_pct: Option<f64>,
+    /// Requests judged in the window (finished generations, errors included), and the good.
+    pub requests: u64,
+    pub good_requests: u64,
 }
 
 #[cfg(test)]

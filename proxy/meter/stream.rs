@@ -6,6 +6,8 @@
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
+use super::goodput::Judged;
+use super::window::{bucket, Ended};
 use super::{EndpointMeter, Nanos, Outcome, RequestSample, UpstreamMeter, UNKNOWN};
 
 /// One metered request: its in-flight slot and its record. Finish it with
@@ -24,8 +26,10 @@ pub struct Stream {
     tokens: u64,
     exact: Option<u64>,
     done: bool,
-    /// Σ in-flight over its token events, and their number.
+    /// Σ in-flight over its token events, Σ the curve's concurrency (the batch), and their
+    /// number.
     concurrency_sum: u64,
+    curve_sum: u64,
     events: u64,
     /// Events held back by [`Stream::tokens`]: `held` more of `held_n` tokens each, at
     /// `last`, to be recorded together by [`Stream::flush`].
@@ -74,6 +78,7 @@ impl Stream {
             exact: None,
             done: false,
             concurrency_sum: 0,
+            curve_sum: 0,
             events: 0,
             held: 0,
             held_n: 0,
@@ -89,6 +94,8 @@ impl Stream {
         if !self.done {
             endpoint.streams.fetch_add(1, Relaxed);
             self.endpoint.streams.fetch_sub(1, Relaxed);
+            let now = self.meter.clock.now();
+            self.meter.lock().moved(now, &self.endpoint, &endpoint);
         }
         self.endpoint = endpoint;
     }
@@ -140,6 +147,9 @@ impl Stream {
             .shard(self.shard)
             .tokens(self.key, now, n, events, curve_at);
         self.concurrency_sum += in_flight * u64::from(events);
+        self.curve_sum = self
+            .curve_sum
+            .saturating_add(curve_at.saturating_mul(u64::from(events)));
         self.events += u64::from(events);
         if gap.is_none() {
             self.first = Some(now);
@@ -219,13 +229,29 @@ impl Stream {
         self.meter
             .shard(self.shard)
             .finish(self.key, now, self.tokens, self.exact);
-        self.meter.lock().finish(
-            now,
+        let summary = self.summary();
+        // The batch it ran in: the mean over its token events, or (none: not streamed) the
+        // endpoint's as it ends.
+        let batch = if self.events > 0 {
+            (self.curve_sum as f64 / self.events as f64).round() as u64
+        } else {
+            self.endpoint.batch(self.endpoint.streams.load(Relaxed) + 1)
+        };
+        let ended = Ended {
             outcome,
-            (self.tokens, self.unread),
-            self.exact,
-            self.input,
-        );
+            estimated: self.tokens,
+            unread: self.unread,
+            exact: self.exact,
+            input: self.input,
+            judged: Judged {
+                outcome,
+                ttft_ms: summary.ttft_ms,
+                tpot_ms: summary.tpot_ms,
+                e2e_ms: now.saturating_sub(self.t0) as f64 / 1e6,
+            },
+            bucket: bucket(batch),
+        };
+        self.meter.lock().finish(now, &self.endpoint, ended);
         self.meter
             .hist
             .e2e
@@ -234,7 +260,6 @@ impl Stream {
             .model
             .take()
             .map(|model| self.meter.count_model(&model, total));
-        let summary = self.summary();
         self.endpoint.done(now, summary.ttft_ms, summary.tpot_ms);
         if let (Some((operation, provider)), Some(telemetry)) =
             (self.gen_ai, self.meter.semconv.load_full())

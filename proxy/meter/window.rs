@@ -11,15 +11,18 @@
 //! [`Shard`](super::shard::Shard) holds what changes on every token event: one per upstream
 //! per worker thread. A read merges them into [`Sums`].
 
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
 use std::time::Duration;
 
 use hdrhistogram::Histogram;
 
-use super::curve::{self, Bucket as CurveBucket, Scope, Times, CURVE_BUCKETS};
+use super::curve::{self, Bucket as CurveBucket, Scope, Times, Verdicts, CURVE_BUCKETS};
+use super::goodput::{self, Judged, Targets};
 use super::hist::{hist_percentiles, histogram, histogram64, quantile_us};
 use super::samples::{ControlSample, Gaps};
-use super::stats::{CurvePoint, MeterStats, Percentiles, TokensPerEvent};
-use super::{Nanos, Outcome};
+use super::stats::{CurvePoint, Goodput, MeterStats, Percentiles, TokensPerEvent};
+use super::{EndpointMeter, Nanos, Outcome, UNKNOWN};
 
 /// Slots per window.
 pub const SLOTS: usize = 20;
@@ -135,6 +138,26 @@ struct BusySlot {
     busy: u128,
 }
 
+/// An endpoint with requests in flight, and how many: the curve's time is spent per
+/// endpoint, at its batch.
+struct Active {
+    endpoint: Arc<EndpointMeter>,
+    in_flight: u64,
+}
+
+/// How a request ended, for the totals and its SLO verdict.
+pub(super) struct Ended {
+    pub(super) outcome: Outcome,
+    /// Tokens counted from its events (none when its body was `unread`).
+    pub(super) estimated: u64,
+    pub(super) unread: bool,
+    pub(super) exact: Option<u64>,
+    pub(super) input: Option<u64>,
+    pub(super) judged: Judged,
+    /// The curve bucket it ran in: the mean batch its tokens arrived at.
+    pub(super) bucket: usize,
+}
+
 /// The per-request state of one upstream.
 pub(super) struct Windows {
     slot_ns: Nanos,
@@ -144,9 +167,18 @@ pub(super) struct Windows {
     ring: [BusySlot; SLOTS],
     in_flight: u64,
     last_change: Nanos,
-    /// Time spent at each curve bucket's concurrency (while this tokentap had requests in
-    /// flight), ∫ concurrency dt there, and the part of that time counted by the backend.
+    /// The endpoints with requests in flight.
+    active: Vec<Active>,
+    /// Time each endpoint spent at each curve bucket's concurrency (while this tokentap
+    /// had requests in flight on it), ∫ concurrency dt there, and the part of that time
+    /// counted by the backend: endpoint-seconds, so a point's system T/s is one
+    /// endpoint's.
     times: Times,
+    /// The latency SLOs finished requests are judged against, their verdicts in the live
+    /// window and since start, and by curve bucket.
+    targets: Targets,
+    goodput: goodput::Ring,
+    verdicts: Verdicts,
     /// The backend's running count, when the curve is bucketed by it.
     backend: Option<u64>,
     totals: Totals,
@@ -175,7 +207,11 @@ impl Windows {
             }; SLOTS],
             in_flight: 0,
             last_change: now,
+            active: Vec::new(),
             times: Times::new(curve_window),
+            targets: Targets::default(),
+            goodput: goodput::Ring::new(),
+            verdicts: Verdicts::new(curve_window),
             backend: None,
             totals: Totals::default(),
             metered: false,
@@ -184,26 +220,81 @@ impl Windows {
         }
     }
 
-    /// A request was sent upstream at `now`.
-    pub(super) fn begin(&mut self, now: Nanos) {
+    /// A request was sent upstream at `now`, to `endpoint`.
+    pub(super) fn begin(&mut self, now: Nanos, endpoint: &Arc<EndpointMeter>) {
         self.advance(now);
         self.in_flight += 1;
         self.metered = true;
+        self.join(endpoint);
     }
 
-    /// A request ended at `now`, having counted `estimated` tokens from its events (none
-    /// when its body was `unread`) and reported an `exact` total or not.
-    pub(super) fn finish(
-        &mut self,
-        now: Nanos,
-        outcome: Outcome,
-        (estimated, unread): (u64, bool),
-        exact: Option<u64>,
-        input: Option<u64>,
-    ) {
+    /// A request moved from one endpoint to another at `now` (its connect failed).
+    pub(super) fn moved(&mut self, now: Nanos, from: &Arc<EndpointMeter>, to: &Arc<EndpointMeter>) {
         self.advance(now);
+        self.leave(from);
+        self.join(to);
+    }
+
+    fn join(&mut self, endpoint: &Arc<EndpointMeter>) {
+        match self
+            .active
+            .iter_mut()
+            .find(|a| Arc::ptr_eq(&a.endpoint, endpoint))
+        {
+            Some(a) => a.in_flight += 1,
+            None => self.active.push(Active {
+                endpoint: Arc::clone(endpoint),
+                in_flight: 1,
+            }),
+        }
+    }
+
+    fn leave(&mut self, endpoint: &Arc<EndpointMeter>) {
+        if let Some(i) = self
+            .active
+            .iter()
+            .position(|a| Arc::ptr_eq(&a.endpoint, endpoint))
+        {
+            self.active[i].in_flight -= 1;
+            if self.active[i].in_flight == 0 {
+                self.active.swap_remove(i);
+            }
+        }
+    }
+
+    /// Endpoints with requests in flight.
+    #[cfg(test)]
+    pub(super) fn active_endpoints(&self) -> usize {
+        self.active.len()
+    }
+
+    /// The latency SLOs requests finishing from now on are judged against.
+    pub(super) fn set_targets(&mut self, targets: Targets) {
+        self.targets = targets;
+    }
+
+    /// A request on `endpoint` ended at `now`.
+    pub(super) fn finish(&mut self, now: Nanos, endpoint: &Arc<EndpointMeter>, end: Ended) {
+        let now = self.advance(now);
         self.in_flight = self.in_flight.saturating_sub(1);
+        self.leave(endpoint);
+        let Ended {
+            outcome,
+            estimated,
+            unread,
+            exact,
+            input,
+            judged,
+            bucket,
+        } = end;
         self.count(outcome);
+        if self.targets.any() {
+            let verdict = self.targets.judge(&judged);
+            let tokens = exact.unwrap_or(estimated);
+            self.goodput.add(now / self.slot_ns, verdict, tokens);
+            self.verdicts
+                .add(now, bucket, verdict == goodput::Verdict::Good);
+        }
         // Sums saturate: a count is bounded (dialect::MAX_COUNT), its sum over a long life
         // is not.
         let t = &mut self.totals;
@@ -254,6 +345,7 @@ impl Windows {
     pub(super) fn reset_curve(&mut self, now: Nanos, curve_window: Duration) {
         self.advance(now);
         self.times.reset(curve_window);
+        self.verdicts.reset(curve_window);
     }
 
     pub(super) fn count(&mut self, outcome: Outcome) {
@@ -319,6 +411,20 @@ impl Windows {
             itl_ms: hist_percentiles(&sums.itl),
             e2e_ms: Percentiles::of(&mut sums.e2e),
             curve: self.curve(&sums, now),
+            goodput: self.targets.any().then(|| {
+                let w = self.goodput.window(|epoch| span.contains(epoch));
+                Goodput {
+                    requests_per_sec: rate(w.good as f64),
+                    output_tokens_per_sec: rate(w.good_tokens as f64),
+                    attainment_pct: (w.judged > 0).then(|| 100.0 * w.good as f64 / w.judged as f64),
+                    requests: w.judged,
+                    good_requests: w.good,
+                }
+            }),
+            slo_requests_total: goodput::Verdict::ALL
+                .iter()
+                .map(|v| (v.label(), self.goodput.totals[v.index()]))
+                .collect(),
         }
     }
 
@@ -347,22 +453,21 @@ impl Windows {
         sample
     }
 
-    /// The highest system T/s among curve buckets whose `percentile` of per-token gaps meets
-    /// `tpot_ms`, the shards' curve being in `sums`.
-    pub(super) fn slo_bounded_system_tps(
+    /// The SLO-bounded point of the curve under `bound`, the shards' curve being in `sums`.
+    pub(super) fn slo_bound(
         &self,
         now: Nanos,
-        tpot_ms: f64,
-        percentile: f64,
+        bound: &curve::Bound,
         sums: &Sums,
-    ) -> Option<f64> {
+    ) -> Option<curve::SloBound> {
         let points = self.curve(sums, now);
-        curve::slo_bounded_system_tps(&points, &sums.curve, tpot_ms, percentile)
+        curve::slo_bound(&points, &sums.curve, bound)
     }
 
     /// The curve of the window ending at `now`, the shards' part being in `sums`.
     fn curve(&self, sums: &Sums, now: Nanos) -> Vec<CurvePoint> {
-        curve::points(&sums.curve, self.times.sum(Scope::Window(now)))
+        let scope = Scope::Window(now);
+        curve::points(&sums.curve, self.times.sum(scope), self.verdicts.sum(scope))
     }
 
     /// Brings the concurrency integrals up to `now`; returns `now` clamped to be monotonic.
@@ -375,9 +480,16 @@ impl Windows {
             return now;
         }
         let n = self.in_flight;
-        let c = self.backend.unwrap_or(n);
-        self.times
-            .add(from, now, bucket(c), c, self.backend.is_some());
+        for a in &self.active {
+            // The batch the endpoint's tokens are bucketed by (as `Stream` buckets them):
+            // the upstream's backend count, the endpoint's own, or its requests here.
+            let (c, by_backend) = match (self.backend, a.endpoint.backend_running.load(Relaxed)) {
+                (Some(b), _) => (b, true),
+                (None, UNKNOWN) => (a.in_flight, false),
+                (None, b) => (b, true),
+            };
+            self.times.add(from, now, bucket(c), c, by_backend);
+        }
         self.control_busy += u128::from(n) * u128::from(now - from);
         // Only the slots still in the window matter for the ring.
         let mut t = from.max(Span::of(now, self.slot_ns).start());

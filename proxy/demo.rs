@@ -216,7 +216,7 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
                 "\n{}: the adaptive cap holds TPOT p{} ≤ {} ms: cap now {}, TPOT p{} of the last second {} ms ({met}); SLO-bounded system T/s {}",
                 u.meter.name,
                 slo.percentile,
-                slo.tpot_ms,
+                f(slo.tpot_ms, 0),
                 u.limit.map_or_else(|| "-".into(), |l| l.to_string()),
                 slo.percentile,
                 f(slo.current_tpot_ms, 1),

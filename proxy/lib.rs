@@ -29,7 +29,10 @@
 //!   (`service::upgrade`).
 //! - [`sse`]: incremental SSE framing, no I/O, never alters a byte.
 //! - [`dialect`]: one file per API dialect; facts, never figures.
-//! - [`meter`]: per-request records and per-upstream windows; time is an argument.
+//! - [`meter`]: per-request records and per-upstream windows; time is an argument. Each
+//!   finished request is judged against the upstream's latency SLOs (goodput).
+//! - [`decide`]: what follows from the figures: cost per token, the decode roofline, the
+//!   endpoints a pool needs at its SLO. Arithmetic only.
 //! - [`routing`]: which upstream serves a request.
 //! - [`admin`]: the admin listener; reads the meter, never the proxy. Its dashboard (`/`)
 //!   and [`top`] (the terminal view) read the snapshots it pushes on `/events`.
@@ -44,6 +47,7 @@ pub mod admin;
 pub mod backend;
 pub mod compare;
 pub mod config;
+pub mod decide;
 pub mod demo;
 pub mod dialect;
 pub mod estimate;

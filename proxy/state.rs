@@ -186,6 +186,7 @@ impl Upstream {
         meter.set_sample_window(config.compare_window);
         meter.set_curve_window(config.curve_window);
         meter.set_semconv(config.semconv.then(|| Arc::clone(telemetry)));
+        meter.set_slo_targets(u.targets);
         let slo = u.slo.map(|slo| Arc::new(Adaptive::new(slo)));
         let limiter = Limiter::new(
             limit_config(u, slo.as_deref()),
@@ -223,6 +224,7 @@ impl Upstream {
             .set_semconv(config.semconv.then(|| Arc::clone(telemetry)));
         // A new length starts the curve's window afresh; the same keeps it.
         self.meter.set_curve_window(config.curve_window);
+        self.meter.set_slo_targets(u.targets);
         let slo = match (u.slo, &self.slo) {
             (Some(slo), Some(adaptive)) => {
                 adaptive.retune(slo);

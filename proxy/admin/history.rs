@@ -78,7 +78,7 @@ impl Point {
                         tpot_ms: m.tpot_ms,
                         itl_ms: m.itl_ms,
                         estimated_tokens_share_pct: m.estimated_tokens_share_pct,
-                        slo_tpot_ms: r.slo.as_ref().map(|s| s.tpot_ms),
+                        slo_tpot_ms: r.slo.as_ref().and_then(|s| s.tpot_ms),
                         slo_current_tpot_ms: r.slo.as_ref().and_then(|s| s.current_tpot_ms),
                         requests_total: m.requests_total,
                         errors_total: m.errors_total,

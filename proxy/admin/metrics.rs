@@ -192,7 +192,41 @@ fn upstream(x: &mut Exposition, report: &UpstreamReport) {
         );
     }
     if let Some(slo) = &report.slo {
-        x.add("tokentap_slo_tpot_seconds", &up, slo.tpot_ms / 1e3);
+        x.opt(
+            "tokentap_slo_tpot_seconds",
+            &up,
+            slo.tpot_ms.map(|v| v / 1e3),
+        );
+        x.opt(
+            "tokentap_slo_ttft_seconds",
+            &up,
+            slo.ttft_ms.map(|v| v / 1e3),
+        );
+        x.opt("tokentap_slo_e2e_seconds", &up, slo.e2e_ms.map(|v| v / 1e3));
+        for &(result, n) in &s.slo_requests_total {
+            x.add(
+                "tokentap_slo_requests_total",
+                &[("upstream", name), ("result", result)],
+                n as f64,
+            );
+        }
+        if let Some(g) = &s.goodput {
+            x.opt(
+                "tokentap_slo_attainment_ratio",
+                &up,
+                g.attainment_pct.map(|a| a / 100.0),
+            );
+            x.opt(
+                "tokentap_goodput_requests_per_second",
+                &up,
+                g.requests_per_sec,
+            );
+            x.opt(
+                "tokentap_goodput_output_tokens_per_second",
+                &up,
+                g.output_tokens_per_sec,
+            );
+        }
         x.opt(
             "tokentap_slo_current_tpot_seconds",
             &up,
@@ -203,11 +237,48 @@ fn upstream(x: &mut Exposition, report: &UpstreamReport) {
             &up,
             slo.slo_bounded_system_tps,
         );
-        if slo.controller != "local" {
-            let leads = slo.controller == "fleet_leader";
+        if let Some(role) = slo.controller.filter(|&r| r != "local") {
+            let leads = role == "fleet_leader";
             x.add("tokentap_slo_fleet_leader", &up, f64::from(u8::from(leads)));
         }
     }
+    if let Some(c) = &report.cost {
+        let currency = c.currency.as_deref().unwrap_or("");
+        let l = [("upstream", name), ("currency", currency)];
+        x.opt(
+            "tokentap_cost_per_million_output_tokens",
+            &l,
+            c.per_million_output_tokens,
+        );
+        x.opt(
+            "tokentap_cost_per_million_output_tokens_at_slo_bounded",
+            &l,
+            c.per_million_at_slo_bounded,
+        );
+    }
+    if let Some(r) = &report.roofline {
+        x.add(
+            "tokentap_roofline_single_stream_tokens_per_second",
+            &up,
+            r.single_stream_ceiling_tps,
+        );
+        x.opt(
+            "tokentap_model_bandwidth_utilization_ratio",
+            &up,
+            r.mbu_pct.map(|m| m / 100.0),
+        );
+    }
+    let c = &report.capacity;
+    x.opt(
+        "tokentap_capacity_demand_tokens_per_second",
+        &up,
+        c.demand_tps,
+    );
+    x.opt(
+        "tokentap_capacity_endpoints_needed",
+        &up,
+        c.endpoints_needed.map(|n| n as f64),
+    );
     if let Some(b) = &report.backend {
         x.opt("tokentap_backend_running_requests", &up, b.running);
         x.opt("tokentap_backend_waiting_requests", &up, b.waiting);

@@ -46,8 +46,15 @@ pub struct UpstreamReport {
     /// Requests refused a slot (429), all reasons.
     pub rejected_total: u64,
     pub rejected_by_reason: BTreeMap<&'static str, u64>,
-    /// The SLO the adaptive cap holds; `null` without one.
+    /// The latency SLOs and how the upstream stands against them; `null` without
+    /// `[upstream.slo]`.
     pub slo: Option<SloStats>,
+    /// Its cost per million output tokens, with `cost_per_hour`.
+    pub cost: Option<crate::decide::CostStats>,
+    /// The decode roofline and MBU, with `model` and a GPU.
+    pub roofline: Option<crate::decide::RooflineStats>,
+    /// The endpoints its demand needs at its SLO.
+    pub capacity: crate::decide::CapacityStats,
     /// The routes that send this upstream traffic, and its weight in each.
     pub arms: Vec<Arm>,
     /// What the curve's concurrency axis counts: `"backend"` (its own running count, from
@@ -72,18 +79,27 @@ pub struct Arm {
     pub share_pct: f64,
 }
 
-/// How an upstream stands against its TPOT SLO.
+/// How an upstream stands against its latency SLOs.
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct SloStats {
-    pub tpot_ms: f64,
+    pub tpot_ms: Option<f64>,
+    pub ttft_ms: Option<f64>,
+    pub e2e_ms: Option<f64>,
     pub percentile: f64,
-    /// Whether the last controller tick met the SLO; `null` before any traffic.
+    /// The share of requests that must be good.
+    pub attainment_pct: f64,
+    /// Whether the SLO holds now: the last controller tick's TPOT (with `tpot_ms`) and the
+    /// window's attainment (once requests were judged); `null` before any traffic.
     pub met: Option<bool>,
-    /// The SLO percentile of per-token gaps over the last controller tick.
+    /// The SLO percentile of per-token gaps over the last controller tick (with `tpot_ms`).
     pub current_tpot_ms: Option<f64>,
+    /// One endpoint's SLO-bounded system T/s: the highest among the curve's supported
+    /// points within the SLO, and that point's concurrency.
     pub slo_bounded_system_tps: Option<f64>,
-    /// Who moves the limit: `local`, `fleet_leader`, `fleet_follower` or `degraded`.
-    pub controller: &'static str,
+    pub slo_bounded_concurrency: Option<u64>,
+    /// Who moves the limit: `local`, `fleet_leader`, `fleet_follower` or `degraded`;
+    /// `null` without `tpot_ms` (no adaptive cap).
+    pub controller: Option<&'static str>,
 }
 
 /// Client connections against `server.max_connections`.
@@ -144,8 +160,29 @@ pub fn stats(shared: &Shared, transport: &Transport) -> Stats {
 fn report(shared: &Shared, i: usize, u: &Upstream, now: crate::meter::Nanos) -> UpstreamReport {
     let l = u.limiter.stats();
     let endpoints = u.pool.stats(now, shared.config.window);
+    let meter = u.meter.stats(now);
+    let bound = u.config.bound.and_then(|b| u.meter.slo_bound(&b));
+    let endpoints_now = u.pool.counts(now).healthy;
+    let economics = &u.config.economics;
+    let capacity = crate::decide::capacity(
+        crate::decide::Demand {
+            system_tps: meter.system_tps,
+            concurrency: meter.concurrency,
+            queued: l.queued,
+            endpoints_now,
+        },
+        bound,
+        u.config.bound.is_some(),
+        economics.headroom_pct,
+    );
+    // The pool's SLO-bounded rate: one endpoint's, on each endpoint taking requests.
+    let pool_bounded = bound.map(|b| b.system_tps * endpoints_now.max(1) as f64);
+    let lowest = meter
+        .curve
+        .iter()
+        .filter(|p| !p.sparse)
+        .find_map(|p| p.single_stream_tps.map(|tps| (p.concurrency, tps)));
     UpstreamReport {
-        meter: u.meter.stats(now),
         queued: l.queued,
         limit: l.limit,
         rejected_total: l.rejected_queue_full + l.rejected_queue_timeout,
@@ -156,18 +193,40 @@ fn report(shared: &Shared, i: usize, u: &Upstream, now: crate::meter::Nanos) -> 
         .into_iter()
         .filter(|(_, n)| *n > 0)
         .collect(),
-        slo: u.slo.as_ref().map(|a| {
-            let current = a.current_tpot_ms();
-            let slo = a.slo();
+        slo: u.config.bound.map(|b| {
+            let t = &u.config.targets;
+            let current = u.slo.as_ref().and_then(|a| a.current_tpot_ms());
+            let tick = t.tpot_ms.zip(current).map(|(slo, c)| c <= slo);
+            let attained = meter
+                .goodput
+                .and_then(|g| g.attainment_pct)
+                .map(|a| a >= u.config.attainment_pct);
             SloStats {
-                tpot_ms: slo.tpot_ms,
-                percentile: slo.percentile,
-                met: current.map(|c| c <= slo.tpot_ms),
+                tpot_ms: t.tpot_ms,
+                ttft_ms: t.ttft_ms,
+                e2e_ms: t.e2e_ms,
+                percentile: b.percentile,
+                attainment_pct: u.config.attainment_pct,
+                met: match (tick, attained) {
+                    (None, None) => None,
+                    (a, b) => Some(a.unwrap_or(true) && b.unwrap_or(true)),
+                },
                 current_tpot_ms: current,
-                slo_bounded_system_tps: u.meter.slo_bounded_system_tps(slo.tpot_ms, slo.percentile),
-                controller: a.role().label(),
+                slo_bounded_system_tps: bound.map(|b| b.system_tps),
+                slo_bounded_concurrency: bound.map(|b| b.concurrency),
+                controller: u.slo.as_ref().map(|a| a.role().label()),
             }
         }),
+        cost: economics
+            .price
+            .as_ref()
+            .map(|p| p.stats(meter.system_tps, pool_bounded)),
+        roofline: economics
+            .roofline
+            .as_ref()
+            .map(|r| r.stats(lowest, meter.single_stream_tps)),
+        capacity,
+        meter,
         arms: arms(shared, i),
         concurrency_source: if endpoints.iter().any(|e| {
             e.backend

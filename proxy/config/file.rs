@@ -14,8 +14,10 @@ use super::{
     UpstreamConfig, ADMIN_TOKEN_ENV, DEFAULT_LOG_FILTER,
 };
 use super::{DEFAULT_CONNECT_TIMEOUT_MS, DEFAULT_READ_TIMEOUT_SECS};
+use crate::decide::{Economics, Price, Roofline};
 use crate::estimate::Estimate;
 use crate::limit::controller::Slo;
+use crate::meter::{Bound, Targets};
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -448,7 +450,8 @@ pub struct UpstreamFile {
     /// "events".
     #[serde(default)]
     pub estimate: Estimate,
-    /// An adaptive cap that holds a TPOT SLO. Default: none.
+    /// Latency SLOs: each request judged good or not (goodput), and with `tpot_ms` an
+    /// adaptive cap that holds it. Default: none.
     #[serde(default)]
     pub slo: Option<SloFile>,
     /// TCP (and TLS) connect timeout, ms. Default 5000.
@@ -480,6 +483,55 @@ pub struct UpstreamFile {
     /// How often `backend_metrics` is scraped, ms. Default 1000.
     #[serde(default)]
     pub backend_scrape_ms: Option<u64>,
+    /// The pool's price per hour, in any currency: its cost per million output tokens.
+    /// Default: none.
+    #[serde(default)]
+    pub cost_per_hour: Option<f64>,
+    /// The price's currency, as a label ("USD", "EUR"). Default: none.
+    #[serde(default)]
+    pub cost_currency: Option<String>,
+    /// GPUs the price pays for: system T/s per GPU. Default: none.
+    #[serde(default)]
+    pub gpus: Option<u64>,
+    /// The model's weights, `{ weight_gb = 70.6 }` or `{ params_b = 70.6, bytes_per_param
+    /// = 1 }`: the decode roofline. Default: none.
+    #[serde(default)]
+    pub model: Option<ModelFile>,
+    /// The GPU, for its HBM bandwidth: "h100-sxm", "h200", "b200", "a100-80gb", "l40s" or
+    /// "mi300x". Default: none.
+    #[serde(default)]
+    pub gpu: Option<String>,
+    /// One GPU's HBM bandwidth, TB/s (a GPU not in the table). Default: none.
+    #[serde(default)]
+    pub hbm_tb_per_s: Option<f64>,
+    /// GPUs one replica's weights are split over. Default 1.
+    #[serde(default)]
+    pub tensor_parallel: Option<u64>,
+    /// How many endpoints the demand needs: `{ headroom_pct = 20 }`. Default: none.
+    #[serde(default)]
+    pub capacity: Option<CapacityFile>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelFile {
+    /// The weights' size in GB (10⁹ bytes). Default: none.
+    #[serde(default)]
+    pub weight_gb: Option<f64>,
+    /// Or the parameters, billions… Default: none.
+    #[serde(default)]
+    pub params_b: Option<f64>,
+    /// …and the bytes each takes (2 for BF16, 1 for FP8, 0.5 for 4-bit). Default: none.
+    #[serde(default)]
+    pub bytes_per_param: Option<f64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CapacityFile {
+    /// Demand is met with this much to spare, percent. Default 20.
+    #[serde(default)]
+    pub headroom_pct: Option<f64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -527,8 +579,20 @@ pub struct HealthFile {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SloFile {
-    /// The TPOT to hold, ms.
-    pub tpot_ms: f64,
+    /// The TPOT to hold, ms: the adaptive cap steers on it, and each request's own TPOT is
+    /// judged by it. Default: none.
+    #[serde(default)]
+    pub tpot_ms: Option<f64>,
+    /// A request is good only with its TTFT at most this, ms. Default: none.
+    #[serde(default)]
+    pub ttft_ms: Option<f64>,
+    /// …and its end-to-end latency at most this, ms. Default: none.
+    #[serde(default)]
+    pub e2e_ms: Option<f64>,
+    /// The share of requests that must be good, percent: where a curve point stands
+    /// within the SLO (with `ttft_ms` or `e2e_ms`). Default 90.
+    #[serde(default)]
+    pub attainment_pct: Option<f64>,
     /// Which percentile of per-token gaps must stay under it (1–99.9). Default 90.
     #[serde(default = "ninety")]
     pub percentile: f64,
@@ -768,39 +832,23 @@ fn upstream(
     if u.max_concurrency == Some(0) {
         p.add(at("max_concurrency"), "must be at least 1");
     }
-    let slo = u.slo.as_ref().and_then(|s| {
-        let at = |f: &str| format!("upstream[{i}].slo.{f}");
-        let before = p.len();
-        if !(s.tpot_ms > 0.0 && s.tpot_ms.is_finite()) {
-            p.add(
-                at("tpot_ms"),
-                format!("must be a positive number of ms, not {}", s.tpot_ms),
-            );
-        }
-        if !(1.0..=99.9).contains(&s.percentile) {
-            p.add(
-                at("percentile"),
-                format!("must be between 1 and 99.9, not {}", s.percentile),
-            );
-        }
-        let min = s.min_concurrency.unwrap_or(1);
-        let max = s.max_concurrency.or(u.max_concurrency).unwrap_or(1024);
-        if min == 0 {
-            p.add(at("min_concurrency"), "must be at least 1");
-        }
-        if min > max {
-            p.add(
-                at("min_concurrency"),
-                format!("{min} is above max_concurrency {max}"),
-            );
-        }
-        (p.len() == before).then_some(Slo {
-            tpot_ms: s.tpot_ms,
-            percentile: s.percentile,
-            min_concurrency: min,
-            max_concurrency: max,
-        })
+    let (slo, targets, attainment_pct) = match &u.slo {
+        Some(s) => slo(i, s, u.max_concurrency, p),
+        None => (
+            None,
+            Targets::default(),
+            crate::decide::DEFAULT_ATTAINMENT_PCT,
+        ),
+    };
+    // Where a curve point stands within the SLO: its gaps against the TPOT SLO, and (with a
+    // TTFT or e2e SLO, which gaps cannot show) its requests' attainment.
+    let bound = u.slo.as_ref().filter(|_| targets.any()).map(|s| Bound {
+        tpot_ms: targets.tpot_ms,
+        percentile: s.percentile,
+        attainment_pct: (targets.ttft_ms.is_some() || targets.e2e_ms.is_some())
+            .then_some(attainment_pct),
     });
+    let economics = economics(i, u, p);
     if u.max_queue.is_some_and(|q| q > 1_000_000) {
         p.add(at("max_queue"), "must be at most 1000000");
     }
@@ -925,6 +973,10 @@ fn upstream(
         max_queue: u.max_queue.unwrap_or(256),
         queue_timeout: Duration::from_millis(queue_timeout),
         slo,
+        targets,
+        attainment_pct,
+        bound,
+        economics,
         inject_usage: u.inject_usage,
         estimate: u.estimate,
         tls_verify: u.tls_verify.unwrap_or(true),
@@ -933,6 +985,214 @@ fn upstream(
         backend_metrics,
         backend_scrape: Duration::from_millis(backend_scrape_ms),
     })
+}
+
+/// `upstream[i].slo` checked: the adaptive cap's SLO (with `tpot_ms`), the targets each
+/// request is judged by, and the attainment a curve point needs.
+fn slo(
+    i: usize,
+    s: &SloFile,
+    max_concurrency: Option<u64>,
+    p: &mut Problems,
+) -> (Option<Slo>, Targets, f64) {
+    let at = |f: &str| format!("upstream[{i}].slo.{f}");
+    let before = p.len();
+    let mut ms = |key: &str, v: Option<f64>| {
+        if let Some(v) = v.filter(|v| !(*v > 0.0 && v.is_finite())) {
+            p.add(at(key), format!("must be a positive number of ms, not {v}"));
+        }
+    };
+    ms("tpot_ms", s.tpot_ms);
+    ms("ttft_ms", s.ttft_ms);
+    ms("e2e_ms", s.e2e_ms);
+    let targets = Targets {
+        ttft_ms: s.ttft_ms,
+        tpot_ms: s.tpot_ms,
+        e2e_ms: s.e2e_ms,
+    };
+    if !targets.any() {
+        p.add(
+            format!("upstream[{i}].slo"),
+            "give at least one of tpot_ms, ttft_ms and e2e_ms",
+        );
+    }
+    let attainment = s
+        .attainment_pct
+        .unwrap_or(crate::decide::DEFAULT_ATTAINMENT_PCT);
+    if !(attainment > 0.0 && attainment <= 100.0) {
+        p.add(
+            at("attainment_pct"),
+            format!("must be above 0 and at most 100, not {attainment}"),
+        );
+    }
+    if !(1.0..=99.9).contains(&s.percentile) {
+        p.add(
+            at("percentile"),
+            format!("must be between 1 and 99.9, not {}", s.percentile),
+        );
+    }
+    let min = s.min_concurrency.unwrap_or(1);
+    let max = s.max_concurrency.or(max_concurrency).unwrap_or(1024);
+    if s.tpot_ms.is_none() {
+        for (key, given) in [
+            ("min_concurrency", s.min_concurrency.is_some()),
+            ("max_concurrency", s.max_concurrency.is_some()),
+        ] {
+            if given {
+                p.add(at(key), "applies with tpot_ms (the adaptive cap) only");
+            }
+        }
+    }
+    if min == 0 {
+        p.add(at("min_concurrency"), "must be at least 1");
+    }
+    if min > max {
+        p.add(
+            at("min_concurrency"),
+            format!("{min} is above max_concurrency {max}"),
+        );
+    }
+    let cap = s.tpot_ms.filter(|_| p.len() == before).map(|tpot_ms| Slo {
+        tpot_ms,
+        percentile: s.percentile,
+        min_concurrency: min,
+        max_concurrency: max,
+    });
+    (cap, targets, attainment)
+}
+
+/// `upstream[i]`'s price, model and GPUs, and its capacity's headroom, checked.
+fn economics(i: usize, u: &UpstreamFile, p: &mut Problems) -> Economics {
+    let at = |f: &str| format!("upstream[{i}].{f}");
+    let positive = |p: &mut Problems, key: &str, v: Option<f64>, what: &str| {
+        v.filter(|v| {
+            let ok = *v > 0.0 && v.is_finite();
+            if !ok {
+                p.add(at(key), format!("must be a positive {what}, not {v}"));
+            }
+            ok
+        })
+    };
+    let per_hour = positive(p, "cost_per_hour", u.cost_per_hour, "price per hour");
+    if u.cost_per_hour.is_none() {
+        for (key, given) in [
+            ("cost_currency", u.cost_currency.is_some()),
+            ("gpus", u.gpus.is_some()),
+        ] {
+            if given {
+                p.add(at(key), "applies with cost_per_hour only");
+            }
+        }
+    }
+    if u.gpus == Some(0) {
+        p.add(at("gpus"), "must be at least 1");
+    }
+    let price = per_hour.map(|per_hour| Price {
+        per_hour,
+        currency: u.cost_currency.clone(),
+        gpus: u.gpus.map(|g| u32::try_from(g).unwrap_or(u32::MAX)),
+    });
+    let weight_gb = u.model.as_ref().and_then(|m| {
+        let model = |f: &str| format!("upstream[{i}].model.{f}");
+        match (m.weight_gb, m.params_b, m.bytes_per_param) {
+            (Some(w), None, None) => positive(p, "model.weight_gb", Some(w), "size in GB"),
+            (None, Some(params), Some(bytes)) => {
+                let params = positive(p, "model.params_b", Some(params), "number of billions");
+                let bytes = positive(p, "model.bytes_per_param", Some(bytes), "number of bytes");
+                params.zip(bytes).map(|(n, b)| n * b)
+            }
+            (None, Some(_), None) => {
+                p.add(
+                    model("bytes_per_param"),
+                    "is required with params_b: 2 for BF16, 1 for FP8, 0.5 for 4-bit",
+                );
+                None
+            }
+            (None, None, Some(_)) => {
+                p.add(model("params_b"), "is required with bytes_per_param");
+                None
+            }
+            (None, None, None) => {
+                p.add(
+                    at("model"),
+                    "give weight_gb, or params_b and bytes_per_param",
+                );
+                None
+            }
+            (Some(_), ..) => {
+                p.add(
+                    model("weight_gb"),
+                    "give weight_gb, or params_b and bytes_per_param, not both",
+                );
+                None
+            }
+        }
+    });
+    let bandwidth = match (&u.gpu, u.hbm_tb_per_s) {
+        (Some(_), Some(_)) => {
+            p.add(
+                at("hbm_tb_per_s"),
+                "give gpu (a known GPU) or hbm_tb_per_s, not both",
+            );
+            None
+        }
+        (Some(gpu), None) => crate::decide::gpu_bandwidth(gpu).or_else(|| {
+            let known: Vec<&str> = crate::decide::GPUS.iter().map(|(n, _)| *n).collect();
+            p.add(
+                at("gpu"),
+                format!(
+                    "`{gpu}` is not one of {}; give hbm_tb_per_s for another GPU",
+                    known.join(", ")
+                ),
+            );
+            None
+        }),
+        (None, bw) => positive(p, "hbm_tb_per_s", bw, "bandwidth in TB/s"),
+    };
+    if u.tensor_parallel == Some(0) {
+        p.add(at("tensor_parallel"), "must be at least 1");
+    }
+    let roofline_keys = [
+        ("gpu", u.gpu.is_some()),
+        ("hbm_tb_per_s", u.hbm_tb_per_s.is_some()),
+        ("tensor_parallel", u.tensor_parallel.is_some()),
+    ];
+    if u.model.is_none() {
+        for (key, _) in roofline_keys.iter().filter(|(_, given)| *given) {
+            p.add(at(key), "applies with model (the decode roofline) only");
+        }
+    } else if u.gpu.is_none() && u.hbm_tb_per_s.is_none() {
+        p.add(
+            at("model"),
+            "the roofline needs the GPU: gpu = \"h100-sxm\" (or another known one) or hbm_tb_per_s",
+        );
+    }
+    let roofline = weight_gb
+        .zip(bandwidth)
+        .map(|(weight_gb, hbm_tb_per_s)| Roofline {
+            weight_gb,
+            hbm_tb_per_s,
+            tensor_parallel: u
+                .tensor_parallel
+                .map_or(1, |t| u32::try_from(t.max(1)).unwrap_or(u32::MAX)),
+            gpu: u.gpu.clone(),
+        });
+    let headroom_pct = match u.capacity.as_ref().and_then(|c| c.headroom_pct) {
+        Some(h) if (0.0..=1000.0).contains(&h) => h,
+        Some(h) => {
+            p.add(
+                at("capacity.headroom_pct"),
+                format!("must be between 0 and 1000, not {h}"),
+            );
+            crate::decide::DEFAULT_HEADROOM_PCT
+        }
+        None => crate::decide::DEFAULT_HEADROOM_PCT,
+    };
+    Economics {
+        price,
+        roofline,
+        headroom_pct,
+    }
 }
 
 /// The endpoints `url` or `endpoints` give (exactly one of them, or `discover`), resolved,

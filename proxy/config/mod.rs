@@ -225,8 +225,17 @@ pub struct UpstreamConfig {
     /// Requests that may wait for a slot.
     pub max_queue: usize,
     pub queue_timeout: Duration,
-    /// An adaptive cap that holds this SLO.
+    /// An adaptive cap that holds this SLO (`slo.tpot_ms`).
     pub slo: Option<Slo>,
+    /// The latency SLOs each finished request is judged by (goodput); none set without
+    /// `[upstream.slo]`.
+    pub targets: crate::meter::Targets,
+    /// The share of requests a curve point must keep good to count as within the SLO.
+    pub attainment_pct: f64,
+    /// What a curve point must meet to be within the SLO; none without `[upstream.slo]`.
+    pub bound: Option<crate::meter::Bound>,
+    /// Its price, model and GPUs, and the headroom its capacity keeps.
+    pub economics: crate::decide::Economics,
     /// Ask streaming OpenAI requests for their usage chunk, and hide it again.
     pub inject_usage: bool,
     /// How tokens without an exact count are estimated.
@@ -777,6 +786,64 @@ split = { "a" = 0 }
             (slo.percentile, slo.min_concurrency, slo.max_concurrency),
             (90.0, 1, 200)
         );
+    }
+
+    /// The decisions' keys: latency SLOs without a cap, a price, a model on its GPUs.
+    #[test]
+    fn decisions_keys_are_read_and_their_mistakes_reported() {
+        let c = Config::parse(
+            concat!(
+                "[[upstream]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"\n",
+                "cost_per_hour = 2.5\ncost_currency = \"USD\"\ngpus = 1\n",
+                "model = { params_b = 70.6, bytes_per_param = 1 }\ngpu = \"h100-sxm\"\n",
+                "capacity = { headroom_pct = 30 }\n",
+                "[upstream.slo]\nttft_ms = 500\ne2e_ms = 20000\n",
+            ),
+            "t",
+        )
+        .expect("valid");
+        let u = &c.upstreams[0];
+        assert!(u.slo.is_none(), "no tpot_ms, no adaptive cap");
+        assert_eq!(
+            (u.targets.ttft_ms, u.targets.tpot_ms, u.targets.e2e_ms),
+            (Some(500.0), None, Some(20000.0))
+        );
+        assert_eq!(
+            u.bound.map(|b| b.attainment_pct),
+            Some(Some(90.0)),
+            "a TTFT SLO is judged on requests"
+        );
+        let r = u.economics.roofline.as_ref().expect("a roofline");
+        assert!((r.single_stream_ceiling_tps() - 47.45).abs() < 0.01);
+        assert_eq!(u.economics.price.as_ref().map(|p| p.per_hour), Some(2.5));
+        assert_eq!(u.economics.headroom_pct, 30.0);
+
+        let p = problems(concat!(
+            "[[upstream]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"\n",
+            "cost_per_hour = -1\nmodel = { params_b = 8 }\ngpu = \"h100\"\ntensor_parallel = 0\n",
+            "capacity = { headroom_pct = -5 }\n",
+            "[upstream.slo]\nmin_concurrency = 4\nattainment_pct = 0\n",
+            "[[upstream]]\nname = \"b\"\nurl = \"http://127.0.0.1:2\"\ngpus = 2\ngpu = \"h200\"\n",
+            "model = { weight_gb = 16 }\nhbm_tb_per_s = 4.8\n",
+            "[[route]]\nsplit = { a = 1, b = 1 }\n",
+        ));
+        for want in [
+            "upstream[0].cost_per_hour: must be a positive price per hour",
+            "upstream[0].model.bytes_per_param: is required with params_b",
+            "upstream[0].gpu: `h100` is not one of h100-sxm, h200",
+            "upstream[0].tensor_parallel: must be at least 1",
+            "upstream[0].capacity.headroom_pct: must be between 0 and 1000",
+            "upstream[0].slo: give at least one of tpot_ms, ttft_ms and e2e_ms",
+            "upstream[0].slo.min_concurrency: applies with tpot_ms",
+            "upstream[0].slo.attainment_pct: must be above 0",
+            "upstream[1].gpus: applies with cost_per_hour only",
+            "upstream[1].hbm_tb_per_s: give gpu (a known GPU) or hbm_tb_per_s, not both",
+        ] {
+            assert!(
+                p.iter().any(|x| x.starts_with(want)),
+                "missing {want:?} in {p:#?}"
+            );
+        }
     }
 
     /// A pool's keys: where its endpoints come from (one way), discovery, health, balance.

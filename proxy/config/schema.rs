@@ -131,6 +131,9 @@ const FILE: &[Field] = &[
                 "slo",
                 Kind::Table(&[
                     ("tpot_ms", Kind::Number("a number of milliseconds")),
+                    ("ttft_ms", Kind::Number("a number of milliseconds")),
+                    ("e2e_ms", Kind::Number("a number of milliseconds")),
+                    ("attainment_pct", Kind::Number("a percentage")),
                     (
                         "percentile",
                         Kind::Number("a percentile between 1 and 99.9"),
@@ -147,6 +150,24 @@ const FILE: &[Field] = &[
             ("tls_verify", Kind::Bool),
             ("backend_metrics", Kind::Text),
             ("backend_scrape_ms", MS),
+            ("cost_per_hour", Kind::Number("a price per hour")),
+            ("cost_currency", Kind::Text),
+            ("gpus", COUNT),
+            (
+                "model",
+                Kind::Table(&[
+                    ("weight_gb", Kind::Number("a size in GB")),
+                    ("params_b", Kind::Number("billions of parameters")),
+                    ("bytes_per_param", Kind::Number("a number of bytes")),
+                ]),
+            ),
+            ("gpu", Kind::Text),
+            ("hbm_tb_per_s", Kind::Number("a bandwidth in TB/s")),
+            ("tensor_parallel", COUNT),
+            (
+                "capacity",
+                Kind::Table(&[("headroom_pct", Kind::Number("a percentage"))]),
+            ),
         ]),
     ),
     (
@@ -534,6 +555,14 @@ mod tests {
             ("upstream[].max_queue", u.max_queue.to_string()),
             ("upstream[].queue_timeout_ms", ms(u.queue_timeout)),
             ("upstream[].slo.percentile", slo.percentile.to_string()),
+            (
+                "upstream[].slo.attainment_pct",
+                u.attainment_pct.to_string(),
+            ),
+            (
+                "upstream[].capacity.headroom_pct",
+                u.economics.headroom_pct.to_string(),
+            ),
             (
                 "upstream[].slo.min_concurrency",
                 slo.min_concurrency.to_string(),

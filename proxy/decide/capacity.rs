@@ -1,0 +1,189 @@
+//! Capacity: how many endpoints the current demand needs at the SLO, from the pool's own
+//! live curve, whatever the engine.
+//!
+//! Demand is tokens per second asked for: those delivered over the window, plus what the
+//! queue holds back (the requests waiting now, each at the rate an in-flight request gets:
+//! system T/s ÷ mean concurrency). One endpoint delivers at most its SLO-bounded system
+//! T/s (the curve is one endpoint's); with `headroom_pct` on top, the pool needs ⌈demand ×
+//! (1 + headroom) ÷ that⌉. The bound is taken only where the curve shows it: a supported
+//! point within the SLO with one above it that breaks it (`bracketed`), or running at 80%
+//! of the TPOT SLO or with requests that broke it (`near_slo`). A curve that never came near
+//! its SLO gives no figure and says why: what lies past the highest concurrency seen is not
+//! extrapolated.
+
+use serde::Serialize;
+
+use crate::meter::SloBound;
+
+/// What capacity is computed from.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Demand {
+    /// The live window's system T/s and mean concurrency.
+    pub system_tps: Option<f64>,
+    pub concurrency: Option<f64>,
+    /// Requests waiting for a slot now.
+    pub queued: u64,
+    /// Endpoints taking requests now.
+    pub endpoints_now: u64,
+}
+
+/// The capacity's part of `/stats`.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct CapacityStats {
+    /// Tokens per second asked for: `delivered_tps` plus what the queue holds back.
+    pub demand_tps: Option<f64>,
+    pub delivered_tps: Option<f64>,
+    pub queued: u64,
+    /// One endpoint's SLO-bounded system T/s, and the concurrency where the curve shows it.
+    pub slo_bounded_tps_per_endpoint: Option<f64>,
+    pub slo_bounded_concurrency: Option<u64>,
+    pub endpoints_now: u64,
+    pub endpoints_needed: Option<u64>,
+    pub headroom_pct: f64,
+    /// Where the bound comes from: `bracketed` or `near_slo`; `null` with `reason`.
+    pub basis: Option<&'static str>,
+    /// `enough` or `add N`; `null` with `reason`.
+    pub advice: Option<String>,
+    /// Why there is no figure.
+    pub reason: Option<String>,
+}
+
+/// The pool's capacity for `demand` under its SLO's `bound` (`None`: no point within it),
+/// `slo` saying whether there is an SLO at all.
+pub fn capacity(
+    demand: Demand,
+    bound: Option<SloBound>,
+    slo: bool,
+    headroom_pct: f64,
+) -> CapacityStats {
+    let delivered = demand.system_tps;
+    let held_back = match (delivered, demand.concurrency) {
+        (Some(tps), Some(c)) if c > 0.0 => tps / c * demand.queued as f64,
+        _ => 0.0,
+    };
+    let demand_tps = delivered.map(|d| d + held_back);
+    let (basis, reason) = match bound {
+        _ if !slo => (
+            None,
+            Some("no [upstream.slo]: capacity is counted at an SLO".into()),
+        ),
+        None => (
+            None,
+            Some("no supported curve point meets the SLO yet".to_owned()),
+        ),
+        Some(b) if b.bracketed => (Some("bracketed"), None),
+        Some(b) if b.near => (Some("near_slo"), None),
+        Some(b) => (
+            None,
+            Some(format!(
+                "the curve has not come near the SLO: up to {} in flight per endpoint it holds \
+                 with room to spare, and what lies beyond is not extrapolated",
+                b.highest_supported
+            )),
+        ),
+    };
+    let per_endpoint = bound.filter(|_| basis.is_some()).map(|b| b.system_tps);
+    let needed = demand_tps
+        .zip(per_endpoint)
+        .filter(|&(_, per)| per > 0.0)
+        .map(|(d, per)| {
+            let n = (d * (1.0 + headroom_pct / 100.0) / per - 1e-9).ceil();
+            (n.max(1.0)) as u64
+        });
+    let advice = needed.map(|n| {
+        if n <= demand.endpoints_now {
+            "enough".to_owned()
+        } else {
+            format!("add {}", n - demand.endpoints_now)
+        }
+    });
+    let reason = reason.or_else(|| {
+        (basis.is_some() && demand_tps.is_none()).then(|| "no traffic in the window".to_owned())
+    });
+    CapacityStats {
+        demand_tps,
+        delivered_tps: delivered,
+        queued: demand.queued,
+        slo_bounded_tps_per_endpoint: per_endpoint,
+        slo_bounded_concurrency: bound.filter(|_| basis.is_some()).map(|b| b.concurrency),
+        endpoints_now: demand.endpoints_now,
+        endpoints_needed: needed,
+        headroom_pct,
+        basis,
+        advice,
+        reason,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bound(system_tps: f64, bracketed: bool, near: bool) -> SloBound {
+        SloBound {
+            concurrency: 8,
+            system_tps,
+            tpot_ms: Some(28.0),
+            bracketed,
+            near,
+            highest_supported: 16,
+        }
+    }
+
+    #[test]
+    fn three_x_of_demand_on_x_per_endpoint_needs_four_with_headroom() {
+        // Two endpoints capped at their SLO-bounded 400 T/s each, and half as many
+        // requests again waiting: demand 1200 T/s.
+        let d = Demand {
+            system_tps: Some(800.0),
+            concurrency: Some(16.0),
+            queued: 8,
+            endpoints_now: 2,
+        };
+        let c = capacity(d, Some(bound(400.0, true, true)), true, 20.0);
+        assert_eq!(c.demand_tps, Some(1200.0));
+        assert_eq!(c.endpoints_needed, Some(4));
+        assert_eq!(c.advice.as_deref(), Some("add 2"));
+        assert_eq!(c.basis, Some("bracketed"));
+        // Four endpoints later the queue is gone and the demand served.
+        let after = Demand {
+            system_tps: Some(1200.0),
+            queued: 0,
+            endpoints_now: 4,
+            ..d
+        };
+        let c = capacity(after, Some(bound(400.0, true, true)), true, 20.0);
+        assert_eq!(
+            (c.endpoints_needed, c.advice.as_deref()),
+            (Some(4), Some("enough"))
+        );
+    }
+
+    #[test]
+    fn no_figure_without_a_point_near_the_slo() {
+        let d = Demand {
+            system_tps: Some(100.0),
+            concurrency: Some(2.0),
+            queued: 0,
+            endpoints_now: 1,
+        };
+        let far = capacity(d, Some(bound(400.0, false, false)), true, 20.0);
+        assert_eq!((far.endpoints_needed, far.basis), (None, None));
+        assert!(far
+            .reason
+            .as_deref()
+            .is_some_and(|r| r.contains("16 in flight")));
+        let none = capacity(d, None, true, 20.0);
+        assert!(none.reason.is_some() && none.endpoints_needed.is_none());
+        let no_slo = capacity(d, Some(bound(400.0, true, true)), false, 20.0);
+        assert!(no_slo
+            .reason
+            .as_deref()
+            .is_some_and(|r| r.contains("[upstream.slo]")));
+        let near = capacity(d, Some(bound(400.0, false, true)), true, 0.0);
+        assert_eq!(
+            (near.endpoints_needed, near.basis),
+            (Some(1), Some("near_slo"))
+        );
+    }
+}

@@ -1,0 +1,135 @@
+//! The decode roofline: decoding reads every weight once per step, so one stream cannot
+//! decode faster than the GPUs' memory bandwidth divided by the weights' bytes (each of
+//! `tensor_parallel` GPUs reads its share at once). Model bandwidth utilisation (MBU) is how
+//! close a backend runs to it: single-stream T/s ÷ that ceiling, whatever the batch (a step
+//! reads the weights once for every stream in it; KV-cache reads are left out, so MBU is a
+//! slight understatement at long contexts). An MBU over 100% cannot be: the size or the
+//! bandwidth configured is wrong, and it is reported as that, never as a figure.
+
+use serde::Serialize;
+
+/// Published peak HBM bandwidth per GPU, TB/s (docs/decisions.md gives each source).
+pub const GPUS: &[(&str, f64)] = &[
+    ("h100-sxm", 3.35),
+    ("h200", 4.8),
+    ("b200", 8.0),
+    ("a100-80gb", 2.039),
+    ("l40s", 0.864),
+    ("mi300x", 5.3),
+];
+
+/// The bandwidth of a GPU named in `GPUS`.
+pub fn gpu_bandwidth(name: &str) -> Option<f64> {
+    GPUS.iter().find(|(n, _)| *n == name).map(|&(_, bw)| bw)
+}
+
+/// A model on its GPUs (`upstream[].model`, `gpu` or `hbm_tb_per_s`, `tensor_parallel`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Roofline {
+    /// The weights' size, GB (10⁹ bytes).
+    pub weight_gb: f64,
+    /// One GPU's HBM bandwidth, TB/s (10¹² bytes per second).
+    pub hbm_tb_per_s: f64,
+    /// GPUs one replica's weights are split over.
+    pub tensor_parallel: u32,
+    /// The GPU named, when it was named.
+    pub gpu: Option<String>,
+}
+
+/// The roofline's part of `/stats`.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct RooflineStats {
+    pub weight_gb: f64,
+    pub hbm_tb_per_s: f64,
+    pub tensor_parallel: u32,
+    pub gpu: Option<String>,
+    /// The fastest one stream can decode: bandwidth × tensor_parallel ÷ weight bytes.
+    pub single_stream_ceiling_tps: f64,
+    /// MBU at the lowest supported curve point (its concurrency in `mbu_at_concurrency`),
+    /// percent; `null` without one, or when it would exceed 100 (see `problem`).
+    pub mbu_pct: Option<f64>,
+    pub mbu_at_concurrency: Option<u64>,
+    /// MBU of the live window's single-stream T/s, percent.
+    pub mbu_pct_now: Option<f64>,
+    /// Set when a measured rate beats the ceiling: the model size or bandwidth is wrong.
+    pub problem: Option<String>,
+}
+
+// === impl Roofline ===
+
+impl Roofline {
+    pub fn single_stream_ceiling_tps(&self) -> f64 {
+        self.hbm_tb_per_s * 1e3 * f64::from(self.tensor_parallel) / self.weight_gb
+    }
+
+    /// The roofline against the single-stream T/s of the lowest supported curve point
+    /// (`lowest`: its concurrency and rate) and of the live window (`now`).
+    pub fn stats(&self, lowest: Option<(u64, f64)>, now: Option<f64>) -> RooflineStats {
+        let ceiling = self.single_stream_ceiling_tps();
+        let mbu = |tps: f64| 100.0 * tps / ceiling;
+        // The point is read over its support; the window may be a few fast requests.
+        let problem = lowest.filter(|&(_, tps)| mbu(tps) > 100.0).map(|(c, tps)| {
+            format!(
+                "single-stream {tps:.1} T/s at concurrency {c} is {:.2}× the roofline's \
+                 {ceiling:.1} T/s: model.weight_gb ({}) or the bandwidth ({} TB/s × {}) is wrong",
+                tps / ceiling,
+                self.weight_gb,
+                self.hbm_tb_per_s,
+                self.tensor_parallel
+            )
+        });
+        let within = |tps: f64| (mbu(tps) <= 100.0).then(|| mbu(tps));
+        RooflineStats {
+            weight_gb: self.weight_gb,
+            hbm_tb_per_s: self.hbm_tb_per_s,
+            tensor_parallel: self.tensor_parallel,
+            gpu: self.gpu.clone(),
+            single_stream_ceiling_tps: ceiling,
+            mbu_pct: lowest.and_then(|(_, tps)| within(tps)),
+            mbu_at_concurrency: lowest.map(|(c, _)| c),
+            mbu_pct_now: if problem.is_some() {
+                None
+            } else {
+                now.and_then(within)
+            },
+            problem,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn llama70b_fp8() -> Roofline {
+        Roofline {
+            weight_gb: 70.6,
+            hbm_tb_per_s: gpu_bandwidth("h100-sxm").unwrap_or_default(),
+            tensor_parallel: 1,
+            gpu: Some("h100-sxm".into()),
+        }
+    }
+
+    #[test]
+    fn seventy_gb_on_an_h100_decodes_at_most_47_5_tps() {
+        let r = llama70b_fp8();
+        assert!((r.single_stream_ceiling_tps() - 47.45).abs() < 0.01);
+        // 25 ms a token alone: 40 T/s, 84% of the ceiling.
+        let s = r.stats(Some((1, 40.0)), Some(38.0));
+        assert!((s.mbu_pct.unwrap_or_default() - 84.3).abs() < 0.1, "{s:?}");
+        assert!(s.problem.is_none());
+        // 10 ms a token alone cannot be: reported as a misconfiguration, with no MBU.
+        let s = r.stats(Some((1, 100.0)), Some(100.0));
+        assert_eq!((s.mbu_pct, s.mbu_pct_now), (None, None));
+        assert!(
+            s.problem.as_deref().is_some_and(|p| p.contains("2.11×")),
+            "{s:?}"
+        );
+        // Split over two GPUs, each reads half.
+        let tp2 = Roofline {
+            tensor_parallel: 2,
+            ..llama70b_fp8()
+        };
+        assert!((tp2.single_stream_ceiling_tps() - 94.9).abs() < 0.1);
+    }
+}

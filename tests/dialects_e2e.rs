@@ -31,19 +31,15 @@ async fn sim(dialect: SimDialect, tokens_per_chunk: u64, usage: UsageMode) -> Si
 
 fn args(addr: std::net::SocketAddr, dialect: SimDialect) -> LoadArgs {
     LoadArgs {
-        url: format!("http://{addr}"),
-        path: None,
         dialect,
         concurrency: vec![],
-        rate: None,
         duration: MEASURE.as_secs_f64(),
         warmup: WARMUP.as_secs_f64(),
         max_tokens: 32,
         include_usage: true,
-        headers: vec![],
         model: "m".into(),
         prompt: "p".into(),
-        json: false,
+        ..LoadArgs::for_url(format!("http://{addr}"))
     }
 }
 

@@ -18,7 +18,7 @@ use tokio::net::TcpStream;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
-use super::report::{PhaseReport, Quantiles};
+use super::report::{LoadGoodput, PhaseReport, Quantiles, RequestRecord, Slo};
 use super::Mode;
 use crate::ndjson::NdjsonParser;
 use crate::sim::SimDialect;
@@ -37,11 +37,26 @@ pub struct Target {
 
 type Sender = SendRequest<Full<Bytes>>;
 
+/// What a phase measures besides its figures.
+#[derive(Debug, Clone, Default)]
+pub struct Options {
+    /// Judge each request by these SLOs.
+    pub slo: Option<Slo>,
+    /// Keep a record of each request.
+    pub records: bool,
+    /// Show a progress bar.
+    pub progress: bool,
+}
+
 /// The measured window of a phase and what landed in it.
 struct Phase {
+    label: String,
+    start: Instant,
     window_start: Instant,
     window_end: Instant,
     window_tokens: AtomicU64,
+    slo: Option<Slo>,
+    keep_records: bool,
     tally: Mutex<Tally>,
 }
 
@@ -53,6 +68,10 @@ struct Tally {
     requests: u64,
     output_tokens: u64,
     errors: BTreeMap<String, u64>,
+    judged: u64,
+    good: u64,
+    good_tokens: u64,
+    records: Vec<RequestRecord>,
 }
 
 impl Phase {
@@ -66,7 +85,23 @@ impl Phase {
 
     fn error(&self, kind: String) {
         if self.inside(Instant::now()) {
-            *self.tally().errors.entry(kind).or_insert(0) += 1;
+            let mut t = self.tally();
+            if self.slo.is_some() {
+                t.judged += 1;
+            }
+            if self.keep_records {
+                t.records.push(RequestRecord {
+                    phase: self.label.clone(),
+                    start_ms: None,
+                    error: Some(kind.clone()),
+                    ttft_ms: None,
+                    tpot_ms: None,
+                    e2e_ms: None,
+                    output_tokens: 0,
+                    good: self.slo.map(|_| false),
+                });
+            }
+            *t.errors.entry(kind).or_insert(0) += 1;
         }
     }
 }
@@ -79,14 +114,39 @@ pub async fn run_phase(
     duration: Duration,
     progress: bool,
 ) -> PhaseReport {
+    let options = Options {
+        progress,
+        ..Options::default()
+    };
+    run_phase_with(target, mode, warmup, duration, &options)
+        .await
+        .0
+}
+
+/// [`run_phase`] with `options`: also the records of the requests that ended inside the
+/// measured window.
+pub async fn run_phase_with(
+    target: &Arc<Target>,
+    mode: Mode,
+    warmup: Duration,
+    duration: Duration,
+    options: &Options,
+) -> (PhaseReport, Vec<RequestRecord>) {
     let start = Instant::now();
     let phase = Arc::new(Phase {
+        label: match mode {
+            Mode::Closed { concurrency } => format!("c={concurrency}"),
+            Mode::Open { rate } => format!("rate={rate}/s"),
+        },
+        start,
         window_start: start + warmup,
         window_end: start + warmup + duration,
         window_tokens: AtomicU64::new(0),
+        slo: options.slo,
+        keep_records: options.records,
         tally: Mutex::new(Tally::default()),
     });
-    let bar = progress_bar(progress, warmup + duration, mode);
+    let bar = progress_bar(options.progress, warmup + duration, mode);
     let mut tasks = JoinSet::new();
     match mode {
         Mode::Closed { concurrency } => {
@@ -110,7 +170,15 @@ pub async fn run_phase(
     let mut t = std::mem::take(&mut *phase.tally());
     let secs = duration.as_secs_f64();
     let tpot = Quantiles::of(std::mem::take(&mut t.tpot));
-    PhaseReport {
+    let goodput = phase.slo.map(|_| LoadGoodput {
+        good: t.good,
+        judged: t.judged,
+        requests_per_sec: t.good as f64 / secs,
+        output_tokens_per_sec: t.good_tokens as f64 / secs,
+        attainment_pct: (t.judged > 0).then(|| 100.0 * t.good as f64 / t.judged as f64),
+    });
+    let records = std::mem::take(&mut t.records);
+    let report = PhaseReport {
         concurrency: match mode {
             Mode::Closed { concurrency } => Some(concurrency),
             Mode::Open { .. } => None,
@@ -128,7 +196,9 @@ pub async fn run_phase(
         itl_ms: Quantiles::of(t.itl),
         system_tps: Some(phase.window_tokens.load(Relaxed) as f64 / secs),
         output_tokens: t.output_tokens,
-    }
+        goodput,
+    };
+    (report, records)
 }
 
 fn progress_bar(show: bool, total: Duration, mode: Mode) -> ProgressBar {
@@ -272,7 +342,36 @@ async fn one(sender: &mut Sender, target: &Target, phase: &Phase) -> Result<(), 
     }
     let end = Instant::now();
     let total = exact.unwrap_or(tokens);
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    // vLLM's TPOT; a response that was not streamed has its first token at its end.
+    let tpot = first
+        .filter(|&f| total >= 2 && last > f)
+        .map(|f| ms(last.duration_since(f)) / (total - 1) as f64);
+    let ttft = ms(first.unwrap_or(end).duration_since(start));
+    let e2e = ms(end.duration_since(start));
     let mut t = phase.tally();
+    if phase.inside(end) {
+        let good = phase.slo.map(|slo| slo.good(ttft, tpot, e2e));
+        if let Some(good) = good {
+            t.judged += 1;
+            if good {
+                t.good += 1;
+                t.good_tokens += total;
+            }
+        }
+        if phase.keep_records {
+            t.records.push(RequestRecord {
+                phase: phase.label.clone(),
+                start_ms: Some(ms(start.duration_since(phase.start))),
+                error: None,
+                ttft_ms: Some(ttft),
+                tpot_ms: tpot,
+                e2e_ms: Some(e2e),
+                output_tokens: total,
+                good,
+            });
+        }
+    }
     t.itl.extend(itl);
     if let Some(first) = first {
         if phase.inside(start) {

@@ -10,6 +10,7 @@
 //! handling and shares only the SSE framing helper.
 
 mod client;
+mod plot;
 mod report;
 
 use std::net::{SocketAddr, ToSocketAddrs};
@@ -23,7 +24,8 @@ use clap::Args;
 use crate::sim::SimDialect;
 
 pub use client::{run_phase as phase, Target};
-pub use report::{table as report_table, PhaseReport};
+pub use plot::svg as plot_svg;
+pub use report::{table as report_table, LoadGoodput, PhaseReport, RequestRecord, Slo};
 
 #[derive(Debug, Clone, Args)]
 pub struct LoadArgs {
@@ -70,6 +72,19 @@ pub struct LoadArgs {
     /// One JSON object per phase on stdout instead of the table.
     #[arg(long)]
     pub json: bool,
+    /// Judge each request as `vllm bench serve --goodput` does: `ttft:MS,tpot:MS,e2e:MS`
+    /// (any of them; `attainment:PCT`, default 90, marks the SLO-bounded phase). Adds
+    /// goodput and attainment to each phase.
+    #[arg(long, value_name = "ttft:MS,tpot:MS,e2e:MS")]
+    pub slo: Option<Slo>,
+    /// Write one JSON line per request that ended inside a measured window to FILE: its
+    /// phase, outcome, TTFT, TPOT, e2e latency and output tokens.
+    #[arg(long, value_name = "FILE")]
+    pub records: Option<std::path::PathBuf>,
+    /// Draw single-stream and system T/s against concurrency (two axes) as an SVG to
+    /// FILE, the SLO-bounded phase marked with `--slo`; closed loop only.
+    #[arg(long, value_name = "FILE.svg")]
+    pub plot: Option<std::path::PathBuf>,
 }
 
 impl LoadArgs {
@@ -89,6 +104,9 @@ impl LoadArgs {
             model: "tokentap-sim".into(),
             prompt: "Tell me a long story about a lighthouse keeper.".into(),
             json: false,
+            slo: None,
+            records: None,
+            plot: None,
         }
     }
 
@@ -170,23 +188,58 @@ pub fn run_blocking(args: LoadArgs) -> anyhow::Result<()> {
             .map(|&c| Mode::Closed { concurrency: c })
             .collect(),
     };
+    if args.plot.is_some() && args.rate.is_some() {
+        bail!("--plot draws T/s against concurrency: give --concurrency levels, not --rate");
+    }
+    // Opened before the load, so that a bad path fails at once.
+    let mut records = match &args.records {
+        Some(path) => Some(std::io::BufWriter::new(
+            std::fs::File::create(path)
+                .with_context(|| format!("cannot write --records {}", path.display()))?,
+        )),
+        None => None,
+    };
     let rt = tokio::runtime::Runtime::new()?;
     let warmup = Duration::from_secs_f64(args.warmup);
     let duration = Duration::from_secs_f64(args.duration);
+    let options = client::Options {
+        slo: args.slo,
+        records: records.is_some(),
+        progress: !args.json,
+    };
     let mut reports = Vec::new();
     rt.block_on(async {
         for mode in modes {
-            let r = phase(&target, mode, warmup, duration, !args.json).await;
+            let (r, recs) = client::run_phase_with(&target, mode, warmup, duration, &options).await;
             if args.json {
                 println!("{}", serde_json::to_string(&r).unwrap_or_default());
             } else {
                 eprintln!("{}", r.one_line());
             }
+            if let Some(out) = records.as_mut() {
+                use std::io::Write as _;
+                for rec in &recs {
+                    writeln!(out, "{}", serde_json::to_string(rec).unwrap_or_default())?;
+                }
+            }
             reports.push(r);
         }
-    });
+        anyhow::Ok(())
+    })?;
+    if let Some(mut out) = records {
+        use std::io::Write as _;
+        out.flush()?;
+    }
     if !args.json {
         println!("{}", report::table(&reports));
+    }
+    if let Some(path) = &args.plot {
+        let svg = plot::svg(&reports, args.slo.as_ref());
+        std::fs::write(path, svg)
+            .with_context(|| format!("cannot write --plot {}", path.display()))?;
+        if !args.json {
+            println!("plot: {}", path.display());
+        }
     }
     Ok(())
 }

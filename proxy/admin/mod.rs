@@ -325,13 +325,25 @@ pub fn compare(shared: &Shared, query: Option<&str>) -> Result<Comparison, (Stat
     };
     let now = shared.clock.now();
     let (a, b) = (&shared.upstreams[a], &shared.upstreams[b]);
+    let price = |u: &Upstream| {
+        u.config
+            .economics
+            .price
+            .as_ref()
+            .map(|p| crate::compare::ArmPrice {
+                per_hour: p.per_hour,
+                currency: p.currency.clone(),
+                endpoints: u.pool.counts(now).healthy,
+            })
+    };
     Ok(crate::compare::compare(
         &a.config.name,
         &a.meter.samples(now),
         &b.config.name,
         &b.meter.samples(now),
         config.compare_window.as_secs(),
-    ))
+    )
+    .priced(price(a).as_ref(), price(b).as_ref()))
 }
 
 fn respond(status: StatusCode, content_type: &str, body: Vec<u8>) -> Response<Vec<u8>> {

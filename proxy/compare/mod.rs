@@ -120,6 +120,76 @@ pub struct Comparison {
     pub cross_check: CrossCheck,
     pub min_per_stratum: usize,
     pub strata: Vec<Stratum>,
+    /// Each arm's cost per million output tokens at matched concurrency, when both have a
+    /// price in one currency and a verdict was reached.
+    pub cost: Option<CostComparison>,
+}
+
+/// The arms' cost per million output tokens at matched concurrency: each one's price per
+/// hour over its system T/s there (one endpoint's × its endpoints taking requests).
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct CostComparison {
+    pub currency: Option<String>,
+    pub a_per_million: f64,
+    pub b_per_million: f64,
+    /// The arm that costs less per token.
+    pub cheaper: String,
+    /// How much less, percent of the dearer arm's.
+    pub cheaper_by_pct: f64,
+}
+
+/// An arm's price: per hour, its currency, and its endpoints taking requests.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ArmPrice {
+    pub per_hour: f64,
+    pub currency: Option<String>,
+    pub endpoints: u64,
+}
+
+// === impl Comparison ===
+
+impl Comparison {
+    /// Adds each arm's cost per million tokens at matched concurrency to the comparison
+    /// and its verdict, when both arms have a price in one currency and the comparison
+    /// has each arm's system T/s there.
+    pub fn priced(mut self, a: Option<&ArmPrice>, b: Option<&ArmPrice>) -> Comparison {
+        let (Some(a), Some(b)) = (a, b) else {
+            return self;
+        };
+        if a.currency != b.currency || self.reason.is_some() {
+            return self;
+        }
+        let rate = |tps: Option<f64>, p: &ArmPrice| {
+            tps.map(|t| t * p.endpoints.max(1) as f64)
+                .and_then(|t| crate::decide::per_million(p.per_hour, t))
+        };
+        let tps = &self.metrics.system_tps;
+        let (Some(a_cost), Some(b_cost)) = (rate(tps.a, a), rate(tps.b, b)) else {
+            return self;
+        };
+        let (cheaper, low, high) = if a_cost <= b_cost {
+            (&self.a, a_cost, b_cost)
+        } else {
+            (&self.b, b_cost, a_cost)
+        };
+        let by = 100.0 * (high - low) / high;
+        let unit = a
+            .currency
+            .as_deref()
+            .map_or(String::new(), |c| format!(" {c}"));
+        self.verdict.push_str(&format!(
+            "; cost per million output tokens at matched concurrency: {} {a_cost:.3}{unit}, {} {b_cost:.3}{unit}: {cheaper} is {by:.1}% cheaper per token",
+            self.a, self.b
+        ));
+        self.cost = Some(CostComparison {
+            currency: a.currency.clone(),
+            a_per_million: a_cost,
+            b_per_million: b_cost,
+            cheaper: cheaper.clone(),
+            cheaper_by_pct: by,
+        });
+        self
+    }
 }
 
 /// The concurrency range compared.
@@ -316,6 +386,7 @@ pub fn compare(
         cross_check,
         min_per_stratum: MIN_PER_STRATUM,
         strata: strata_out,
+        cost: None,
     }
 }
 

@@ -351,3 +351,39 @@ fn the_verdict_names_the_levels_it_rests_on() {
         c.verdict
     );
 }
+
+/// Two priced arms: each one's cost per million tokens at matched concurrency, from its
+/// system T/s there, and the verdict names the cheaper per token.
+#[test]
+fn two_priced_arms_are_told_apart_per_token() {
+    let [a, b] = closed_loop(3, 32, 1.1, 45.0);
+    let price = |per_hour: f64| ArmPrice {
+        per_hour,
+        currency: Some("USD".into()),
+        endpoints: 1,
+    };
+    let c = compare("a", &a, "b", &b, 600);
+    let tps = c.metrics.system_tps.clone();
+    // Same price: b, 10% slower per token, costs more per token.
+    let same = c.clone().priced(Some(&price(2.0)), Some(&price(2.0)));
+    let cost = same.cost.clone().expect("a cost comparison");
+    assert_eq!(cost.cheaper, "a");
+    let want = 2.0 / (tps.a.unwrap_or(0.0) * 3600.0) * 1e6;
+    assert!((cost.a_per_million - want).abs() < 1e-9 * want, "{cost:?}");
+    assert!(same.verdict.contains("a is "), "{}", same.verdict);
+    assert!(
+        same.verdict.contains("cheaper per token"),
+        "{}",
+        same.verdict
+    );
+    // b at 25% off: cheaper per token though slower.
+    let cheap_b = c.clone().priced(Some(&price(2.0)), Some(&price(1.5)));
+    assert_eq!(cheap_b.cost.map(|c| c.cheaper).as_deref(), Some("b"));
+    // One arm unpriced, or prices in two currencies: no cost comparison.
+    assert!(c.clone().priced(Some(&price(2.0)), None).cost.is_none());
+    let eur = ArmPrice {
+        currency: Some("EUR".into()),
+        ..price(2.0)
+    };
+    assert!(c.priced(Some(&price(2.0)), Some(&eur)).cost.is_none());
+}

@@ -167,7 +167,8 @@ fn report(shared: &Shared, i: usize, u: &Upstream, now: crate::meter::Nanos) -> 
     let capacity = crate::decide::capacity(
         crate::decide::Demand {
             system_tps: meter.system_tps,
-            concurrency: meter.concurrency,
+            arrivals_per_sec: meter.arrivals_per_sec,
+            mean_output_tokens: meter.mean_output_tokens,
             queued: l.queued,
             endpoints_now,
         },

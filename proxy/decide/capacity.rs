@@ -1,11 +1,14 @@
 //! Capacity: how many endpoints the current demand needs at the SLO, from the pool's own
 //! live curve, whatever the engine.
 //!
-//! Demand is tokens per second asked for: those delivered over the window, plus what the
-//! queue holds back (the requests waiting now, each at the rate an in-flight request gets:
-//! system T/s ÷ mean concurrency). One endpoint delivers at most its SLO-bounded system
-//! T/s (the curve is one endpoint's); with `headroom_pct` on top, the pool needs ⌈demand ×
-//! (1 + headroom) ÷ that⌉. The bound is taken only where the curve shows it: a supported
+//! Demand is tokens per second asked for: the generation requests that arrived over the
+//! window (admitted at once, queued or refused) × the mean output tokens of those that
+//! finished. It is what was delivered plus what the queue holds back: while the pool keeps
+//! up the two are one, and while it falls behind, arrivals run ahead of completions. (A
+//! closed loop of clients, each waiting for its answer before it asks again, asks for no
+//! more than it is served: its demand is what it gets.) One endpoint delivers at most its
+//! SLO-bounded system T/s (the curve is one endpoint's); with `headroom_pct` on top, the
+//! pool needs ⌈demand × (1 + headroom) ÷ that⌉. The bound is taken only where the curve shows it: a supported
 //! point within the SLO with one above it that breaks it (`bracketed`), or running at 80%
 //! of the TPOT SLO or with requests that broke it (`near_slo`). A curve that never came near
 //! its SLO gives no figure and says why: what lies past the highest concurrency seen is not
@@ -18,9 +21,12 @@ use crate::meter::SloBound;
 /// What capacity is computed from.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Demand {
-    /// The live window's system T/s and mean concurrency.
+    /// The live window's system T/s (delivered).
     pub system_tps: Option<f64>,
-    pub concurrency: Option<f64>,
+    /// Generation requests that arrived over the window, per second, and the mean output
+    /// tokens of those that finished there.
+    pub arrivals_per_sec: Option<f64>,
+    pub mean_output_tokens: Option<f64>,
     /// Requests waiting for a slot now.
     pub queued: u64,
     /// Endpoints taking requests now.
@@ -30,8 +36,11 @@ pub struct Demand {
 /// The capacity's part of `/stats`.
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct CapacityStats {
-    /// Tokens per second asked for: `delivered_tps` plus what the queue holds back.
+    /// Tokens per second asked for: `arrivals_per_sec` × `mean_output_tokens`.
     pub demand_tps: Option<f64>,
+    pub arrivals_per_sec: Option<f64>,
+    pub mean_output_tokens: Option<f64>,
+    /// Tokens per second delivered (the window's system T/s), and requests waiting now.
     pub delivered_tps: Option<f64>,
     pub queued: u64,
     /// One endpoint's SLO-bounded system T/s, and the concurrency where the curve shows it.
@@ -57,11 +66,11 @@ pub fn capacity(
     headroom_pct: f64,
 ) -> CapacityStats {
     let delivered = demand.system_tps;
-    let held_back = match (delivered, demand.concurrency) {
-        (Some(tps), Some(c)) if c > 0.0 => tps / c * demand.queued as f64,
-        _ => 0.0,
+    let demand_tps = match (demand.arrivals_per_sec, demand.mean_output_tokens) {
+        (Some(a), Some(tokens)) => Some(a * tokens),
+        (Some(a), None) if a == 0.0 => Some(0.0),
+        _ => None,
     };
-    let demand_tps = delivered.map(|d| d + held_back);
     let (basis, reason) = match bound {
         _ if !slo => (
             None,
@@ -98,10 +107,13 @@ pub fn capacity(
         }
     });
     let reason = reason.or_else(|| {
-        (basis.is_some() && demand_tps.is_none()).then(|| "no traffic in the window".to_owned())
+        (basis.is_some() && demand_tps.is_none())
+            .then(|| "no request finished in the window yet: its mean output is unknown".to_owned())
     });
     CapacityStats {
         demand_tps,
+        arrivals_per_sec: demand.arrivals_per_sec,
+        mean_output_tokens: demand.mean_output_tokens,
         delivered_tps: delivered,
         queued: demand.queued,
         slo_bounded_tps_per_endpoint: per_endpoint,
@@ -132,11 +144,12 @@ mod tests {
 
     #[test]
     fn three_x_of_demand_on_x_per_endpoint_needs_four_with_headroom() {
-        // Two endpoints capped at their SLO-bounded 400 T/s each, and half as many
-        // requests again waiting: demand 1200 T/s.
+        // Two endpoints capped at their SLO-bounded 400 T/s each deliver 800 T/s; requests
+        // of 100 tokens arrive at 12 a second: demand 1200 T/s, the queue growing.
         let d = Demand {
             system_tps: Some(800.0),
-            concurrency: Some(16.0),
+            arrivals_per_sec: Some(12.0),
+            mean_output_tokens: Some(100.0),
             queued: 8,
             endpoints_now: 2,
         };
@@ -163,7 +176,8 @@ mod tests {
     fn no_figure_without_a_point_near_the_slo() {
         let d = Demand {
             system_tps: Some(100.0),
-            concurrency: Some(2.0),
+            arrivals_per_sec: Some(1.0),
+            mean_output_tokens: Some(100.0),
             queued: 0,
             endpoints_now: 1,
         };

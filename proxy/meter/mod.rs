@@ -379,6 +379,12 @@ impl UpstreamMeter {
         self.semconv.store(telemetry);
     }
 
+    /// A generation request asked this upstream for a slot (its demand, served or not).
+    pub fn arrived(&self) {
+        let now = self.clock.now();
+        self.lock().arrived(now);
+    }
+
     /// Counts a request that is not generation traffic (forwarded, not metered).
     pub fn count_plain(&self, outcome: Outcome) {
         self.lock().count(outcome);
@@ -772,6 +778,9 @@ mod tests {
             tpot_ms: Some(25.0),
             e2e_ms: None,
         });
+        for _ in 0..9 {
+            m.arrived();
+        }
         // 4 good (TTFT 50, TPOT 20), 2 late (TTFT 150), 2 slow (TPOT 30), 1 aborted.
         wave(&m, 4, 0, 50 * MS, 20 * MS, 51);
         wave(&m, 2, S, 150 * MS, 20 * MS, 51);
@@ -787,6 +796,9 @@ mod tests {
             close(g.output_tokens_per_sec, 4.0 * 51.0 / 9.5, 1e-9),
             "{g:?}"
         );
+        // Demand: 9 arrivals, 8 × 51 tokens over 9 finished.
+        assert!(close(st.arrivals_per_sec, 9.0 / 9.5, 1e-9));
+        assert!(close(st.mean_output_tokens, 8.0 * 51.0 / 9.0, 1e-9));
         assert_eq!(
             st.slo_requests_total,
             vec![

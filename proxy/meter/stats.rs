@@ -126,6 +126,11 @@ pub struct MeterStats {
     pub itl_ms: Percentiles,
     /// End-to-end latency of requests that finished in the window (non-streaming included).
     pub e2e_ms: Percentiles,
+    /// Generation requests that asked for a slot over the window (admitted, queued or
+    /// refused), per second.
+    pub arrivals_per_sec: Option<f64>,
+    /// Output tokens per generation request that finished in the window.
+    pub mean_output_tokens: Option<f64>,
     pub curve: Vec<CurvePoint>,
     /// Requests that met every `[upstream.slo]` over the window; `null` without one.
     pub goodput: Option<Goodput>,

@@ -131,11 +131,26 @@ impl Sums {
 
 // ===== the per-request half =====
 
-/// One slot of the concurrency ring: ∫ in_flight dt over the slot, in request·ns.
+/// One slot of the request ring: ∫ in_flight dt over the slot, in request·ns; the
+/// generation requests that arrived (asked for a slot); those that finished, and their
+/// output tokens.
 #[derive(Clone, Copy)]
 struct BusySlot {
     epoch: u64,
     busy: u128,
+    arrivals: u64,
+    finished: u64,
+    finished_tokens: u64,
+}
+
+impl BusySlot {
+    const EMPTY: BusySlot = BusySlot {
+        epoch: u64::MAX,
+        busy: 0,
+        arrivals: 0,
+        finished: 0,
+        finished_tokens: 0,
+    };
 }
 
 /// An endpoint with requests in flight, and how many: the curve's time is spent per
@@ -201,10 +216,7 @@ impl Windows {
             slot_ns: slot_ns(window),
             started: now,
             latest: now,
-            ring: [BusySlot {
-                epoch: u64::MAX,
-                busy: 0,
-            }; SLOTS],
+            ring: [BusySlot::EMPTY; SLOTS],
             in_flight: 0,
             last_change: now,
             active: Vec::new(),
@@ -288,6 +300,11 @@ impl Windows {
             bucket,
         } = end;
         self.count(outcome);
+        let slot = self.slot(now / self.slot_ns);
+        slot.finished += 1;
+        slot.finished_tokens = slot
+            .finished_tokens
+            .saturating_add(exact.unwrap_or(estimated));
         if self.targets.any() {
             let verdict = self.targets.judge(&judged);
             let tokens = exact.unwrap_or(estimated);
@@ -366,12 +383,11 @@ impl Windows {
     /// The figures of the window `span` ending at `now`, the shards' part being `sums`.
     pub(super) fn stats(&self, name: &str, now: Nanos, span: Span, mut sums: Sums) -> MeterStats {
         let elapsed = now - span.start().max(self.started);
-        let busy: u128 = self
-            .ring
-            .iter()
-            .filter(|s| span.contains(s.epoch))
-            .map(|s| s.busy)
-            .sum();
+        let inside = || self.ring.iter().filter(|s| span.contains(s.epoch));
+        let busy: u128 = inside().map(|s| s.busy).sum();
+        let arrivals: u64 = inside().map(|s| s.arrivals).sum();
+        let finished: u64 = inside().map(|s| s.finished).sum();
+        let finished_tokens: u64 = inside().map(|s| s.finished_tokens).sum();
         let tpot = &sums.tpot;
         let mean_tpot = (!tpot.is_empty()).then(|| tpot.iter().sum::<f64>() / tpot.len() as f64);
         let metered = self.metered;
@@ -410,6 +426,8 @@ impl Windows {
             tpot_ms: Percentiles::of(&mut sums.tpot),
             itl_ms: hist_percentiles(&sums.itl),
             e2e_ms: Percentiles::of(&mut sums.e2e),
+            arrivals_per_sec: rate(arrivals as f64),
+            mean_output_tokens: (finished > 0).then(|| finished_tokens as f64 / finished as f64),
             curve: self.curve(&sums, now),
             goodput: self.targets.any().then(|| {
                 let w = self.goodput.window(|epoch| span.contains(epoch));
@@ -470,6 +488,24 @@ impl Windows {
         curve::points(&sums.curve, self.times.sum(scope), self.verdicts.sum(scope))
     }
 
+    /// The ring's slot of `epoch`, emptied first if it last held an older one.
+    fn slot(&mut self, epoch: u64) -> &mut BusySlot {
+        let slot = &mut self.ring[(epoch % SLOTS as u64) as usize];
+        if slot.epoch != epoch {
+            *slot = BusySlot {
+                epoch,
+                ..BusySlot::EMPTY
+            };
+        }
+        slot
+    }
+
+    /// A generation request asked for a slot at `now`.
+    pub(super) fn arrived(&mut self, now: Nanos) {
+        let now = self.advance(now);
+        self.slot(now / self.slot_ns).arrivals += 1;
+    }
+
     /// Brings the concurrency integrals up to `now`; returns `now` clamped to be monotonic.
     fn advance(&mut self, now: Nanos) -> Nanos {
         self.latest = self.latest.max(now);
@@ -496,11 +532,7 @@ impl Windows {
         while t < now {
             let epoch = t / self.slot_ns;
             let end = ((epoch + 1) * self.slot_ns).min(now);
-            let slot = &mut self.ring[(epoch % SLOTS as u64) as usize];
-            if slot.epoch != epoch {
-                *slot = BusySlot { epoch, busy: 0 };
-            }
-            slot.busy += u128::from(n) * u128::from(end - t);
+            self.slot(epoch).busy += u128::from(n) * u128::from(end - t);
             t = end;
         }
         now

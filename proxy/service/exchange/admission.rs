@@ -74,6 +74,8 @@ pub(super) async fn slot(
     read_whole: bool,
 ) -> Result<Result<Slot, Rejected>> {
     let limiter = &upstream.limiter;
+    // Demand, whether it gets a slot now, later or never.
+    upstream.meter.arrived();
     let deadline = Instant::now() + upstream.config.queue_timeout;
     // Boxed: taking a fleet slot (Redis calls) is a large future, and inline it would make
     // every request's state, streaming or not, ~5 KiB larger.

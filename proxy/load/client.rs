@@ -158,11 +158,19 @@ pub async fn run_phase_with(
             tasks.spawn(arrivals(Arc::clone(target), Arc::clone(&phase), rate));
         }
     }
+    // The load stops the moment the window ends: a request still running is cut there,
+    // and none ends unrecorded after it.
     let mut tick = tokio::time::interval(Duration::from_millis(250));
-    while Instant::now() < phase.window_end {
-        tick.tick().await;
-        bar.set_position(start.elapsed().as_millis() as u64);
-        bar.set_message(format!("{} done", phase.tally().requests));
+    let end = tokio::time::sleep_until(phase.window_end);
+    tokio::pin!(end);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {
+                bar.set_position(start.elapsed().as_millis() as u64);
+                bar.set_message(format!("{} done", phase.tally().requests));
+            }
+            () = &mut end => break,
+        }
     }
     tasks.shutdown().await;
     bar.finish_and_clear();

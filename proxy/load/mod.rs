@@ -23,7 +23,7 @@ use clap::Args;
 
 use crate::sim::SimDialect;
 
-pub use client::{run_phase as phase, Target};
+pub use client::{run_phase as phase, run_phase_with as phase_with, Options, Target};
 pub use plot::svg as plot_svg;
 pub use report::{table as report_table, LoadGoodput, PhaseReport, RequestRecord, Slo};
 

@@ -374,10 +374,12 @@ pub struct SloBound {
     pub system_tps: f64,
     /// The bound's percentile of per-token gaps there, ms.
     pub tpot_ms: Option<f64>,
-    /// A supported point at a higher concurrency breaks the SLO: the edge lies between.
+    /// A supported point above the highest concurrency within the SLO breaks it: the edge
+    /// lies between.
     pub bracketed: bool,
-    /// The point runs near its SLO: bracketed, at 80% of the TPOT SLO or more, or with
-    /// requests that broke it. Otherwise the edge lies past the highest concurrency seen.
+    /// The curve has come near its SLO: bracketed, or its highest point within the SLO
+    /// runs at 80% of the TPOT SLO or more, or has requests that broke it. Otherwise the
+    /// edge lies past the highest concurrency seen.
     pub near: bool,
     /// The highest concurrency with a supported point.
     pub highest_supported: u64,
@@ -421,15 +423,23 @@ pub(super) fn slo_bound(
         .max_by(|a, b| a.1.total_cmp(&b.1))?;
     let (p, system_tps) = best;
     let tpot_ms = gaps_at(p);
+    // The edge: the highest concurrency within the SLO (the best rate may lie below it
+    // on a curve that is flat there).
+    let edge = supported
+        .iter()
+        .filter(|q| within(q) == Some(true))
+        .max_by_key(|q| q.concurrency)
+        .copied()
+        .unwrap_or(p);
     let bracketed = supported
         .iter()
-        .any(|q| q.concurrency > p.concurrency && within(q) == Some(false));
+        .any(|q| q.concurrency > edge.concurrency && within(q) == Some(false));
     let near_tpot = bound
         .tpot_ms
-        .zip(tpot_ms)
+        .zip(gaps_at(edge))
         .is_some_and(|(slo, t)| t >= 0.8 * slo);
     let near_requests =
-        bound.attainment_pct.is_some() && p.slo_attainment_pct.is_some_and(|a| a < 100.0);
+        bound.attainment_pct.is_some() && edge.slo_attainment_pct.is_some_and(|a| a < 100.0);
     Some(SloBound {
         concurrency: p.concurrency,
         system_tps,

@@ -1,0 +1,336 @@
+//! The decisions taken from the figures, against simulated backends through tokentap:
+//! goodput as `vllm bench serve` defines it, cost per million tokens, the decode roofline,
+//! the endpoints a pool needs at its SLO, and `tokentap load --plot`.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::{fetch, proxy, proxy_addr, stats_when, stats_where};
+use tokentap::load::{self, LoadArgs, Mode, Options, RequestRecord, Slo};
+use tokentap::sim::{Sim, SimArgs};
+
+async fn sim(curve: &str, ttft_ms: f64, max_batch: Option<usize>) -> Sim {
+    Sim::start(SimArgs {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        tpot_curve: curve.parse().unwrap(),
+        ttft_ms,
+        max_batch,
+        ..SimArgs::defaults()
+    })
+    .await
+    .unwrap()
+}
+
+/// A load of `mode` through `url` for `secs`, `max_tokens` a request, `headers` sent.
+async fn run(
+    url: String,
+    mode: Mode,
+    secs: f64,
+    max_tokens: u64,
+    headers: &[&str],
+    options: &Options,
+) -> (load::PhaseReport, Vec<RequestRecord>) {
+    let target = LoadArgs {
+        max_tokens,
+        include_usage: true,
+        headers: headers.iter().map(|h| (*h).to_owned()).collect(),
+        ..LoadArgs::for_url(url)
+    }
+    .target()
+    .unwrap();
+    load::phase_with(
+        &target,
+        mode,
+        Duration::ZERO,
+        Duration::from_secs_f64(secs),
+        options,
+    )
+    .await
+}
+
+fn close(a: f64, b: f64, tol: f64) -> bool {
+    (a - b).abs() <= tol * b.abs()
+}
+
+/// Short answers (10 tokens, ~140 ms) and long ones (40 tokens, ~440 ms) from the same
+/// backend, judged against e2e ≤ 300 ms and TPOT ≤ 30 ms: tokentap's good requests are
+/// those vLLM's `--goodput e2el:300 tpot:30` counts from the load's own per-request
+/// records, within one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn goodput_is_vllm_s_on_the_same_requests() {
+    let backend = sim("1:10", 50.0, None).await;
+    let tap = proxy(
+        &[("b", backend.addr)],
+        "[upstream.slo]\ne2e_ms = 300\ntpot_ms = 30\n",
+    )
+    .await;
+    let options = Options {
+        slo: Some("e2e:300,tpot:30".parse().unwrap()),
+        records: true,
+        progress: false,
+    };
+    let url = format!("http://{}", proxy_addr(&tap));
+    let four = Mode::Closed { concurrency: 4 };
+    let (short, long) = tokio::join!(
+        run(url.clone(), four, 4.0, 10, &[], &options),
+        run(url, four, 4.0, 40, &[], &options)
+    );
+    let records: Vec<RequestRecord> = short.1.into_iter().chain(long.1).collect();
+    let s = stats_when(&tap, |u| u["in_flight"] == 0).await;
+    let u = &s["upstreams"][0];
+
+    // vLLM's definition, from the client's records: every SLO holds, TPOT = (e2e − TTFT)
+    // / (N − 1), 0 under two tokens.
+    let vllm_good = records
+        .iter()
+        .filter(|r| r.error.is_none())
+        .filter(|r| {
+            let (ttft, e2e) = (r.ttft_ms.unwrap(), r.e2e_ms.unwrap());
+            let tpot = if r.output_tokens > 1 {
+                (e2e - ttft) / (r.output_tokens - 1) as f64
+            } else {
+                0.0
+            };
+            e2e <= 300.0 && tpot <= 30.0
+        })
+        .count() as i64;
+    let completed = records.iter().filter(|r| r.error.is_none()).count() as i64;
+    assert!(
+        vllm_good > 10 && completed - vllm_good > 10,
+        "a mix of good and late requests: {vllm_good} of {completed}"
+    );
+    let load_good: u64 = [&short.0, &long.0]
+        .iter()
+        .map(|r| r.goodput.map_or(0, |g| g.good))
+        .sum();
+    assert_eq!(load_good as i64, vllm_good, "the load's own count");
+    let g = &u["goodput"];
+    let tokentap_good = g["good_requests"].as_i64().unwrap();
+    assert!(
+        (tokentap_good - vllm_good).abs() <= 1,
+        "tokentap {tokentap_good}, vLLM's definition {vllm_good}: {g:#}"
+    );
+    // Those cut when the load stopped are judged too: errors, never good.
+    let attainment = g["attainment_pct"].as_f64().unwrap();
+    let judged = g["requests"].as_f64().unwrap();
+    assert!(close(
+        attainment,
+        100.0 * tokentap_good as f64 / judged,
+        1e-9
+    ));
+    let metrics = fetch(tap.shared().config.listen.admin, "GET", "/metrics", b"").await;
+    let text = String::from_utf8(metrics.body).unwrap();
+    let counter = |result: &str| {
+        let key = format!("tokentap_slo_requests_total{{upstream=\"b\",result=\"{result}\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(&key))
+            .map(|v| v.parse::<i64>().unwrap())
+    };
+    assert_eq!(counter("good"), Some(tokentap_good), "{text}");
+    assert!(counter("e2e").unwrap() >= completed - vllm_good - 1);
+    assert_eq!(counter("tpot"), Some(0));
+    assert_eq!(counter("ttft"), Some(0));
+}
+
+/// Two priced upstreams with a model on an H100 SXM (70.6 GB: a 47.5 T/s roofline), one
+/// decoding at 25 ms a token alone, one at 10: the first's MBU is 84%, the second is
+/// reported as misconfigured; each one's cost per million tokens is the formula on its
+/// own system T/s, now and at the SLO-bounded point.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cost_and_roofline_follow_from_the_figures() {
+    let (slow, fast) = (sim("1:25", 5.0, None).await, sim("1:10", 5.0, None).await);
+    let priced = "cost_per_hour = 2.5\ncost_currency = \"USD\"\ngpus = 1\n\
+                  model = { weight_gb = 70.6 }\ngpu = \"h100-sxm\"\n\
+                  [upstream.slo]\ntpot_ms = 30\n";
+    let text = format!(
+        "[[upstream]]\nname = \"slow\"\nurl = \"http://{}\"\n{priced}\
+         [[upstream]]\nname = \"fast\"\nurl = \"http://{}\"\n{priced}\
+         [[route]]\nheaders = {{ \"x-arm\" = \"fast\" }}\nsplit = {{ fast = 1 }}\n\
+         [[route]]\nsplit = {{ slow = 1 }}\n",
+        slow.addr, fast.addr
+    );
+    let tap = proxy(&[], &text).await;
+    let url = format!("http://{}", proxy_addr(&tap));
+    let one = Mode::Closed { concurrency: 1 };
+    let options = Options::default();
+    let (a, b) = tokio::join!(
+        run(url.clone(), one, 3.5, 40, &[], &options),
+        run(url, one, 3.5, 40, &["x-arm: fast"], &options)
+    );
+    assert!(a.0.errors.is_empty() && b.0.errors.is_empty());
+    let s = stats_where(&tap, |s| {
+        s["upstreams"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|u| u["roofline"]["mbu_at_concurrency"] == 1)
+    })
+    .await;
+    let up = |name: &str| {
+        s["upstreams"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|u| u["name"] == name)
+            .unwrap()
+            .clone()
+    };
+    let (slow, fast) = (up("slow"), up("fast"));
+
+    let r = &slow["roofline"];
+    assert!(
+        close(
+            r["single_stream_ceiling_tps"].as_f64().unwrap(),
+            47.45,
+            0.001
+        ),
+        "{r:#}"
+    );
+    let mbu = r["mbu_pct"].as_f64().unwrap();
+    assert!((mbu - 84.3).abs() < 1.5, "MBU {mbu}: {r:#}");
+    assert!(r["problem"].is_null());
+    let r = &fast["roofline"];
+    assert!(
+        r["mbu_pct"].is_null() && r["mbu_pct_now"].is_null(),
+        "{r:#}"
+    );
+    assert!(
+        r["problem"]
+            .as_str()
+            .unwrap()
+            .contains("model.weight_gb (70.6)"),
+        "{r:#}"
+    );
+
+    for u in [&slow, &fast] {
+        let c = &u["cost"];
+        let tps = u["system_tps"].as_f64().unwrap();
+        let want = 2.5 / (tps * 3600.0) * 1e6;
+        let got = c["per_million_output_tokens"].as_f64().unwrap();
+        assert!(close(got, want, 0.01), "{got} ≠ {want}: {c:#}");
+        assert!(close(c["system_tps_per_gpu"].as_f64().unwrap(), tps, 1e-9));
+        let bounded = u["slo"]["slo_bounded_system_tps"].as_f64().unwrap();
+        let want = 2.5 / (bounded * 3600.0) * 1e6;
+        let got = c["per_million_at_slo_bounded"].as_f64().unwrap();
+        assert!(close(got, want, 0.01), "{got} ≠ {want}: {u:#}");
+        assert_eq!(c["currency"], "USD");
+    }
+    // 25 ms a token alone is 40 T/s: $17.36 per million at the SLO-bounded point.
+    let bounded = slow["cost"]["per_million_at_slo_bounded"].as_f64().unwrap();
+    assert!((bounded - 17.36).abs() < 0.5, "{bounded}");
+}
+
+/// A pool of two endpoints, each capped at its SLO-bounded 4 in flight (333 T/s), asked
+/// for ~1000 T/s by an open loop: 4 endpoints needed with 20% headroom ("add 2"); with a
+/// third and fourth found by discovery, the queue drains and the advice reads "enough".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn capacity_says_how_many_endpoints_the_demand_needs() {
+    // Saturated from 2 in flight: 333 T/s at 2, 3 and 4 (TPOT 6, 9, 12 ms).
+    let curve = "1:5,2:6,4:12,8:24";
+    let mut sims = Vec::new();
+    for _ in 0..4 {
+        sims.push(sim(curve, 5.0, None).await);
+    }
+    let dir = std::env::temp_dir().join(format!("tokentap-capacity-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("endpoints.txt");
+    let list = |n: usize| {
+        sims[..n]
+            .iter()
+            .map(|s| format!("http://{}\n", s.addr))
+            .collect::<String>()
+    };
+    std::fs::write(&file, list(2)).unwrap();
+    let config = format!(
+        "[[upstream]]\nname = \"pool\"\ndiscover = {{ file = \"{}\", every_secs = 1 }}\n\
+         max_concurrency = 4\nmax_queue = 10000\nqueue_timeout_ms = 60000\n\
+         [upstream.slo]\ntpot_ms = 14\nmin_concurrency = 4\n",
+        file.display()
+    );
+    let tap = proxy(&[], &config).await;
+    stats_when(&tap, |u| u["endpoints"].as_array().unwrap().len() == 2).await;
+    let url = format!("http://{}", proxy_addr(&tap));
+    // 30 tokens a request at 33.3 a second: 1000 T/s asked of a pool that serves 666.
+    let load = tokio::spawn(async move {
+        let open = Mode::Open { rate: 100.0 / 3.0 };
+        run(url, open, 22.0, 30, &[], &Options::default()).await
+    });
+    let over = stats_when(&tap, |u| {
+        u["capacity"]["endpoints_needed"].is_number() && u["requests_total"].as_u64().unwrap() > 150
+    })
+    .await;
+    let c = &over["upstreams"][0]["capacity"];
+    let per = c["slo_bounded_tps_per_endpoint"].as_f64().unwrap();
+    assert!(close(per, 1000.0 / 3.0, 0.06), "{c:#}");
+    let demand = c["demand_tps"].as_f64().unwrap();
+    assert!(close(demand, 1000.0, 0.15), "{c:#}");
+    assert_eq!(c["endpoints_now"], 2, "{c:#}");
+    assert_eq!(c["endpoints_needed"], 4, "{c:#}");
+    assert_eq!(c["advice"], "add 2", "{c:#}");
+    assert!(over["upstreams"][0]["queued"].as_u64().unwrap() > 0);
+
+    std::fs::write(&file, list(4)).unwrap();
+    let after = stats_when(&tap, |u| {
+        u["capacity"]["endpoints_now"] == 4 && u["queued"] == 0
+    })
+    .await;
+    let c = &after["upstreams"][0]["capacity"];
+    assert_eq!(c["endpoints_needed"], 4, "{c:#}");
+    assert_eq!(c["advice"], "enough", "{c:#}");
+    let (report, _) = load.await.unwrap();
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    let text = fetch(tap.shared().config.listen.admin, "GET", "/metrics", b"")
+        .await
+        .body;
+    let text = String::from_utf8(text).unwrap();
+    assert!(
+        text.contains("tokentap_capacity_endpoints_needed{upstream=\"pool\"} 4"),
+        "{text}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `load --plot`: an SVG whose points are the load's table, the SLO-bounded phase marked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_plot_shows_the_load_s_table() {
+    let backend = sim("1:10,4:12,16:30", 5.0, None).await;
+    let url = format!("http://{}", backend.addr);
+    let slo: Slo = "tpot:20".parse().unwrap();
+    let options = Options {
+        slo: Some(slo),
+        ..Options::default()
+    };
+    let mut reports = Vec::new();
+    for c in [1, 4, 16] {
+        let mode = Mode::Closed { concurrency: c };
+        reports.push(run(url.clone(), mode, 1.0, 20, &[], &options).await.0);
+    }
+    let svg = load::plot_svg(&reports, Some(&slo));
+    let doc = roxmltree::Document::parse(&svg).expect("well-formed SVG");
+    let points = |class: &str| -> Vec<(usize, f64)> {
+        doc.descendants()
+            .filter(|n| n.has_tag_name("circle") && n.attribute("class") == Some(class))
+            .map(|n| {
+                (
+                    n.attribute("data-concurrency").unwrap().parse().unwrap(),
+                    n.attribute("data-tps").unwrap().parse().unwrap(),
+                )
+            })
+            .collect()
+    };
+    let table = |f: fn(&load::PhaseReport) -> Option<f64>| -> Vec<(usize, f64)> {
+        reports
+            .iter()
+            .map(|r| (r.concurrency.unwrap(), f(r).unwrap()))
+            .collect()
+    };
+    assert_eq!(points("single"), table(|r| r.single_stream_tps));
+    assert_eq!(points("system"), table(|r| r.system_tps));
+    // TPOT 30 ms at 16 breaks 20 ms: the SLO-bounded phase is 4's.
+    let marked = points("slo-bounded");
+    assert_eq!(marked.len(), 1, "{svg}");
+    assert_eq!(marked[0].0, 4);
+    assert_eq!(Some(marked[0].1), reports[1].system_tps);
+}

@@ -55,6 +55,16 @@ const BACKENDS: [(&str, &str, usize); 2] = [
 /// small-fast's adaptive cap holds this TPOT p90, ms: met up to ~40 in flight on its curve,
 /// so the 128-client phase makes it cap and queue.
 const SLO_TPOT_MS: f64 = 20.0;
+/// What each backend is told it is, for cost per token and the roofline: a 32B model in
+/// FP8 on one H100 SXM at $2.50 an hour (a 105 T/s roofline), and a 70B one in FP8 on an
+/// H200 a replica, three at $3.50 each (68 T/s). Both are judged against TTFT ≤ 500 ms
+/// (small-fast's queue breaks it in the 128-client phase) and big-batch against e2e ≤ 2 s.
+const ECONOMICS: [&str; 2] = [
+    "cost_per_hour = 2.5\ncost_currency = \"USD\"\ngpus = 1\n\
+     model = { params_b = 32, bytes_per_param = 1 }\ngpu = \"h100-sxm\"\n",
+    "cost_per_hour = 10.5\ncost_currency = \"USD\"\ngpus = 3\n\
+     model = { weight_gb = 70.6 }\ngpu = \"h200\"\n",
+];
 
 pub fn run(args: DemoArgs) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -206,23 +216,7 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
         print!("{}", curve_table(&s.meter));
     }
     for u in &ups {
-        if let Some(slo) = &u.slo {
-            let met = match slo.met {
-                Some(true) => "met",
-                Some(false) => "missed",
-                None => "no traffic",
-            };
-            println!(
-                "\n{}: the adaptive cap holds TPOT p{} ≤ {} ms: cap now {}, TPOT p{} of the last second {} ms ({met}); SLO-bounded system T/s {}",
-                u.meter.name,
-                slo.percentile,
-                f(slo.tpot_ms, 0),
-                u.limit.map_or_else(|| "-".into(), |l| l.to_string()),
-                slo.percentile,
-                f(slo.current_tpot_ms, 1),
-                f(slo.slo_bounded_system_tps, 0)
-            );
-        }
+        print!("{}", decisions(u));
     }
     if !reports.is_empty() {
         println!("\nthe load generator's own view (client side, both backends together):");
@@ -235,6 +229,95 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
     drop(sims);
     tokio::task::spawn_blocking(move || running.stop()).await?;
     Ok(())
+}
+
+/// What the figures decide for one upstream, at the end: the SLO and its goodput, cost per
+/// token, the roofline, the endpoints needed.
+fn decisions(u: &UpstreamReport) -> String {
+    let mut out = String::new();
+    let name = &u.meter.name;
+    let window = "over the last window";
+    if let Some(slo) = &u.slo {
+        let met = match slo.met {
+            Some(true) => "met",
+            Some(false) => "missed",
+            None => "no traffic",
+        };
+        if slo.tpot_ms.is_some() {
+            let _ = writeln!(
+                out,
+                "\n{name}: the adaptive cap holds TPOT p{} ≤ {} ms: cap now {}, TPOT p{} of the last second {} ms ({met})",
+                slo.percentile,
+                f(slo.tpot_ms, 0),
+                u.limit.map_or_else(|| "-".into(), |l| l.to_string()),
+                slo.percentile,
+                f(slo.current_tpot_ms, 1),
+            );
+        } else {
+            let _ = writeln!(out, "\n{name}:");
+        }
+        let set: Vec<String> = [
+            ("TTFT", slo.ttft_ms),
+            ("TPOT", slo.tpot_ms),
+            ("e2e", slo.e2e_ms),
+        ]
+        .iter()
+        .filter_map(|(n, v)| v.map(|v| format!("{n} ≤ {v} ms")))
+        .collect();
+        if let Some(g) = &u.meter.goodput {
+            let _ = writeln!(
+                out,
+                "  goodput ({}) {window}: {} req/s, {}% of requests good ({met} against {}%)",
+                set.join(", "),
+                f(g.requests_per_sec, 1),
+                f(g.attainment_pct, 0),
+                slo.attainment_pct
+            );
+        }
+    }
+    if let Some(c) = &u.cost {
+        let unit = c.currency.as_deref().unwrap_or("");
+        let _ = writeln!(
+            out,
+            "  cost: {} {unit} per million output tokens now, {} at the SLO-bounded load ({} T/s on its endpoints)",
+            f(c.per_million_output_tokens, 3),
+            f(c.per_million_at_slo_bounded, 3),
+            f(c.slo_bounded_system_tps, 0),
+        );
+    }
+    if let Some(r) = &u.roofline {
+        let gpu = r.gpu.as_deref().unwrap_or("its GPU");
+        let mbu = match (&r.problem, r.mbu_pct, r.mbu_at_concurrency) {
+            (Some(p), ..) => p.clone(),
+            (None, Some(m), Some(c)) => format!("MBU {m:.0}% at {c} in flight"),
+            _ => "MBU: no supported curve point yet".into(),
+        };
+        let _ = writeln!(
+            out,
+            "  roofline: {:.1} GB on {gpu}: {:.1} T/s a stream at most; {mbu}",
+            r.weight_gb, r.single_stream_ceiling_tps
+        );
+    }
+    let c = &u.capacity;
+    match (c.endpoints_needed, &c.reason) {
+        (Some(n), _) => {
+            let _ = writeln!(
+                out,
+                "  capacity: demand {} T/s, {} T/s an endpoint within the SLO ({}): {n} endpoints needed with {}% headroom, {} now: {}",
+                f(c.demand_tps, 0),
+                f(c.slo_bounded_tps_per_endpoint, 0),
+                c.basis.unwrap_or("-"),
+                c.headroom_pct,
+                c.endpoints_now,
+                c.advice.as_deref().unwrap_or("-")
+            );
+        }
+        (None, Some(why)) => {
+            let _ = writeln!(out, "  capacity: {why}");
+        }
+        (None, None) => {}
+    }
+    out
 }
 
 /// The demo's config: both backends behind one 50/50 route, an SLO on the first, the
@@ -254,11 +337,14 @@ fn demo_config(args: &DemoArgs, sims: &[(&str, &str, Vec<Sim>)]) -> String {
             "[[upstream]]\nname = \"{name}\"\nendpoints = [{}]\n",
             urls.join(", ")
         );
+        c.push_str(ECONOMICS[i % ECONOMICS.len()]);
         if i == 0 {
             let _ = write!(
                 c,
-                "[upstream.slo]\ntpot_ms = {SLO_TPOT_MS}\npercentile = 90\n"
+                "[upstream.slo]\ntpot_ms = {SLO_TPOT_MS}\npercentile = 90\nttft_ms = 500\n"
             );
+        } else {
+            let _ = write!(c, "[upstream.slo]\nttft_ms = 500\ne2e_ms = 2000\n");
         }
         if pool.len() > 1 {
             let _ = write!(c, "[upstream.health]\nevery_secs = 1\n");

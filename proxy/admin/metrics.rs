@@ -203,6 +203,11 @@ fn upstream(x: &mut Exposition, report: &UpstreamReport) {
             slo.ttft_ms.map(|v| v / 1e3),
         );
         x.opt("tokentap_slo_e2e_seconds", &up, slo.e2e_ms.map(|v| v / 1e3));
+        x.add(
+            "tokentap_slo_attainment_target_ratio",
+            &up,
+            slo.attainment_pct / 100.0,
+        );
         for &(result, n) in &s.slo_requests_total {
             x.add(
                 "tokentap_slo_requests_total",
@@ -245,6 +250,7 @@ fn upstream(x: &mut Exposition, report: &UpstreamReport) {
     if let Some(c) = &report.cost {
         let currency = c.currency.as_deref().unwrap_or("");
         let l = [("upstream", name), ("currency", currency)];
+        x.add("tokentap_cost_per_hour", &l, c.per_hour);
         x.opt(
             "tokentap_cost_per_million_output_tokens",
             &l,

@@ -68,7 +68,7 @@ pub fn capacity(
     let delivered = demand.system_tps;
     let demand_tps = match (demand.arrivals_per_sec, demand.mean_output_tokens) {
         (Some(a), Some(tokens)) => Some(a * tokens),
-        (Some(a), None) if a == 0.0 => Some(0.0),
+        (Some(0.0), None) => Some(0.0),
         _ => None,
     };
     let (basis, reason) = match bound {

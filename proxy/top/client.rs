@@ -65,10 +65,41 @@ pub struct CurvePoint {
 
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct Slo {
-    pub tpot_ms: f64,
+    #[serde(default)]
+    pub tpot_ms: Option<f64>,
+    #[serde(default)]
+    pub ttft_ms: Option<f64>,
+    #[serde(default)]
+    pub e2e_ms: Option<f64>,
     pub percentile: f64,
     pub met: Option<bool>,
     pub current_tpot_ms: Option<f64>,
+}
+
+/// What the figures decide, as `top` shows it (each part absent without its config).
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+pub struct Goodput {
+    pub requests_per_sec: Option<f64>,
+    pub attainment_pct: Option<f64>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+pub struct Cost {
+    pub currency: Option<String>,
+    pub per_million_output_tokens: Option<f64>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+pub struct Roofline {
+    pub mbu_pct: Option<f64>,
+    pub problem: Option<String>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+pub struct Capacity {
+    pub endpoints_now: u64,
+    pub endpoints_needed: Option<u64>,
+    pub advice: Option<String>,
 }
 
 /// One upstream as the view draws it.
@@ -95,6 +126,14 @@ pub struct UpstreamView {
     /// Its pool's endpoints.
     #[serde(default)]
     pub endpoints: Vec<EndpointView>,
+    #[serde(default)]
+    pub goodput: Option<Goodput>,
+    #[serde(default)]
+    pub cost: Option<Cost>,
+    #[serde(default)]
+    pub roofline: Option<Roofline>,
+    #[serde(default)]
+    pub capacity: Option<Capacity>,
 }
 
 /// One endpoint of a pool, as `top` shows it.

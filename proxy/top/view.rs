@@ -61,12 +61,62 @@ pub fn plain_line(board: &Board, note: &str) -> String {
             f(u.tpot_ms.p90, 1),
             f(u.ttft_ms.p50, 0),
         );
+        let decided = decisions(u);
+        if !decided.is_empty() {
+            let _ = write!(out, " {decided}");
+        }
         if u.endpoints.len() > 1 {
             let healthy = u.endpoints.iter().filter(|e| e.healthy).count();
             let _ = write!(out, " endpoints {healthy}/{} healthy", u.endpoints.len());
         }
     }
     out
+}
+
+/// The SLOs set, as one phrase: "TTFT ≤ 500 ms, TPOT p90 ≤ 30 ms".
+fn slo_text(s: &super::client::Slo) -> String {
+    let mut parts = Vec::new();
+    if let Some(t) = s.ttft_ms {
+        parts.push(format!("TTFT ≤ {t} ms"));
+    }
+    if let Some(t) = s.tpot_ms {
+        parts.push(format!("TPOT p{} ≤ {t} ms", s.percentile));
+    }
+    if let Some(t) = s.e2e_ms {
+        parts.push(format!("e2e ≤ {t} ms"));
+    }
+    parts.join(", ")
+}
+
+/// What the figures decide, as one phrase: "good 91% · 0.193 USD/M · MBU 84% · needs 4 (add 2)".
+fn decisions(u: &UpstreamView) -> String {
+    let mut parts = Vec::new();
+    if let Some(g) = &u.goodput {
+        parts.push(format!(
+            "good {}% ({} req/s)",
+            f(g.attainment_pct, 0),
+            f(g.requests_per_sec, 1)
+        ));
+    }
+    if let Some(c) = &u.cost {
+        let unit = c.currency.as_deref().unwrap_or("");
+        parts.push(format!("{} {unit}/M", f(c.per_million_output_tokens, 3)).replace(" /M", "/M"));
+    }
+    if let Some(r) = &u.roofline {
+        parts.push(match &r.problem {
+            Some(_) => "MBU: check model size and GPU".to_owned(),
+            None => format!("MBU {}%", f(r.mbu_pct, 0)),
+        });
+    }
+    if let Some(c) = u.capacity.as_ref().filter(|c| c.endpoints_needed.is_some()) {
+        parts.push(format!(
+            "needs {} of {} ({})",
+            c.endpoints_needed.unwrap_or(0),
+            c.endpoints_now,
+            c.advice.as_deref().unwrap_or("-")
+        ));
+    }
+    parts.join(" · ")
 }
 
 /// The screen: a title line, a block per upstream, the A/B verdict.
@@ -191,17 +241,20 @@ fn upstream(frame: &mut Frame<'_>, area: Rect, u: &UpstreamView, board: &Board, 
 
     let slo = match &u.slo {
         Some(s) => format!(
-            "SLO TPOT p{} ≤ {} ms: now {} ms{}",
-            s.percentile,
-            s.tpot_ms,
-            f(s.current_tpot_ms, 1),
+            "SLO {}{}{}",
+            slo_text(s),
+            if s.tpot_ms.is_some() {
+                format!(": TPOT now {} ms", f(s.current_tpot_ms, 1))
+            } else {
+                String::new()
+            },
             match s.met {
                 Some(true) => " (met)",
                 Some(false) => " (missed)",
                 None => "",
             }
         ),
-        None => "no TPOT SLO".into(),
+        None => "no SLO".into(),
     };
     let exact = u.estimated_tokens_share_pct.map(|e| 100.0 - e);
     let figures = vec![
@@ -245,6 +298,7 @@ fn upstream(frame: &mut Frame<'_>, area: Rect, u: &UpstreamView, board: &Board, 
             u.requests_total,
             f(exact, 0)
         )),
+        Line::from(decisions(u)),
     ];
     frame.render_widget(Paragraph::new(figures), cols[0]);
 
@@ -328,6 +382,41 @@ mod tests {
             plain_line(&board(), "t=3s 32 clients"),
             "t=3s 32 clients  a: in 12/48 q 0 conc 12.2 1-stream 70.7 system 824 TPOT 14.2/14.4 TTFT -"
         );
+    }
+
+    /// Goodput, cost per token, MBU and the endpoints needed: in the block and the line.
+    #[test]
+    fn the_decisions_are_shown() {
+        use crate::top::client::{Capacity, Cost, Goodput, Roofline, Slo};
+        let mut board = board();
+        let u = &mut board.upstreams[0];
+        u.slo = Some(Slo {
+            ttft_ms: Some(500.0),
+            tpot_ms: Some(30.0),
+            percentile: 90.0,
+            ..Slo::default()
+        });
+        u.goodput = Some(Goodput {
+            requests_per_sec: Some(12.5),
+            attainment_pct: Some(91.2),
+        });
+        u.cost = Some(Cost {
+            currency: Some("USD".into()),
+            per_million_output_tokens: Some(0.1934),
+        });
+        u.roofline = Some(Roofline {
+            mbu_pct: Some(84.3),
+            problem: None,
+        });
+        u.capacity = Some(Capacity {
+            endpoints_now: 2,
+            endpoints_needed: Some(4),
+            advice: Some("add 2".into()),
+        });
+        let want = "good 91% (12.5 req/s) · 0.193 USD/M · MBU 84% · needs 4 of 2 (add 2)";
+        assert!(screen(&board, 24).contains(want), "{}", screen(&board, 24));
+        assert!(plain_line(&board, "").contains(want));
+        assert!(screen(&board, 24).contains("SLO TTFT ≤ 500 ms, TPOT p90 ≤ 30 ms"));
     }
 
     /// What `draw` puts on a 130-column screen of `rows`, as one string.

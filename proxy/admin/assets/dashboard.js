@@ -192,13 +192,52 @@ function endpoints(u) {
   return `<table class="eps"><tr><th>endpoint (${esc(u.balance)})</th><th>state</th><th>in flight / cap</th><th>system T/s</th><th>TPOT p50</th><th>requests</th><th>errors</th></tr>${rows}</table>`;
 }
 
+// The SLOs set, as one phrase: "TTFT ≤ 500 ms, TPOT p90 ≤ 30 ms".
+function sloText(slo) {
+  const parts = [];
+  if (slo.ttft_ms !== null) parts.push(`TTFT ≤ ${slo.ttft_ms} ms`);
+  if (slo.tpot_ms !== null) parts.push(`TPOT p${slo.percentile} ≤ ${slo.tpot_ms} ms`);
+  if (slo.e2e_ms !== null) parts.push(`e2e ≤ ${slo.e2e_ms} ms`);
+  return parts.join(", ");
+}
+
+// What the figures decide: goodput, cost per token, MBU, the endpoints needed.
+function decisions(u) {
+  const g = u.goodput;
+  const cost = u.cost;
+  const roof = u.roofline;
+  const cap = u.capacity;
+  const figs = [];
+  if (g) {
+    figs.push(fig(u.name, "goodput_rps", g.requests_per_sec, 2, "goodput req/s (met every SLO)"));
+    figs.push(fig(u.name, "attainment_pct", g.attainment_pct, 1, `% good (target ${fmt(u.slo.attainment_pct, 0)}%)`));
+  }
+  if (cost) {
+    const cur = cost.currency ? ` ${esc(cost.currency)}` : "";
+    figs.push(fig(u.name, "cost_per_million", cost.per_million_output_tokens, 3, `${cur} per M tokens now`));
+    figs.push(fig(u.name, "cost_per_million_at_slo", cost.per_million_at_slo_bounded, 3, `${cur} per M at the SLO bound`));
+  }
+  if (roof) {
+    figs.push(fig(u.name, "mbu_pct", roof.mbu_pct, 0, `% MBU (roofline ${fmt(roof.single_stream_ceiling_tps)} T/s)`));
+  }
+  if (cap && cap.endpoints_needed !== null) {
+    figs.push(fig(u.name, "endpoints_needed", cap.endpoints_needed, 0, `endpoints needed (${cap.endpoints_now} now: ${esc(cap.advice)})`));
+  }
+  const notes = [];
+  if (roof && roof.problem) notes.push(`<p class="problem" data-up="${esc(u.name)}" data-fig="roofline_problem">roofline: ${esc(roof.problem)}</p>`);
+  if (u.slo && cap && cap.reason) notes.push(`<p class="key" data-up="${esc(u.name)}" data-fig="capacity_reason">capacity: ${esc(cap.reason)}</p>`);
+  if (!figs.length && !notes.length) return "";
+  return `<div class="figs decisions">${figs.join("")}</div>${notes.join("")}`;
+}
+
 function renderUpstreams(s) {
   const html = s.stats.upstreams.map((u) => {
     const c = state.colours.get(u.name);
     const exact = u.estimated_tokens_share_pct === null ? null : 100 - u.estimated_tokens_share_pct;
+    const now = u.slo && u.slo.tpot_ms !== null ? `: TPOT now ${fmt(u.slo.current_tpot_ms)} ms` : "";
     const slo = u.slo
-      ? `<span class="slo ${u.slo.met === false ? "missed" : "met"}">SLO TPOT p${u.slo.percentile} ≤ ${u.slo.tpot_ms} ms: now ${fmt(u.slo.current_tpot_ms)} ms${u.slo.met === null ? "" : u.slo.met ? " (met)" : " (missed)"}</span>`
-      : "no TPOT SLO";
+      ? `<span class="slo ${u.slo.met === false ? "missed" : "met"}">SLO ${sloText(u.slo)}${now}${u.slo.met === null ? "" : u.slo.met ? " (met)" : " (missed)"}</span>`
+      : "no SLO";
     const row = (label, p, key) =>
       `<tr><td>${label}</td>${["p50", "p90", "p99"].map((q) => `<td data-up="${esc(u.name)}" data-fig="${key}_${q}" data-value="${p[q] ?? ""}">${fmt(p[q])}</td>`).join("")}</tr>`;
     return `<div class="card" style="--up:${c}">
@@ -216,6 +255,7 @@ function renderUpstreams(s) {
       <table class="pct"><tr><th>ms</th><th>p50</th><th>p90</th><th>p99</th></tr>
         ${row("TTFT", u.ttft_ms, "ttft_ms")}${row("TPOT", u.tpot_ms, "tpot_ms")}${row("ITL", u.itl_ms, "itl_ms")}</table>
       <p>${slo}</p>
+      ${decisions(u)}
       <div>Output tokens counted exactly: <b data-up="${esc(u.name)}" data-fig="exact_share_pct" data-value="${exact ?? ""}">${fmt(exact)}%</b>, estimated ${fmt(u.estimated_tokens_share_pct)}%
         <div class="share"><div style="width:${exact ?? 0}%"></div></div></div>
       ${endpoints(u)}

@@ -195,23 +195,40 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
                 sim: Some(sim),
             })
         });
+    // The figures of the last phase's last second, taken before its end cuts the requests
+    // still running (each would count as an abandoned request).
+    let last = Arc::new(Mutex::new(Vec::new()));
+    let snapshot = {
+        let (live, transport, last) = (
+            Arc::clone(&running.live),
+            Arc::clone(&running.transport),
+            Arc::clone(&last),
+        );
+        move || {
+            let now = crate::admin::stats(&live.load(), &transport).upstreams;
+            *last.lock().unwrap_or_else(PoisonError::into_inner) = now;
+        }
+    };
     let driver = tokio::spawn(drive(
         target,
         args.levels.iter().copied().cycle().take(phases).collect(),
         phase,
-        note_tx,
-        stop_tx,
+        (note_tx, stop_tx),
         Arc::clone(&reports),
         chaos,
+        snapshot,
     ));
     let token = std::env::var(crate::config::ADMIN_TOKEN_ENV).ok();
     let source = top::Source::parse(&args.admin.to_string(), token)?;
     top::show("tokentap demo", top::client_watch(source), note, stop).await?;
     driver.abort();
+    let mut ups = std::mem::take(&mut *last.lock().unwrap_or_else(PoisonError::into_inner));
+    if ups.is_empty() {
+        ups = stats(&running);
+    }
     let reports = std::mem::take(&mut *reports.lock().unwrap_or_else(PoisonError::into_inner));
 
     println!("\nconcurrency→TPOT curve per upstream, measured by tokentap (since start):");
-    let ups = stats(&running);
     for s in &ups {
         print!("{}", curve_table(&s.meter));
     }
@@ -244,9 +261,14 @@ fn decisions(u: &UpstreamReport) -> String {
             None => "no traffic",
         };
         if slo.tpot_ms.is_some() {
+            let tick = match slo.current_tpot_ms.zip(slo.tpot_ms) {
+                Some((now, slo)) if now <= slo => "met",
+                Some(_) => "missed",
+                None => "no traffic",
+            };
             let _ = writeln!(
                 out,
-                "\n{name}: the adaptive cap holds TPOT p{} ≤ {} ms: cap now {}, TPOT p{} of the last second {} ms ({met})",
+                "\n{name}: the adaptive cap holds TPOT p{} ≤ {} ms: cap now {}, TPOT p{} of the last second {} ms ({tick})",
                 slo.percentile,
                 f(slo.tpot_ms, 0),
                 u.limit.map_or_else(|| "-".into(), |l| l.to_string()),
@@ -303,8 +325,9 @@ fn decisions(u: &UpstreamReport) -> String {
         (Some(n), _) => {
             let _ = writeln!(
                 out,
-                "  capacity: demand {} T/s, {} T/s an endpoint within the SLO ({}): {n} endpoints needed with {}% headroom, {} now: {}",
+                "  capacity: demand {} T/s ({}), {} T/s an endpoint within the SLO ({}): {n} endpoints needed with {}% headroom, {} now: {}",
                 f(c.demand_tps, 0),
+                c.demand_from.unwrap_or("-").replace('_', " "),
                 f(c.slo_bounded_tps_per_endpoint, 0),
                 c.basis.unwrap_or("-"),
                 c.headroom_pct,
@@ -414,10 +437,10 @@ async fn drive(
     target: Arc<load::Target>,
     phases: Vec<usize>,
     phase: Duration,
-    note: watch::Sender<String>,
-    stop: watch::Sender<bool>,
+    (note, stop): (watch::Sender<String>, watch::Sender<bool>),
     reports: Arc<Mutex<Vec<PhaseReport>>>,
     mut chaos: Option<Chaos>,
+    snapshot: impl Fn() + Send,
 ) {
     let started = tokio::time::Instant::now();
     let total = phases.len();
@@ -450,6 +473,9 @@ async fn drive(
                         None => None,
                     };
                     let _ = note.send(say(started.elapsed()) + event.as_deref().unwrap_or(""));
+                    if i + 1 == total {
+                        snapshot();
+                    }
                 }
             }
         };

@@ -169,6 +169,7 @@ fn report(shared: &Shared, i: usize, u: &Upstream, now: crate::meter::Nanos) -> 
             system_tps: meter.system_tps,
             arrivals_per_sec: meter.arrivals_per_sec,
             mean_output_tokens: meter.mean_output_tokens,
+            concurrency: meter.concurrency,
             queued: l.queued,
             endpoints_now,
         },

@@ -1,14 +1,17 @@
 //! Capacity: how many endpoints the current demand needs at the SLO, from the pool's own
 //! live curve, whatever the engine.
 //!
-//! Demand is tokens per second asked for: the generation requests that arrived over the
+//! Demand is tokens per second asked for: what was delivered plus what the queue holds
+//! back. A backlog shows in one of two ways. Clients that do not wait for each other (an
+//! open loop, like real users) arrive faster than the pool finishes: the arrivals over the
 //! window (admitted at once, queued or refused) × the mean output tokens of those that
-//! finished. It is what was delivered plus what the queue holds back: while the pool keeps
-//! up the two are one, and while it falls behind, arrivals run ahead of completions. (A
-//! closed loop of clients, each waiting for its answer before it asks again, asks for no
-//! more than it is served: its demand is what it gets.) One endpoint delivers at most its
-//! SLO-bounded system T/s (the curve is one endpoint's); with `headroom_pct` on top, the
-//! pool needs ⌈demand × (1 + headroom) ÷ that⌉. The bound is taken only where the curve shows it: a supported
+//! finished run ahead of the delivered T/s, and they are the demand. Clients that wait for
+//! their answer before they ask again (a closed loop) arrive only as fast as they are
+//! served, and wait in a standing queue instead: then each of them asks as much as an
+//! in-flight request gets, and the demand is the arrivals' × (mean in flight + queued) ÷
+//! mean in flight. One endpoint delivers at most its SLO-bounded system T/s (the curve is
+//! one endpoint's); with `headroom_pct` on top, the pool needs ⌈demand × (1 + headroom) ÷
+//! that⌉. The bound is taken only where the curve shows it: a supported
 //! point within the SLO with one above it that breaks it (`bracketed`), or running at 80%
 //! of the TPOT SLO or with requests that broke it (`near_slo`). A curve that never came near
 //! its SLO gives no figure and says why: what lies past the highest concurrency seen is not
@@ -27,7 +30,8 @@ pub struct Demand {
     /// tokens of those that finished there.
     pub arrivals_per_sec: Option<f64>,
     pub mean_output_tokens: Option<f64>,
-    /// Requests waiting for a slot now.
+    /// The window's mean of requests in flight, and those waiting for a slot now.
+    pub concurrency: Option<f64>,
     pub queued: u64,
     /// Endpoints taking requests now.
     pub endpoints_now: u64,
@@ -36,8 +40,12 @@ pub struct Demand {
 /// The capacity's part of `/stats`.
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct CapacityStats {
-    /// Tokens per second asked for: `arrivals_per_sec` × `mean_output_tokens`.
+    /// Tokens per second asked for: `arrivals_per_sec` × `mean_output_tokens`, scaled by
+    /// a standing queue (`demand_from`).
     pub demand_tps: Option<f64>,
+    /// `arrivals` (arriving faster than served, or no queue) or `standing_queue` (served
+    /// as fast as they arrive, more waiting).
+    pub demand_from: Option<&'static str>,
     pub arrivals_per_sec: Option<f64>,
     pub mean_output_tokens: Option<f64>,
     /// Tokens per second delivered (the window's system T/s), and requests waiting now.
@@ -66,10 +74,19 @@ pub fn capacity(
     headroom_pct: f64,
 ) -> CapacityStats {
     let delivered = demand.system_tps;
-    let demand_tps = match (demand.arrivals_per_sec, demand.mean_output_tokens) {
+    let arriving = match (demand.arrivals_per_sec, demand.mean_output_tokens) {
         (Some(a), Some(tokens)) => Some(a * tokens),
         (Some(0.0), None) => Some(0.0),
         _ => None,
+    };
+    let (demand_tps, demand_from) = match (arriving, delivered, demand.concurrency) {
+        (Some(a), Some(d), _) if a > 1.05 * d => (Some(a), Some("arrivals")),
+        (Some(a), _, Some(c)) if c > 0.0 && demand.queued > 0 => (
+            Some(a * (c + demand.queued as f64) / c),
+            Some("standing_queue"),
+        ),
+        (Some(a), ..) => (Some(a), Some("arrivals")),
+        (None, ..) => (None, None),
     };
     let (basis, reason) = match bound {
         _ if !slo => (
@@ -112,6 +129,7 @@ pub fn capacity(
     });
     CapacityStats {
         demand_tps,
+        demand_from,
         arrivals_per_sec: demand.arrivals_per_sec,
         mean_output_tokens: demand.mean_output_tokens,
         delivered_tps: delivered,
@@ -150,11 +168,13 @@ mod tests {
             system_tps: Some(800.0),
             arrivals_per_sec: Some(12.0),
             mean_output_tokens: Some(100.0),
+            concurrency: Some(8.0),
             queued: 8,
             endpoints_now: 2,
         };
         let c = capacity(d, Some(bound(400.0, true, true)), true, 20.0);
         assert_eq!(c.demand_tps, Some(1200.0));
+        assert_eq!(c.demand_from, Some("arrivals"));
         assert_eq!(c.endpoints_needed, Some(4));
         assert_eq!(c.advice.as_deref(), Some("add 2"));
         assert_eq!(c.basis, Some("bracketed"));
@@ -173,11 +193,33 @@ mod tests {
     }
 
     #[test]
+    fn clients_that_wait_their_turn_show_in_a_standing_queue() {
+        // 24 closed-loop clients on one endpoint capped at 8: served as fast as they
+        // arrive (400 T/s), 16 waiting. Each asks what an in-flight request gets.
+        let d = Demand {
+            system_tps: Some(400.0),
+            arrivals_per_sec: Some(4.0),
+            mean_output_tokens: Some(100.0),
+            concurrency: Some(8.0),
+            queued: 16,
+            endpoints_now: 1,
+        };
+        let c = capacity(d, Some(bound(400.0, true, true)), true, 0.0);
+        assert_eq!(c.demand_tps, Some(1200.0));
+        assert_eq!(c.demand_from, Some("standing_queue"));
+        assert_eq!(
+            (c.endpoints_needed, c.advice.as_deref()),
+            (Some(3), Some("add 2"))
+        );
+    }
+
+    #[test]
     fn no_figure_without_a_point_near_the_slo() {
         let d = Demand {
             system_tps: Some(100.0),
             arrivals_per_sec: Some(1.0),
             mean_output_tokens: Some(100.0),
+            concurrency: Some(2.0),
             queued: 0,
             endpoints_now: 1,
         };

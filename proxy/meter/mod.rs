@@ -253,7 +253,7 @@ impl UpstreamMeter {
         self.lock().begin(now, &on);
         let shard = shard_of_thread(self.shards.len());
         let key = self.shard(shard).begin(t0, now);
-        Stream::new(Arc::clone(self), shard, key, t0, on)
+        Stream::new(Arc::clone(self), shard, key, (t0, now), on)
     }
 
     /// The backend's running count, read from its own metrics (`None`: unknown or stale).
@@ -818,6 +818,21 @@ mod tests {
         );
         let two = at(2).expect("bucket 2");
         assert_eq!((two.slo_requests, two.slo_attainment_pct), (4, Some(0.0)));
+        // A request that waited 1 s in tokentap's queue breaks the TTFT SLO for its user,
+        // not for its backend's curve bucket: the wait is the pool's capacity's business.
+        let mut queued = m.begin_on(5 * S, 6 * S, Arc::default());
+        for i in 0..5 {
+            queued.tokens(6 * S + 50 * MS + i * 20 * MS, 1);
+        }
+        queued.finish(6 * S + 200 * MS, Outcome::Ok);
+        let st2 = m.stats(10 * S);
+        assert_eq!(st2.slo_requests_total[1], ("ttft", 3));
+        let one = st2.curve.iter().find(|p| p.concurrency == 1).cloned();
+        // Bucket 1 holds it (good); the aborted one is not judged there (its client left).
+        assert_eq!(
+            one.map(|p| (p.slo_requests, p.slo_attainment_pct)),
+            Some((1, Some(100.0)))
+        );
         // The window slides; the totals stay.
         let later = m.stats(40 * S);
         assert_eq!(later.goodput.map(|g| g.requests), Some(0));

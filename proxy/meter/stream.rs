@@ -21,6 +21,8 @@ pub struct Stream {
     shard: usize,
     key: usize,
     t0: Nanos,
+    /// When it was sent upstream (after any wait in tokentap's queue).
+    sent: Nanos,
     first: Option<Nanos>,
     last: Nanos,
     tokens: u64,
@@ -63,7 +65,7 @@ impl Stream {
         meter: Arc<UpstreamMeter>,
         shard: usize,
         key: usize,
-        t0: Nanos,
+        (t0, sent): (Nanos, Nanos),
         endpoint: Arc<EndpointMeter>,
     ) -> Stream {
         Stream {
@@ -72,6 +74,7 @@ impl Stream {
             shard,
             key,
             t0,
+            sent,
             first: None,
             last: 0,
             tokens: 0,
@@ -248,6 +251,13 @@ impl Stream {
                 ttft_ms: summary.ttft_ms,
                 tpot_ms: summary.tpot_ms,
                 e2e_ms: now.saturating_sub(self.t0) as f64 / 1e6,
+            },
+            // The backend's part: from the moment it was sent, tokentap's queue left out.
+            at_backend: Judged {
+                outcome,
+                ttft_ms: self.first.map(|f| f.saturating_sub(self.sent) as f64 / 1e6),
+                tpot_ms: summary.tpot_ms,
+                e2e_ms: now.saturating_sub(self.sent) as f64 / 1e6,
             },
             bucket: bucket(batch),
         };

@@ -168,7 +168,12 @@ pub(super) struct Ended {
     pub(super) unread: bool,
     pub(super) exact: Option<u64>,
     pub(super) input: Option<u64>,
+    /// Its figures as the client saw them (from the request's start), for goodput…
     pub(super) judged: Judged,
+    /// …and as the backend served them (from when it was sent, tokentap's queue left
+    /// out), for its curve bucket: the curve is the backend's, a wait for a slot is the
+    /// pool's capacity's to answer.
+    pub(super) at_backend: Judged,
     /// The curve bucket it ran in: the mean batch its tokens arrived at.
     pub(super) bucket: usize,
 }
@@ -297,6 +302,7 @@ impl Windows {
             exact,
             input,
             judged,
+            at_backend,
             bucket,
         } = end;
         self.count(outcome);
@@ -309,8 +315,12 @@ impl Windows {
             let verdict = self.targets.judge(&judged);
             let tokens = exact.unwrap_or(estimated);
             self.goodput.add(now / self.slot_ns, verdict, tokens);
-            self.verdicts
-                .add(now, bucket, verdict == goodput::Verdict::Good);
+            // A client that left gives no evidence of what its backend does at this
+            // batch: it counts against goodput, not against the curve's bucket.
+            if outcome != Outcome::Aborted {
+                let served = self.targets.judge(&at_backend) == goodput::Verdict::Good;
+                self.verdicts.add(now, bucket, served);
+            }
         }
         // Sums saturate: a count is bounded (dialect::MAX_COUNT), its sum over a long life
         // is not.

@@ -222,9 +222,13 @@ fn upstream(frame: &mut Frame<'_>, area: Rect, u: &UpstreamView, board: &Board, 
     frame.render_widget(block, area);
     let parts = Layout::default()
         .direction(Direction::Vertical)
-        .constraints([Constraint::Length(8), Constraint::Min(0)])
+        .constraints([
+            Constraint::Length(6),
+            Constraint::Length(2),
+            Constraint::Min(0),
+        ])
         .split(inner);
-    let (inner, pool) = (parts[0], parts[1]);
+    let (inner, wide, pool) = (parts[0], parts[1], parts[2]);
     let shown = endpoint_lines(u);
     if shown > 0 {
         let lines: Vec<Line> = u.endpoints.iter().take(shown).map(endpoint_line).collect();
@@ -292,15 +296,16 @@ fn upstream(frame: &mut Frame<'_>, area: Rect, u: &UpstreamView, board: &Board, 
             f(u.ttft_ms.p50, 0),
             f(u.ttft_ms.p90, 0)
         )),
-        Line::from(slo),
         Line::from(format!(
             "requests {}   counted exactly {}%",
             u.requests_total,
             f(exact, 0)
         )),
-        Line::from(decisions(u)),
     ];
     frame.render_widget(Paragraph::new(figures), cols[0]);
+    // The SLO and what the figures decide, across the block.
+    let decided = vec![Line::from(slo), Line::from(decisions(u))];
+    frame.render_widget(Paragraph::new(decided), wide);
 
     // The curve: the buckets with the most samples, in concurrency order.
     let mut curve: Vec<_> = u.curve.iter().filter(|p| !p.sparse).cloned().collect();

@@ -304,7 +304,7 @@ fn decisions(u: &UpstreamReport) -> String {
             "  cost: {} {unit} per million output tokens now, {} at the SLO-bounded load ({} T/s on its endpoints)",
             f(c.per_million_output_tokens, 3),
             f(c.per_million_at_slo_bounded, 3),
-            f(c.slo_bounded_system_tps, 0),
+            f(c.pool_slo_bounded_system_tps, 0),
         );
     }
     if let Some(r) = &u.roofline {

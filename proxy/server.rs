@@ -135,8 +135,11 @@ impl BackgroundService for UpstreamUpkeep {
                 if let Some(b) = &u.backend {
                     b.tick(&u.config.name, Arc::clone(&u.meter) as _);
                 }
-                u.pool
-                    .tick(shared.config.window, shared.config.endpoint_labels);
+                u.pool.tick(
+                    shared.config.window,
+                    shared.config.endpoint_labels,
+                    &u.meter,
+                );
             }
         }
     }

@@ -47,6 +47,15 @@ pub struct UpstreamPoint {
     pub requests_total: u64,
     pub errors_total: u64,
     pub output_tokens_total: u64,
+    /// What the figures decide (each `null` without its config): goodput req/s and
+    /// attainment, cost per million output tokens now and at the SLO bound, MBU, the
+    /// endpoints needed.
+    pub goodput_rps: Option<f64>,
+    pub attainment_pct: Option<f64>,
+    pub cost_per_million: Option<f64>,
+    pub cost_per_million_at_slo: Option<f64>,
+    pub mbu_pct: Option<f64>,
+    pub endpoints_needed: Option<u64>,
 }
 
 /// Every upstream at one second.
@@ -83,6 +92,15 @@ impl Point {
                         requests_total: m.requests_total,
                         errors_total: m.errors_total,
                         output_tokens_total: m.output_tokens_total,
+                        goodput_rps: m.goodput.and_then(|g| g.requests_per_sec),
+                        attainment_pct: m.goodput.and_then(|g| g.attainment_pct),
+                        cost_per_million: r.cost.as_ref().and_then(|c| c.per_million_output_tokens),
+                        cost_per_million_at_slo: r
+                            .cost
+                            .as_ref()
+                            .and_then(|c| c.per_million_at_slo_bounded),
+                        mbu_pct: r.roofline.as_ref().and_then(|x| x.mbu_pct),
+                        endpoints_needed: r.capacity.endpoints_needed,
                     }
                 })
                 .collect(),

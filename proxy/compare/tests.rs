@@ -367,7 +367,10 @@ fn two_priced_arms_are_told_apart_per_token() {
     // Same price: b, 10% slower per token, costs more per token.
     let same = c.clone().priced(Some(&price(2.0)), Some(&price(2.0)));
     let cost = same.cost.clone().expect("a cost comparison");
-    assert_eq!(cost.cheaper, "a");
+    assert_eq!(cost.cheaper.as_deref(), Some("a"));
+    let [lo, hi] = cost.b_over_a_ci95.expect("a CI");
+    let ratio = cost.b_per_million / cost.a_per_million;
+    assert!(lo < ratio && ratio < hi && lo > 1.0, "{cost:?}");
     let want = 2.0 / (tps.a.unwrap_or(0.0) * 3600.0) * 1e6;
     assert!((cost.a_per_million - want).abs() < 1e-9 * want, "{cost:?}");
     assert!(same.verdict.contains("a is "), "{}", same.verdict);
@@ -378,7 +381,12 @@ fn two_priced_arms_are_told_apart_per_token() {
     );
     // b at 25% off: cheaper per token though slower.
     let cheap_b = c.clone().priced(Some(&price(2.0)), Some(&price(1.5)));
-    assert_eq!(cheap_b.cost.map(|c| c.cheaper).as_deref(), Some("b"));
+    assert_eq!(cheap_b.cost.and_then(|c| c.cheaper).as_deref(), Some("b"));
+    // b at 9% off: its 10% slower tokens cost about as much; the CI covers both.
+    let even = c.clone().priced(Some(&price(2.0)), Some(&price(2.0 / 1.1)));
+    let cost = even.cost.expect("a cost comparison");
+    assert_eq!(cost.cheaper, None, "{cost:?}");
+    assert!(even.verdict.contains("no significant difference per token"));
     // One arm unpriced, or prices in two currencies: no cost comparison.
     assert!(c.clone().priced(Some(&price(2.0)), None).cost.is_none());
     let eur = ArmPrice {

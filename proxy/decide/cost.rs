@@ -25,8 +25,9 @@ pub struct CostStats {
     pub per_million_output_tokens: Option<f64>,
     /// At the SLO-bounded system T/s of the pool (`slo_bounded_system_tps`).
     pub per_million_at_slo_bounded: Option<f64>,
-    /// The pool's SLO-bounded system T/s: one endpoint's × the endpoints taking requests.
-    pub slo_bounded_system_tps: Option<f64>,
+    /// The pool's SLO-bounded system T/s: one endpoint's (`slo.slo_bounded_system_tps`) ×
+    /// the endpoints taking requests.
+    pub pool_slo_bounded_system_tps: Option<f64>,
     pub system_tps_per_gpu: Option<f64>,
 }
 
@@ -46,7 +47,7 @@ impl Price {
             gpus: self.gpus,
             per_million_output_tokens: system_tps.and_then(|t| per_million(self.per_hour, t)),
             per_million_at_slo_bounded: slo_bounded.and_then(|t| per_million(self.per_hour, t)),
-            slo_bounded_system_tps: slo_bounded,
+            pool_slo_bounded_system_tps: slo_bounded,
             system_tps_per_gpu: system_tps
                 .zip(self.gpus)
                 .map(|(t, g)| t / f64::from(g.max(1))),

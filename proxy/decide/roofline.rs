@@ -67,10 +67,15 @@ impl Roofline {
     pub fn stats(&self, lowest: Option<(u64, f64)>, now: Option<f64>) -> RooflineStats {
         let ceiling = self.single_stream_ceiling_tps();
         let mbu = |tps: f64| 100.0 * tps / ceiling;
-        // The point is read over its support; the window may be a few fast requests.
-        let problem = lowest.filter(|&(_, tps)| mbu(tps) > 100.0).map(|(c, tps)| {
+        // Read at the lowest supported point (over its support), else, before there is
+        // one, at the live window's rate.
+        let seen = match lowest {
+            Some((c, tps)) => Some((format!("at concurrency {c}"), tps)),
+            None => now.map(|tps| ("over the live window".to_owned(), tps)),
+        };
+        let problem = seen.filter(|(_, tps)| mbu(*tps) > 100.0).map(|(at, tps)| {
             format!(
-                "single-stream {tps:.1} T/s at concurrency {c} is {:.2}× the roofline's \
+                "single-stream {tps:.1} T/s {at} is {:.2}× the roofline's \
                  {ceiling:.1} T/s: model.weight_gb ({}) or the bandwidth ({} TB/s × {}) is wrong",
                 tps / ceiling,
                 self.weight_gb,
@@ -125,6 +130,13 @@ mod tests {
             s.problem.as_deref().is_some_and(|p| p.contains("2.11×")),
             "{s:?}"
         );
+        // No supported point yet: the live window's rate says it just the same.
+        let s = r.stats(None, Some(100.0));
+        assert!(s
+            .problem
+            .as_deref()
+            .is_some_and(|p| p.contains("over the live window")));
+        assert_eq!(s.mbu_pct_now, None);
         // Split over two GPUs, each reads half.
         let tp2 = Roofline {
             tensor_parallel: 2,

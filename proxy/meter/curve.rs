@@ -260,6 +260,12 @@ impl Verdicts {
         cell.good += u64::from(good);
     }
 
+    /// Forgets every judgement (the SLOs changed), the window's length kept.
+    pub(super) fn clear(&mut self) {
+        let window = Duration::from_nanos(self.0.epoch_ns.saturating_mul(EPOCHS));
+        self.0.reset(window);
+    }
+
     pub(super) fn sum(&self, scope: Scope) -> [Attain; CURVE_BUCKETS] {
         let mut out = [Attain::default(); CURVE_BUCKETS];
         self.0.add_into(&mut out, scope);
@@ -378,8 +384,8 @@ pub struct SloBound {
     /// lies between.
     pub bracketed: bool,
     /// The curve has come near its SLO: bracketed, or its highest point within the SLO
-    /// runs at 80% of the TPOT SLO or more, or has requests that broke it. Otherwise the
-    /// edge lies past the highest concurrency seen.
+    /// runs at 80% of the TPOT SLO or more, or keeps no more than halfway from the
+    /// attainment target to 100%. Otherwise the edge lies past the highest concurrency seen.
     pub near: bool,
     /// The highest concurrency with a supported point.
     pub highest_supported: u64,
@@ -438,8 +444,12 @@ pub(super) fn slo_bound(
         .tpot_ms
         .zip(gaps_at(edge))
         .is_some_and(|(slo, t)| t >= 0.8 * slo);
-    let near_requests =
-        bound.attainment_pct.is_some() && edge.slo_attainment_pct.is_some_and(|a| a < 100.0);
+    // Near a request SLO: the edge keeps no more than halfway from the target to all
+    // (one bad request in a thousand is not near a 90% target).
+    let near_requests = bound.attainment_pct.is_some_and(|target| {
+        edge.slo_attainment_pct
+            .is_some_and(|a| a < target + (100.0 - target) / 2.0)
+    });
     Some(SloBound {
         concurrency: p.concurrency,
         system_tps,

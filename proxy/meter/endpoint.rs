@@ -22,8 +22,11 @@ const MAX_DONE: usize = 1 << 16;
 pub struct EndpointMeter {
     /// Metered requests on it now.
     pub(super) streams: AtomicU64,
-    /// The backend's own running count ([`UNKNOWN`] while not scraped or stale).
+    /// The backend's own running count the curve buckets by ([`UNKNOWN`] while not
+    /// scraped or stale), changed only under the upstream's lock
+    /// ([`super::UpstreamMeter::set_endpoint_backend`]), and its latest reading.
     pub(super) backend_running: AtomicU64,
+    backend_reported: AtomicU64,
     tokens: AtomicU64,
     recent: Mutex<Recent>,
 }
@@ -53,6 +56,7 @@ impl Default for EndpointMeter {
         EndpointMeter {
             streams: AtomicU64::new(0),
             backend_running: AtomicU64::new(UNKNOWN),
+            backend_reported: AtomicU64::new(UNKNOWN),
             tokens: AtomicU64::new(0),
             recent: Mutex::default(),
         }
@@ -66,10 +70,18 @@ impl EndpointMeter {
     }
 
     /// The backend's running count, read from its own metrics (`None`: unknown or stale):
-    /// the curve is bucketed by it while it is known.
+    /// kept as its latest reading, which the upstream's upkeep hands the curve.
     pub fn set_backend_running(&self, running: Option<u64>) {
         let v = running.map_or(UNKNOWN, |n| n.min(UNKNOWN - 1));
-        self.backend_running.store(v, Relaxed);
+        self.backend_reported.store(v, Relaxed);
+    }
+
+    /// The backend's latest running count, as its metrics said it.
+    pub fn backend_reported(&self) -> Option<u64> {
+        match self.backend_reported.load(Relaxed) {
+            UNKNOWN => None,
+            n => Some(n),
+        }
     }
 
     /// The count the curve buckets this endpoint's tokens by: the backend's batch while

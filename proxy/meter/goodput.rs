@@ -151,6 +151,13 @@ impl Ring {
         }
     }
 
+    /// Forgets the window's judgements (the totals since start stay).
+    pub(super) fn clear(&mut self) {
+        for s in &mut self.slots {
+            s.epoch = u64::MAX;
+        }
+    }
+
     /// The judgements of the slots `inside` keeps.
     pub(super) fn window(&self, inside: impl Fn(u64) -> bool) -> Window {
         self.slots

@@ -140,10 +140,7 @@ impl Stream {
         // The batch of the endpoint that serves it: the backend's own count (its metrics
         // scraped, per endpoint or for the upstream), else tokentap's requests on it.
         let in_flight = self.endpoint.streams.load(Relaxed);
-        let curve_at = match self.meter.backend_running.load(Relaxed) {
-            UNKNOWN => self.endpoint.batch(in_flight),
-            backend => backend,
-        };
+        let curve_at = self.curve_at(in_flight);
         self.endpoint.add_tokens(u64::from(n) * u64::from(events));
         let gap = self
             .meter
@@ -162,6 +159,15 @@ impl Stream {
                 .record(secs(now.saturating_sub(self.t0)));
         }
         self.last = now;
+    }
+
+    /// The batch the curve buckets its tokens by: the upstream's backend count, the
+    /// endpoint's own, or tokentap's `in_flight` on the endpoint.
+    fn curve_at(&self, in_flight: u64) -> u64 {
+        match self.meter.backend_running.load(Relaxed) {
+            UNKNOWN => self.endpoint.batch(in_flight),
+            backend => backend,
+        }
     }
 
     /// The stream reported an exact output-token count (cumulative: the last one wins).
@@ -238,7 +244,7 @@ impl Stream {
         let batch = if self.events > 0 {
             (self.curve_sum as f64 / self.events as f64).round() as u64
         } else {
-            self.endpoint.batch(self.endpoint.streams.load(Relaxed) + 1)
+            self.curve_at(self.endpoint.streams.load(Relaxed) + 1)
         };
         let ended = Ended {
             outcome,

@@ -287,6 +287,12 @@ impl Windows {
 
     /// The latency SLOs requests finishing from now on are judged against.
     pub(super) fn set_targets(&mut self, targets: Targets) {
+        if self.targets != targets {
+            // Judgements against the old SLOs would mix with the new ones: the window and
+            // the curve's buckets start afresh (the totals since start keep counting).
+            self.goodput.clear();
+            self.verdicts.clear();
+        }
         self.targets = targets;
     }
 
@@ -306,11 +312,15 @@ impl Windows {
             bucket,
         } = end;
         self.count(outcome);
-        let slot = self.slot(now / self.slot_ns);
-        slot.finished += 1;
-        slot.finished_tokens = slot
-            .finished_tokens
-            .saturating_add(exact.unwrap_or(estimated));
+        // The demand's mean output: completed generations only (a cut or failed one's
+        // partial count would lower it just when clients give up).
+        if outcome == Outcome::Ok {
+            let slot = self.slot(now / self.slot_ns);
+            slot.finished += 1;
+            slot.finished_tokens = slot
+                .finished_tokens
+                .saturating_add(exact.unwrap_or(estimated));
+        }
         if self.targets.any() {
             let verdict = self.targets.judge(&judged);
             let tokens = exact.unwrap_or(estimated);

@@ -514,7 +514,12 @@ impl Pool {
 
     /// The pool's background work, called every 100 ms: ejections that ended, the endpoints'
     /// rate samples (each second), discovery, active checks and backend scrapes when due.
-    pub fn tick(self: &Arc<Self>, window: Duration, endpoint_labels: usize) {
+    pub fn tick(
+        self: &Arc<Self>,
+        window: Duration,
+        endpoint_labels: usize,
+        meter: &crate::meter::UpstreamMeter,
+    ) {
         let now = self.clock.now();
         self.refresh(now);
         let unlabelled = self.members.load().len() > endpoint_labels;
@@ -561,6 +566,8 @@ impl Pool {
                 if let Some(b) = backend {
                     b.tick(&self.name, Arc::clone(e) as _);
                 }
+                // The curve takes the reading with its time booked up to now.
+                meter.set_endpoint_backend(&e.meter, e.meter.backend_reported());
             }
         }
     }

@@ -224,8 +224,8 @@ function decisions(u) {
     figs.push(fig(u.name, "endpoints_needed", cap.endpoints_needed, 0, `endpoints needed (${cap.endpoints_now} now: ${esc(cap.advice)})`));
   }
   const notes = [];
-  if (roof && roof.problem) notes.push(`<p class="problem" data-up="${esc(u.name)}" data-fig="roofline_problem">roofline: ${esc(roof.problem)}</p>`);
-  if (u.slo && cap && cap.reason) notes.push(`<p class="key" data-up="${esc(u.name)}" data-fig="capacity_reason">capacity: ${esc(cap.reason)}</p>`);
+  if (roof && roof.problem) notes.push(`<p class="problem" data-up="${esc(u.name)}" data-note="roofline_problem">roofline: ${esc(roof.problem)}</p>`);
+  if (u.slo && cap && cap.reason) notes.push(`<p class="key" data-up="${esc(u.name)}" data-note="capacity_reason">capacity: ${esc(cap.reason)}</p>`);
   if (!figs.length && !notes.length) return "";
   return `<div class="figs decisions">${figs.join("")}</div>${notes.join("")}`;
 }

@@ -46,6 +46,11 @@ pub struct Options {
     pub records: bool,
     /// Show a progress bar.
     pub progress: bool,
+    /// How long requests still running when the window ends may go on (none sent after
+    /// it): zero cuts them there; with records, those that finish are recorded too, so
+    /// that every request sent in the window has its record, as `vllm bench serve` waits
+    /// for every request it sent.
+    pub drain: Duration,
 }
 
 /// The measured window of a phase and what landed in it.
@@ -99,6 +104,7 @@ impl Phase {
                     e2e_ms: None,
                     output_tokens: 0,
                     good: self.slo.map(|_| false),
+                    after_window: false,
                 });
             }
             *t.errors.entry(kind).or_insert(0) += 1;
@@ -171,6 +177,12 @@ pub async fn run_phase_with(
             }
             () = &mut end => break,
         }
+    }
+    if !options.drain.is_zero() {
+        let _ = tokio::time::timeout(options.drain, async {
+            while tasks.join_next().await.is_some() {}
+        })
+        .await;
     }
     tasks.shutdown().await;
     bar.finish_and_clear();
@@ -358,8 +370,8 @@ async fn one(sender: &mut Sender, target: &Target, phase: &Phase) -> Result<(), 
     let ttft = ms(first.unwrap_or(end).duration_since(start));
     let e2e = ms(end.duration_since(start));
     let mut t = phase.tally();
+    let good = phase.slo.map(|slo| slo.good(ttft, tpot, e2e));
     if phase.inside(end) {
-        let good = phase.slo.map(|slo| slo.good(ttft, tpot, e2e));
         if let Some(good) = good {
             t.judged += 1;
             if good {
@@ -367,6 +379,9 @@ async fn one(sender: &mut Sender, target: &Target, phase: &Phase) -> Result<(), 
                 t.good_tokens += total;
             }
         }
+    }
+    // Recorded when it ended in the window, or (drained) when it was sent in it.
+    if phase.inside(end) || (start >= phase.window_start && end > phase.window_end) {
         if phase.keep_records {
             t.records.push(RequestRecord {
                 phase: phase.label.clone(),
@@ -377,6 +392,7 @@ async fn one(sender: &mut Sender, target: &Target, phase: &Phase) -> Result<(), 
                 e2e_ms: Some(e2e),
                 output_tokens: total,
                 good,
+                after_window: !phase.inside(end),
             });
         }
     }

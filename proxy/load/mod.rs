@@ -81,6 +81,12 @@ pub struct LoadArgs {
     /// phase, outcome, TTFT, TPOT, e2e latency and output tokens.
     #[arg(long, value_name = "FILE")]
     pub records: Option<std::path::PathBuf>,
+    /// Seconds the requests still running when a phase's window ends may go on to finish
+    /// (none is sent after it); 0 cuts them at the end. With `--records`, those that
+    /// finish are recorded too (`after_window`), as `vllm bench serve` waits for every
+    /// request it sent.
+    #[arg(long, default_value_t = 0.0)]
+    pub drain: f64,
     /// Draw single-stream and system T/s against concurrency (two axes) as an SVG to
     /// FILE, the SLO-bounded phase marked with `--slo`; closed loop only.
     #[arg(long, value_name = "FILE.svg")]
@@ -106,6 +112,7 @@ impl LoadArgs {
             json: false,
             slo: None,
             records: None,
+            drain: 0.0,
             plot: None,
         }
     }
@@ -202,10 +209,14 @@ pub fn run_blocking(args: LoadArgs) -> anyhow::Result<()> {
     let rt = tokio::runtime::Runtime::new()?;
     let warmup = Duration::from_secs_f64(args.warmup);
     let duration = Duration::from_secs_f64(args.duration);
+    if !(args.drain.is_finite() && args.drain >= 0.0) {
+        bail!("--drain must be a number of seconds ≥ 0");
+    }
     let options = client::Options {
         slo: args.slo,
         records: records.is_some(),
         progress: !args.json,
+        drain: Duration::from_secs_f64(args.drain),
     };
     let mut reports = Vec::new();
     rt.block_on(async {

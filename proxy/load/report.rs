@@ -143,6 +143,8 @@ pub struct RequestRecord {
     pub output_tokens: u64,
     /// With `--slo`: whether it met every SLO.
     pub good: Option<bool>,
+    /// It was sent in the window and ended after it (`--drain`): in no phase figure.
+    pub after_window: bool,
 }
 
 fn f(v: Option<f64>) -> String {

@@ -381,20 +381,19 @@ async fn one(sender: &mut Sender, target: &Target, phase: &Phase) -> Result<(), 
         }
     }
     // Recorded when it ended in the window, or (drained) when it was sent in it.
-    if phase.inside(end) || (start >= phase.window_start && end > phase.window_end) {
-        if phase.keep_records {
-            t.records.push(RequestRecord {
-                phase: phase.label.clone(),
-                start_ms: Some(ms(start.duration_since(phase.start))),
-                error: None,
-                ttft_ms: Some(ttft),
-                tpot_ms: tpot,
-                e2e_ms: Some(e2e),
-                output_tokens: total,
-                good,
-                after_window: !phase.inside(end),
-            });
-        }
+    let sent_in_window = start >= phase.window_start && end > phase.window_end;
+    if phase.keep_records && (phase.inside(end) || sent_in_window) {
+        t.records.push(RequestRecord {
+            phase: phase.label.clone(),
+            start_ms: Some(ms(start.duration_since(phase.start))),
+            error: None,
+            ttft_ms: Some(ttft),
+            tpot_ms: tpot,
+            e2e_ms: Some(e2e),
+            output_tokens: total,
+            good,
+            after_window: !phase.inside(end),
+        });
     }
     t.itl.extend(itl);
     if let Some(first) = first {

@@ -53,6 +53,23 @@ pub struct Upstream {
     pub backend: Option<Arc<Backend>>,
     /// Its slots as fleet leases, with `[cluster]` and a cap.
     pub fleet: Option<Arc<Fleet>>,
+    /// As a mirror: its copies in flight, those skipped, and the pairs they made.
+    pub shadow: Arc<Shadow>,
+}
+
+/// What an upstream that routes mirror to keeps of its shadow traffic, across reloads.
+#[derive(Debug, Default)]
+pub struct Shadow {
+    /// Copies in flight now (every route's mirror to it counts here).
+    pub in_flight: AtomicU64,
+    /// Copies not sent because `max_in_flight` were running.
+    pub skipped_max_in_flight: AtomicU64,
+    /// Sampled requests whose body was not read whole (over the 64 KiB read-ahead).
+    pub skipped_body_unread: AtomicU64,
+    /// Copies with no endpoint to go to.
+    pub skipped_no_endpoint: AtomicU64,
+    /// Each copy against its primary, when both finished.
+    pub pairs: crate::compare::paired::Pairs,
 }
 
 // === impl Shared ===
@@ -200,6 +217,7 @@ impl Upstream {
             slo,
             backend: backend(u),
             fleet: fleet(u, cluster),
+            shadow: Arc::default(),
         }
     }
 
@@ -252,6 +270,7 @@ impl Upstream {
             limiter: Arc::clone(&self.limiter),
             slo,
             backend,
+            shadow: Arc::clone(&self.shadow),
             // Held leases stay with the fleet part that took them.
             fleet: match (&self.fleet, fleet(u, cluster)) {
                 (Some(kept), Some(_)) => {

@@ -120,6 +120,9 @@ struct Snapshot<'a> {
     /// The default pair's comparison (the first split's arms), at most
     /// [`COMPARE_EVERY`] old; `null` when no route splits traffic.
     compare: Option<&'a Comparison>,
+    /// The first route mirror's paired comparison (shadow traffic), as often; `null`
+    /// without a mirror.
+    shadow: Option<&'a crate::compare::paired::PairedComparison>,
 }
 
 /// The ring and the subscribers' channel.
@@ -190,6 +193,7 @@ impl History {
         let mut tick = tokio::time::interval(Duration::from_secs(1));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         let mut compared: Option<(tokio::time::Instant, Comparison)> = None;
+        let mut shadowed: Option<crate::compare::paired::PairedComparison> = None;
         loop {
             tokio::select! {
                 _ = tick.tick() => {}
@@ -207,10 +211,12 @@ impl History {
                 .is_none_or(|(at, _)| at.elapsed() >= COMPARE_EVERY);
             if !watched {
                 compared = None;
+                shadowed = None;
             } else if stale {
                 compared = compare(&shared, None)
                     .ok()
                     .map(|c| (tokio::time::Instant::now(), c));
+                shadowed = super::default_paired(&shared);
             }
             let snapshot = Snapshot {
                 t: point.t,
@@ -218,6 +224,7 @@ impl History {
                 point: &point,
                 stats: &stats,
                 compare: compared.as_ref().map(|(_, c)| c),
+                shadow: shadowed.as_ref(),
             };
             if let Ok(text) = serde_json::to_string(&snapshot) {
                 self.latest.send_replace(Arc::from(text));

@@ -274,6 +274,20 @@ fn upstream(x: &mut Exposition, report: &UpstreamReport) {
             r.mbu_pct.map(|m| m / 100.0),
         );
     }
+    if let Some(sh) = &report.shadow {
+        x.add(
+            "tokentap_mirror_in_flight_requests",
+            &up,
+            sh.in_flight as f64,
+        );
+        for (reason, n) in &sh.skipped_total {
+            x.add(
+                "tokentap_mirror_skipped_total",
+                &[("upstream", name), ("reason", reason)],
+                *n as f64,
+            );
+        }
+    }
     let c = &report.capacity;
     x.opt(
         "tokentap_capacity_demand_tokens_per_second",

@@ -8,6 +8,7 @@ pub mod metrics;
 
 use std::collections::BTreeMap;
 
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
 use async_trait::async_trait;
@@ -55,6 +56,11 @@ pub struct UpstreamReport {
     pub roofline: Option<crate::decide::RooflineStats>,
     /// The endpoints its demand needs at its SLO.
     pub capacity: crate::decide::CapacityStats,
+    /// A route mirrors to it: its requests are copies (shadow traffic), metered, their
+    /// answers discarded.
+    pub mirror: bool,
+    /// Its shadow traffic, as a mirror; `null` otherwise.
+    pub shadow: Option<ShadowStats>,
     /// The routes that send this upstream traffic, and its weight in each.
     pub arms: Vec<Arm>,
     /// What the curve's concurrency axis counts: `"backend"` (its own running count, from
@@ -100,6 +106,18 @@ pub struct SloStats {
     /// Who moves the limit: `local`, `fleet_leader`, `fleet_follower` or `degraded`;
     /// `null` without `tpot_ms` (no adaptive cap).
     pub controller: Option<&'static str>,
+}
+
+/// A mirror upstream's copies.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ShadowStats {
+    /// Copies in flight now.
+    pub in_flight: u64,
+    /// Copies not sent, by reason: `max_in_flight`, `body_unread` (over the 64 KiB
+    /// read-ahead), `no_endpoint`.
+    pub skipped_total: BTreeMap<&'static str, u64>,
+    /// Copies paired with their primary, by the primary's upstream (kept: the last 50,000).
+    pub pairs: BTreeMap<String, usize>,
 }
 
 /// Client connections against `server.max_connections`.
@@ -228,6 +246,29 @@ fn report(shared: &Shared, i: usize, u: &Upstream, now: crate::meter::Nanos) -> 
             .as_ref()
             .map(|r| r.stats(lowest, meter.single_stream_tps)),
         capacity,
+        mirror: is_mirror(shared, i),
+        shadow: is_mirror(shared, i).then(|| {
+            let s = &u.shadow;
+            ShadowStats {
+                in_flight: s.in_flight.load(Relaxed),
+                skipped_total: [
+                    ("max_in_flight", s.skipped_max_in_flight.load(Relaxed)),
+                    ("body_unread", s.skipped_body_unread.load(Relaxed)),
+                    ("no_endpoint", s.skipped_no_endpoint.load(Relaxed)),
+                ]
+                .into_iter()
+                .collect(),
+                pairs: s
+                    .pairs
+                    .primaries()
+                    .into_iter()
+                    .map(|p| {
+                        let n = s.pairs.of(&p, 0).len();
+                        (p, n)
+                    })
+                    .collect(),
+            }
+        }),
         meter,
         arms: arms(shared, i),
         concurrency_source: if endpoints.iter().any(|e| {
@@ -248,6 +289,53 @@ fn report(shared: &Shared, i: usize, u: &Upstream, now: crate::meter::Nanos) -> 
         },
         endpoints,
     }
+}
+
+/// Whether a route mirrors to `upstream`.
+pub fn is_mirror(shared: &Shared, upstream: usize) -> bool {
+    shared
+        .config
+        .routes
+        .iter()
+        .any(|r| r.mirrors.iter().any(|m| m.upstream == upstream))
+}
+
+/// The paired comparison of `a`'s requests with their copies on the mirror `b`, over the
+/// compare window; `None` when `b` is no mirror of a route of `a`'s.
+pub fn paired(
+    shared: &Shared,
+    a: usize,
+    b: usize,
+) -> Option<crate::compare::paired::PairedComparison> {
+    let mirrors_a =
+        shared.config.routes.iter().any(|r| {
+            r.split.iter().any(|&(u, _)| u == a) && r.mirrors.iter().any(|m| m.upstream == b)
+        });
+    if !mirrors_a {
+        return None;
+    }
+    let window = shared.config.compare_window;
+    let since = shared
+        .clock
+        .now()
+        .saturating_sub(u64::try_from(window.as_nanos()).unwrap_or(u64::MAX));
+    let (a, b) = (&shared.upstreams[a], &shared.upstreams[b]);
+    let pairs = b.shadow.pairs.of(&a.config.name, since);
+    Some(crate::compare::paired::compare(
+        &a.config.name,
+        &b.config.name,
+        &pairs,
+        window.as_secs(),
+    ))
+}
+
+/// The first mirror of the first route that has one, against the route's first arm.
+pub fn default_paired(shared: &Shared) -> Option<crate::compare::paired::PairedComparison> {
+    let (a, b) = shared.config.routes.iter().find_map(|r| {
+        let m = r.mirrors.first()?;
+        Some((r.split.first()?.0, m.upstream))
+    })?;
+    paired(shared, a, b)
 }
 
 /// The routes that send `upstream` traffic, and its weight in each.
@@ -282,6 +370,32 @@ fn bounded(text: &str) -> std::borrow::Cow<'_, str> {
     match text.char_indices().nth(MAX) {
         Some((cut, _)) => format!("{}…", &text[..cut]).into(),
         None => text.into(),
+    }
+}
+
+/// The arms of a `/compare` query naming a primary and its mirror (either way round: the
+/// primary as `a`), for the paired comparison.
+fn paired_query(shared: &Shared, query: Option<&str>) -> Option<(usize, usize)> {
+    let (mut a, mut b) = (None, None);
+    for pair in query.unwrap_or("").split('&') {
+        match pair.split_once('=') {
+            Some(("a", v)) => a = shared.upstream(v).map(|(i, _)| i),
+            Some(("b", v)) => b = shared.upstream(v).map(|(i, _)| i),
+            _ => {}
+        }
+    }
+    let (a, b) = (a?, b?);
+    let mirrors = |p: usize, m: usize| {
+        shared.config.routes.iter().any(|r| {
+            r.split.iter().any(|&(u, _)| u == p) && r.mirrors.iter().any(|x| x.upstream == m)
+        })
+    };
+    if mirrors(a, b) {
+        Some((a, b))
+    } else if mirrors(b, a) {
+        Some((b, a))
+    } else {
+        None
     }
 }
 
@@ -627,6 +741,16 @@ impl Admin {
             );
         }
         match req.uri.path() {
+            "/compare" if paired_query(shared, req.uri.query()).is_some() => {
+                match paired_query(shared, req.uri.query())
+                    .and_then(|(a, b)| paired(shared, a, b))
+                    .map(|c| serde_json::to_vec_pretty(&c))
+                {
+                    Some(Ok(body)) => respond(StatusCode::OK, "application/json", body),
+                    Some(Err(e)) => json_error(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
+                    None => json_error(StatusCode::NOT_FOUND, "no mirror pairs"),
+                }
+            }
             "/compare" => match compare(shared, req.uri.query()) {
                 Ok(c) => match serde_json::to_vec_pretty(&c) {
                     Ok(body) => respond(StatusCode::OK, "application/json", body),

@@ -21,6 +21,7 @@
 //! ran (higher is better).
 
 pub mod matched;
+pub mod paired;
 
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};

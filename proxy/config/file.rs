@@ -10,8 +10,8 @@ use serde::Deserialize;
 
 use super::{
     socket_addr, tls, AccessLog, AdminAuth, Balance, Cluster, Config, Discover, EndpointAddr,
-    HealthCheck, Limits, Listen, ListenTls, Log, LogFormat, Problem, Problems, Route, Secret,
-    UpstreamConfig, ADMIN_TOKEN_ENV, DEFAULT_LOG_FILTER,
+    HealthCheck, Limits, Listen, ListenTls, Log, LogFormat, Mirror, Problem, Problems, Route,
+    Secret, UpstreamConfig, ADMIN_TOKEN_ENV, DEFAULT_LOG_FILTER,
 };
 use super::{DEFAULT_CONNECT_TIMEOUT_MS, DEFAULT_READ_TIMEOUT_SECS};
 use crate::decide::{Economics, Price, Roofline};
@@ -631,6 +631,37 @@ pub struct RouteFile {
     /// the split that has headroom instead of queueing. Default false.
     #[serde(default)]
     pub spill: bool,
+    /// Shadow traffic: a share of the route's generation requests sent to another upstream
+    /// as well, metered, its answer discarded: `{ upstream = "candidate", percent = 10 }`,
+    /// or a list of them. Default: none.
+    #[serde(default)]
+    pub mirror: Vec<MirrorFile>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MirrorFile {
+    /// The upstream the copies go to. Required.
+    #[serde(default)]
+    pub upstream: String,
+    /// The share of the route's generation requests mirrored, percent. Default 100.
+    #[serde(default)]
+    pub percent: Option<f64>,
+    /// Copies in flight at once at most; more are skipped and counted. Default 16.
+    #[serde(default)]
+    pub max_in_flight: Option<u64>,
+    /// Headers replaced (or added) on the copy, e.g. the candidate's own `Authorization`.
+    /// Default: none.
+    #[serde(default)]
+    pub set_headers: IndexMap<String, String>,
+    /// Cut the copy when its primary's client leaves. Default false: it runs to its end,
+    /// so its measurement is whole.
+    #[serde(default)]
+    pub cancel_with_client: bool,
+    /// `header:NAME`: the same header value is always mirrored or never (a conversation
+    /// whole or not at all). Default: none (each request drawn on its own).
+    #[serde(default)]
+    pub sticky: Option<String>,
 }
 
 /// A route's default name: its path prefix, with `#2`, `#3`… when earlier routes took it.
@@ -764,6 +795,7 @@ impl FileConfig {
                 split: vec![(0, 1)],
                 sticky: None,
                 spill: false,
+                mirrors: Vec::new(),
             });
         }
         routes
@@ -1414,6 +1446,12 @@ fn route(
         Some(n) => n.clone(),
         None => unique_name(&r.path_prefix, earlier),
     };
+    let mirrors = r
+        .mirror
+        .iter()
+        .enumerate()
+        .filter_map(|(j, m)| mirror(&at(&format!("mirror[{j}]")), m, &split, &index, p))
+        .collect();
     Route {
         name,
         path_prefix: r.path_prefix.clone(),
@@ -1421,5 +1459,105 @@ fn route(
         split,
         sticky,
         spill: r.spill,
+        mirrors,
     }
+}
+
+/// One `route[i].mirror[j]` (`at`) checked: its upstream known and not one the route
+/// splits to (a primary would be sent twice), its share and cap in range, its headers
+/// valid.
+fn mirror(
+    at: &str,
+    m: &MirrorFile,
+    split: &[(usize, u32)],
+    index: &impl Fn(&str) -> Option<usize>,
+    p: &mut Problems,
+) -> Option<Mirror> {
+    let key = |f: &str| format!("{at}.{f}");
+    let before = p.len();
+    let upstream = match index(&m.upstream) {
+        _ if m.upstream.is_empty() => {
+            p.add(
+                key("upstream"),
+                "is required: the upstream the copies go to",
+            );
+            None
+        }
+        None => {
+            p.add(
+                key("upstream"),
+                format!("unknown upstream `{}`", m.upstream),
+            );
+            None
+        }
+        Some(u) if split.iter().any(|&(s, _)| s == u) => {
+            p.add(
+                key("upstream"),
+                format!(
+                    "`{}` is in the route's split: a mirror is another upstream",
+                    m.upstream
+                ),
+            );
+            None
+        }
+        Some(u) => Some(u),
+    };
+    let percent = m.percent.unwrap_or(100.0);
+    if !(percent > 0.0 && percent <= 100.0) {
+        p.add(
+            key("percent"),
+            format!("must be above 0 and at most 100, not {percent}"),
+        );
+    }
+    let max_in_flight = m.max_in_flight.unwrap_or(16);
+    if max_in_flight == 0 {
+        p.add(key("max_in_flight"), "must be at least 1");
+    }
+    let mut set_headers = Vec::new();
+    for (name, value) in &m.set_headers {
+        match (
+            HeaderName::from_bytes(name.as_bytes()),
+            http::HeaderValue::from_str(value),
+        ) {
+            (Ok(h), Ok(_)) if !is_framing(&h) => set_headers.push((h, value.clone())),
+            (Ok(_), Ok(_)) => p.add(
+                key(&format!("set_headers.{name}")),
+                "tokentap sets this one itself",
+            ),
+            _ => p.add(key(&format!("set_headers.{name}")), "not a valid header"),
+        }
+    }
+    let sticky = m.sticky.as_deref().and_then(|s| {
+        match s
+            .strip_prefix("header:")
+            .map(|h| HeaderName::from_bytes(h.trim().as_bytes()))
+        {
+            Some(Ok(h)) => Some(h),
+            _ => {
+                p.add(key("sticky"), format!("must be `header:NAME`, not `{s}`"));
+                None
+            }
+        }
+    });
+    let upstream = upstream?;
+    (p.len() == before).then_some(Mirror {
+        upstream,
+        percent,
+        max_in_flight,
+        set_headers,
+        cancel_with_client: m.cancel_with_client,
+        sticky,
+    })
+}
+
+/// Headers the upstream request's framing and routing take from tokentap, never a config.
+fn is_framing(h: &HeaderName) -> bool {
+    [
+        "host",
+        "content-length",
+        "transfer-encoding",
+        "connection",
+        "x-request-id",
+    ]
+    .contains(&h.as_str())
 }

@@ -372,6 +372,25 @@ pub struct Route {
     pub sticky: Option<HeaderName>,
     /// Over-cap requests go to another upstream of the split with headroom.
     pub spill: bool,
+    /// Upstreams a share of its generation requests is copied to (shadow traffic).
+    pub mirrors: Vec<Mirror>,
+}
+
+/// A route's mirror: a share of its generation requests sent to another upstream as well,
+/// metered there, the answer discarded.
+#[derive(Debug, Clone)]
+pub struct Mirror {
+    pub upstream: usize,
+    /// Percent of the route's generation requests.
+    pub percent: f64,
+    /// Copies in flight at once at most (per mirror upstream).
+    pub max_in_flight: u64,
+    /// Headers replaced or added on the copy.
+    pub set_headers: Vec<(HeaderName, String)>,
+    /// Cut the copy when its primary's client leaves.
+    pub cancel_with_client: bool,
+    /// Sampled by this header's value (a conversation whole or not at all).
+    pub sticky: Option<HeaderName>,
 }
 
 /// One problem found in a config file.
@@ -838,6 +857,46 @@ split = { "a" = 0 }
             "upstream[0].slo.attainment_pct: must be above 0",
             "upstream[1].gpus: applies with cost_per_hour only",
             "upstream[1].hbm_tb_per_s: give gpu (a known GPU) or hbm_tb_per_s, not both",
+        ] {
+            assert!(
+                p.iter().any(|x| x.starts_with(want)),
+                "missing {want:?} in {p:#?}"
+            );
+        }
+    }
+
+    /// `route[].mirror`: one table or a list, each checked.
+    #[test]
+    fn mirrors_are_read_and_their_mistakes_reported() {
+        let two = "[[upstream]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"\n\
+                   [[upstream]]\nname = \"b\"\nurl = \"http://127.0.0.1:2\"\n";
+        let c = Config::parse(
+            &format!(
+                "{two}[[route]]\nsplit = {{ a = 1 }}\n\
+                 mirror = {{ upstream = \"b\", percent = 20, sticky = \"header:x-user-id\", \
+                 set_headers = {{ authorization = \"Bearer k\" }} }}\n"
+            ),
+            "t",
+        )
+        .expect("valid");
+        let m = &c.routes[0].mirrors[0];
+        assert_eq!((m.upstream, m.percent, m.max_in_flight), (1, 20.0, 16));
+        assert!(!m.cancel_with_client);
+        assert_eq!(m.sticky.as_ref().map(|h| h.as_str()), Some("x-user-id"));
+        assert_eq!(m.set_headers.len(), 1);
+        let p = problems(&format!(
+            "{two}[[route]]\nsplit = {{ a = 1 }}\n\
+             mirror = [{{ upstream = \"a\" }}, {{ upstream = \"zz\", percent = 0, max_in_flight = 0, \
+             sticky = \"cookie\", set_headers = {{ host = \"x\" }} }}, {{ percent = 5 }}]\n"
+        ));
+        for want in [
+            "route[0].mirror[0].upstream: `a` is in the route's split",
+            "route[0].mirror[1].upstream: unknown upstream `zz`",
+            "route[0].mirror[1].percent: must be above 0",
+            "route[0].mirror[1].max_in_flight: must be at least 1",
+            "route[0].mirror[1].sticky: must be `header:NAME`",
+            "route[0].mirror[1].set_headers.host: tokentap sets this one itself",
+            "route[0].mirror[2].upstream: is required",
         ] {
             assert!(
                 p.iter().any(|x| x.starts_with(want)),

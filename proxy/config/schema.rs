@@ -22,6 +22,8 @@ enum Kind {
     Table(&'static [Field]),
     /// `[[name]]`: a list of tables.
     Tables(&'static [Field]),
+    /// One table (`name = { … }`) or a list of them: made a list.
+    TableOrTables(&'static [Field]),
     /// A table of any keys, each holding this.
     Map(&'static Kind),
     /// A list of texts (`["a", "b"]`).
@@ -179,6 +181,17 @@ const FILE: &[Field] = &[
             ("split", Kind::Map(&Kind::Count("a whole-number weight"))),
             ("sticky", Kind::Text),
             ("spill", Kind::Bool),
+            (
+                "mirror",
+                Kind::TableOrTables(&[
+                    ("upstream", Kind::Text),
+                    ("percent", Kind::Number("a percentage")),
+                    ("max_in_flight", COUNT),
+                    ("set_headers", Kind::Map(&Kind::Text)),
+                    ("cancel_with_client", Kind::Bool),
+                    ("sticky", Kind::Text),
+                ]),
+            ),
         ]),
     ),
 ];
@@ -238,6 +251,20 @@ fn value(v: &mut Value, kind: Kind, path: &str, p: &mut Problems, out: &mut Vec<
             }
             true
         }
+        (Kind::TableOrTables(fields), Value::Table(t)) => {
+            table(t, fields, path, p, out);
+            let one = std::mem::take(t);
+            *v = Value::Array(vec![Value::Table(one)]);
+            true
+        }
+        (Kind::TableOrTables(fields), Value::Array(items)) if items.iter().all(Value::is_table) => {
+            for (i, item) in items.iter_mut().enumerate() {
+                if let Value::Table(t) = item {
+                    table(t, fields, &format!("{path}[{i}]"), p, out);
+                }
+            }
+            true
+        }
         (Kind::Map(each), Value::Table(t)) => {
             let keys: Vec<String> = t.keys().cloned().collect();
             for key in keys {
@@ -267,6 +294,7 @@ fn wanted(kind: Kind) -> String {
         Kind::Bool => "true or false".into(),
         Kind::Table(_) => "a table".into(),
         Kind::Tables(_) => "a list of tables ([[…]])".into(),
+        Kind::TableOrTables(_) => "a table, or a list of them".into(),
         Kind::Map(_) => "a table such as { name = value }".into(),
         Kind::Texts => "a list of texts in quotes".into(),
     }
@@ -359,7 +387,9 @@ mod tests {
             Kind::Number(_) => Value::Float(1.5),
             Kind::Bool => Value::Boolean(true),
             Kind::Table(fields) => Value::Table(sample_table(fields)),
-            Kind::Tables(fields) => Value::Array(vec![Value::Table(sample_table(fields))]),
+            Kind::Tables(fields) | Kind::TableOrTables(fields) => {
+                Value::Array(vec![Value::Table(sample_table(fields))])
+            }
             Kind::Map(each) => {
                 Value::Table(toml::Table::from_iter([("k".into(), sample("k", *each))]))
             }
@@ -414,7 +444,9 @@ mod tests {
             let sub = |name: &str| format!("{}File", name[..1].to_uppercase() + &name[1..]);
             match kind {
                 Kind::Table(inner) => keys(inner, &path, &sub(key), out),
-                Kind::Tables(inner) => keys(inner, &format!("{path}[]"), &sub(key), out),
+                Kind::Tables(inner) | Kind::TableOrTables(inner) => {
+                    keys(inner, &format!("{path}[]"), &sub(key), out)
+                }
                 _ => out.push((path, strukt.to_owned())),
             }
         }

@@ -55,6 +55,12 @@ pub struct Summary {
     pub output_tokens: u64,
     /// The stream reported its count; else it is estimated.
     pub exact: bool,
+    /// TTFT from when it was sent upstream (a wait in tokentap's queue left out), and the
+    /// time from then to its last token.
+    pub sent_ttft_ms: Option<f64>,
+    pub sent_to_last_ms: f64,
+    /// Mean requests in flight on its endpoint as its tokens arrived.
+    pub concurrency: Option<f64>,
 }
 
 // === impl Stream ===
@@ -219,6 +225,10 @@ impl Stream {
                 .map(|f| (self.last - f) as f64 / 1e6 / (total - 1) as f64),
             output_tokens: total,
             exact: self.exact.is_some(),
+            sent_ttft_ms: self.first.map(|f| f.saturating_sub(self.sent) as f64 / 1e6),
+            sent_to_last_ms: self.last.max(self.sent).saturating_sub(self.sent) as f64 / 1e6,
+            concurrency: (self.events > 0)
+                .then(|| self.concurrency_sum as f64 / self.events as f64),
         }
     }
 

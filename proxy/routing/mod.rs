@@ -89,6 +89,12 @@ fn matches(route: &Route, path: &str, headers: &(impl Fields + ?Sized)) -> bool 
         })
 }
 
+/// A key's hash as a point in [0, 1): the same key, the same point.
+pub fn unit_hash(key: &[u8]) -> f64 {
+    // Divide by 2^64, not u64::MAX, so the point is strictly below 1.
+    hash(key) as f64 / 18_446_744_073_709_551_616.0
+}
+
 /// The arm a sticky key lands on: its hash in [0, 1) against the cumulative weights.
 pub fn sticky_arm(key: &[u8], split: &[(usize, u32)]) -> usize {
     let total: u64 = split.iter().map(|&(_, w)| u64::from(w)).sum();
@@ -191,6 +197,7 @@ mod tests {
             split: vec![(0, 50), (1, 10), (2, 40)],
             sticky: None,
             spill,
+            mirrors: vec![],
         };
         let headers = HeaderMap::new();
         let r = Router::new(&[route(true)]);

@@ -46,6 +46,8 @@ pub struct Ctx {
     pub(super) outcome: Option<Outcome>,
     /// What the access log needs besides, when it is on.
     pub(super) seen: Option<Box<Seen>>,
+    /// Its copies to mirrors (shadow traffic), when the route sent any.
+    pub(super) mirror: Option<Box<super::exchange::MirrorLink>>,
 }
 
 /// How the response body is read for metering.
@@ -81,6 +83,7 @@ impl Ctx {
             bytes_out: 0,
             outcome: None,
             seen: None,
+            mirror: None,
         }
     }
 

@@ -196,12 +196,17 @@ impl TokenTap {
             _ => 0,
         };
         meter.count_unparsed(ctx.unparsed);
+        let mirrored = ctx.mirror.take();
         match ctx.stream.take() {
             Some(stream) => {
                 if let Some(seen) = ctx.seen.as_mut() {
                     seen.summary = Some(stream.summary());
                 }
-                stream.finish(self.now(), outcome)
+                let summary = mirrored.as_ref().map(|_| stream.summary());
+                stream.finish(self.now(), outcome);
+                if let Some(link) = mirrored {
+                    link.primary_done(self.now(), outcome, summary);
+                }
             }
             None => meter.count_plain(outcome),
         }

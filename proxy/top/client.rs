@@ -177,6 +177,8 @@ struct Snapshot {
     point: Point,
     stats: Stats,
     compare: Option<Compare>,
+    #[serde(default)]
+    shadow: Option<Compare>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -194,6 +196,8 @@ pub struct Board {
     pub upstreams: Vec<UpstreamView>,
     /// The A/B verdict; `None` when no route splits traffic.
     pub verdict: Option<String>,
+    /// The paired verdict of the first route's mirror (shadow traffic); `None` without.
+    pub shadow: Option<String>,
     /// System T/s of the last [`SPARK_SECS`] seconds, by upstream.
     pub system_tps: BTreeMap<String, VecDeque<f64>>,
     /// Why there is no fresh data (connecting, refused, …).
@@ -279,6 +283,7 @@ async fn follow(source: &Source, tx: &watch::Sender<Arc<Board>>) -> anyhow::Resu
             board.window_secs = snap.stats.window_secs;
             board.upstreams = snap.stats.upstreams;
             board.verdict = snap.compare.map(|c| c.verdict);
+            board.shadow = snap.shadow.map(|c| c.verdict);
             board.problem = None;
             if tx.send(Arc::new(board.clone())).is_err() {
                 return Ok(());

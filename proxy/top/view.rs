@@ -167,9 +167,12 @@ pub fn draw(frame: &mut Frame<'_>, title: &str, note: &str, board: &Board) {
     for (i, u) in board.upstreams.iter().enumerate() {
         upstream(frame, areas[1 + i], u, board, COLOURS[i % COLOURS.len()]);
     }
-    let verdict = board.verdict.clone().unwrap_or_else(|| {
+    let mut verdict = board.verdict.clone().unwrap_or_else(|| {
         "no route splits traffic between two upstreams: nothing to compare".into()
     });
+    if let Some(shadow) = &board.shadow {
+        verdict = format!("{verdict}\nshadow: {shadow}");
+    }
     let block = Block::default()
         .borders(Borders::ALL)
         .title(" A/B verdict (GET /compare) ");

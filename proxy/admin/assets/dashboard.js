@@ -163,6 +163,8 @@ function render() {
     $("meta").textContent = `v${s.version} · window ${s.stats.window_secs} s · ${new Date(s.t).toLocaleTimeString()}`;
     renderUpstreams(s);
     renderVerdict(s.compare);
+    $("shadow").hidden = !s.shadow;
+    if (s.shadow) $("shadow-text").textContent = s.shadow.verdict;
   }
   updateCharts(names);
 }
@@ -241,7 +243,7 @@ function renderUpstreams(s) {
     const row = (label, p, key) =>
       `<tr><td>${label}</td>${["p50", "p90", "p99"].map((q) => `<td data-up="${esc(u.name)}" data-fig="${key}_${q}" data-value="${p[q] ?? ""}">${fmt(p[q])}</td>`).join("")}</tr>`;
     return `<div class="card" style="--up:${c}">
-      <h2 style="color:${c}">${esc(u.name)} <small>${u.arms.map((a) => `${esc(a.route)} ${fmt(a.share_pct, 0)}%`).join(", ")}</small></h2>
+      <h2 style="color:${c}">${esc(u.name)} <small>${u.mirror ? "mirror: copies of real requests, answers discarded" : u.arms.map((a) => `${esc(a.route)} ${fmt(a.share_pct, 0)}%`).join(", ")}</small></h2>
       <div class="figs">
         ${fig(u.name, "in_flight", u.in_flight, 0, "in flight")}
         ${fig(u.name, "limit", u.limit, 0, "limit (cap)")}

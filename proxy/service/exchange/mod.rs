@@ -51,8 +51,11 @@ use relay::Relay;
 use upstream::{send_rest, Outgoing};
 
 mod admission;
+mod mirror;
 mod relay;
 mod upstream;
+
+pub(super) use mirror::Link as MirrorLink;
 
 /// A request [`Front`](super::front::Front) read and checked, its body read ahead. Passed
 /// boxed: an async fn keeps room for its arguments for its whole life, and the request
@@ -399,6 +402,9 @@ impl TokenTap {
                 ctx.permit = None;
                 return Prepared::Done(after, None);
             }
+        }
+        if !shared.config.routes[choice.route].mirrors.is_empty() {
+            self.mirror(ctx, choice, (&req, &bytes, read_whole));
         }
         let outgoing = Outgoing {
             req,

@@ -76,7 +76,7 @@ impl TokenTap {
         // Boxed: the wait for the first byte needs it, an open stream does not.
         let head = Box::pin(read_response_head(
             &mut up,
-            (client, &mut watch, &mut leftover),
+            Some((client, &mut watch, &mut leftover)),
             Some(upstream.config.read_timeout),
             |resp, first, bare_lf, watched| {
                 self.respond_head(ctx, resp, first, bare_lf, client_side, watched)

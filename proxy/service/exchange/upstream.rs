@@ -109,7 +109,7 @@ impl TokenTap {
             ));
         };
         let mut wire = BytesMut::with_capacity(512 + body.len());
-        upstream_request(req, &endpoint.at.host_header, id, up_body, &mut wire);
+        upstream_request(req, &endpoint.at.host_header, id, up_body, &[], &mut wire);
         if up_body == UpBody::Chunked {
             body::put_chunk(&mut wire, &body);
         } else {
@@ -269,6 +269,7 @@ pub(super) fn upstream_request(
     host: &str,
     id: Option<&str>,
     body: UpBody,
+    extra: &[(&str, &[u8])],
     out: &mut BytesMut,
 ) {
     let h = &mut req.fields;
@@ -286,14 +287,19 @@ pub(super) fn upstream_request(
         }
         UpBody::Chunked => Some(("Transfer-Encoding", b"chunked")),
     };
-    req.write(
-        out,
-        &[
-            Some(("Host", host.as_bytes())),
-            id.map(|id| (REQUEST_ID_HEADER, id.as_bytes())),
-            framing,
-        ],
-    );
+    let mut set = [
+        Some(("Host", host.as_bytes())),
+        id.map(|id| (REQUEST_ID_HEADER, id.as_bytes())),
+        framing,
+    ];
+    if extra.is_empty() {
+        req.write(out, &set);
+    } else {
+        // A mirror's `set_headers` (removed from the head by the caller).
+        let mut all: Vec<Option<(&str, &[u8])>> = set.iter_mut().map(|s| s.take()).collect();
+        all.extend(extra.iter().map(|&e| Some(e)));
+        req.write(out, &all);
+    }
 }
 
 /// Writes to the upstream within its write timeout.
@@ -379,7 +385,7 @@ mod tests {
             panic!("not a head: {raw}")
         };
         let mut out = BytesMut::new();
-        upstream_request(req, "up:8000", id, body, &mut out);
+        upstream_request(req, "up:8000", id, body, &[], &mut out);
         String::from_utf8(out.to_vec()).unwrap()
     }
 

@@ -30,6 +30,7 @@ struct Field {
 }
 
 /// A head's fields, found by offset in its bytes.
+#[derive(Clone)]
 pub(crate) struct Fields {
     bytes: Bytes,
     list: Vec<Field>,
@@ -46,6 +47,7 @@ pub(crate) struct ResponseHead {
 }
 
 /// A request head read from the client.
+#[derive(Clone)]
 pub(crate) struct RequestHead {
     pub(crate) method: Method,
     /// The target as the upstream gets it (without a fragment); until the head owns its

@@ -33,9 +33,10 @@ pub(crate) enum ToClient {
 /// thread's scratch buffer, and the bytes after it are given from there: only a head split
 /// across reads is gathered into a buffer of its own. The first byte of a head must come
 /// within `read_timeout`, and the rest of it within `read_timeout` of that byte (a 504).
+/// A request with no client (a mirror's copy) passes `None`.
 pub(crate) async fn read_response_head<T>(
     up: &mut Io,
-    (client, watch, leftover): (&mut Io, &mut bool, &mut BytesMut),
+    mut client: Option<(&mut Io, &mut bool, &mut BytesMut)>,
     read_timeout: Option<Duration>,
     then: impl FnOnce(ResponseHead, &[u8], bool, bool) -> Result<T>,
 ) -> Result<T> {
@@ -45,7 +46,9 @@ pub(crate) async fn read_response_head<T>(
     let timer = tokio::time::sleep(read_timeout.unwrap_or(Duration::MAX / 4));
     tokio::pin!(timer);
     poll_fn(|cx| loop {
-        let watched = leftover.is_empty() && *watch;
+        let watched = client
+            .as_ref()
+            .is_some_and(|(_, watch, leftover)| leftover.is_empty() && **watch);
         let mut found = |bytes: &[u8], at: usize, resp, bare_lf| match then.take() {
             Some(then) => then(resp, &bytes[at..], bare_lf, watched).map(Some),
             None => Err(Error::explain(InternalError, "response header read twice")),
@@ -88,8 +91,10 @@ pub(crate) async fn read_response_head<T>(
             Poll::Ready(Err(e)) => return Poll::Ready(Err(up_io(ReadError, e))),
             Poll::Pending => {}
         }
-        if let Some(gone) = poll_client_gone(client, cx, watch, leftover) {
-            return Poll::Ready(Err(gone));
+        if let Some((client, watch, leftover)) = client.as_mut() {
+            if let Some(gone) = poll_client_gone(client, cx, watch, leftover) {
+                return Poll::Ready(Err(gone));
+            }
         }
         if read_timeout.is_some() && timer.as_mut().poll(cx).is_ready() {
             return Poll::Ready(Err(up_err(ReadTimedout, "reading the response header")));

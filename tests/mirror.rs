@@ -1,0 +1,228 @@
+//! Shadow traffic (`route[].mirror`) through tokentap to simulated backends: the paired
+//! verdict on the same prompts, a primary that never sees nor waits on its mirror (down,
+//! hanging or slow), the mirror's own cap, exact counts and curve.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use common::{fetch, proxy, proxy_addr, stats, stats_where};
+use tokentap::load::{self, LoadArgs, Mode, PhaseReport};
+use tokentap::sim::{Sim, SimArgs};
+
+/// The tests of this file one at a time: one compares latencies with and without a mirror,
+/// which two cores shared with another test's 32 clients would blur.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+async fn sim(curve: &str, model: &str) -> Sim {
+    Sim::start(SimArgs {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        tpot_curve: curve.parse().unwrap(),
+        ttft_ms: 20.0,
+        max_tokens: 30,
+        model: model.into(),
+        ..SimArgs::defaults()
+    })
+    .await
+    .unwrap()
+}
+
+/// `clients` closed-loop clients through `proxy` for `secs`.
+async fn run(proxy: SocketAddr, clients: usize, secs: f64) -> PhaseReport {
+    let target = LoadArgs {
+        max_tokens: 30,
+        include_usage: true,
+        ..LoadArgs::for_url(format!("http://{proxy}"))
+    }
+    .target()
+    .unwrap();
+    load::phase(
+        &target,
+        Mode::Closed {
+            concurrency: clients,
+        },
+        Duration::ZERO,
+        Duration::from_secs_f64(secs),
+        false,
+    )
+    .await
+}
+
+/// A route to `a` that mirrors to `b` (`mirror` its table).
+fn config(a: SocketAddr, b: SocketAddr, mirror: &str) -> String {
+    format!(
+        "[[upstream]]\nname = \"a\"\nurl = \"http://{a}\"\n\
+         [[upstream]]\nname = \"b\"\nurl = \"http://{b}\"\n\
+         [[route]]\nsplit = {{ a = 1 }}\nmirror = {{ upstream = \"b\", {mirror} }}\n"
+    )
+}
+
+fn upstream<'a>(s: &'a serde_json::Value, name: &str) -> &'a serde_json::Value {
+    s["upstreams"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|u| u["name"] == name)
+        .unwrap()
+}
+
+/// b 10% slower per token, mirrored at 20% of 32 clients' traffic: the paired verdict
+/// names a, with a CI at 10% (within the simulators' own half a percent).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_paired_verdict_names_the_faster_on_the_same_prompts() {
+    let _one = SERIAL.lock().await;
+    // 50 and 55 ms a token: slow enough that the simulators' own work per step (32 streams
+    // on a's, 6 on b's, on two cores shared with the proxy and the clients) stays well
+    // under a percent of it.
+    let (a, b) = (sim("1:50", "a").await, sim("1:55", "b").await);
+    let tap = proxy(
+        &[],
+        &config(a.addr, b.addr, "percent = 20, max_in_flight = 64"),
+    )
+    .await;
+    let r = run(proxy_addr(&tap), 32, 12.0).await;
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    let admin = tap.shared().config.listen.admin;
+    let c = fetch(admin, "GET", "/compare?a=a&b=b", b"").await;
+    assert_eq!(c.status, 200);
+    let c: serde_json::Value = serde_json::from_slice(&c.body).unwrap();
+    assert!(c["method"].as_str().unwrap().starts_with("paired"), "{c:#}");
+    let t = &c["metrics"]["tpot_ms"];
+    assert_eq!(t["better"], "a", "{c:#}");
+    let ci = t["ci95_pct"].as_array().unwrap();
+    let (lo, hi) = (ci[0].as_f64().unwrap(), ci[1].as_f64().unwrap());
+    // The simulators are 10% apart to within a fraction of a percent (a's steps of 32
+    // streams take a few tens of µs more than b's of 6), and a pair cancels the prompt's
+    // and the moment's noise, so the CI is that narrow around their true ratio.
+    let d = t["diff_pct"].as_f64().unwrap();
+    assert!((d - 10.0).abs() < 0.5 && lo > 9.0 && hi < 11.0, "{c:#}");
+    assert!(lo <= d && d <= hi, "{c:#}");
+    assert!(c["pairs"].as_u64().unwrap() >= 30, "{c:#}");
+    // The same prompt, so the same length.
+    assert_eq!(c["length_differs_pct"], 0.0, "{c:#}");
+    // b is a mirror, a fifth of a's requests, and so marked.
+    let s = stats(&tap).await;
+    let (ua, ub) = (upstream(&s, "a"), upstream(&s, "b"));
+    assert_eq!(
+        (ua["mirror"].as_bool(), ub["mirror"].as_bool()),
+        (Some(false), Some(true))
+    );
+    let share = ub["requests_total"].as_f64().unwrap() / ua["requests_total"].as_f64().unwrap();
+    assert!((0.1..0.3).contains(&share), "{share}: {s:#}");
+    // Either way round, the primary is a.
+    let back = fetch(admin, "GET", "/compare?a=b&b=a", b"").await;
+    let back: serde_json::Value = serde_json::from_slice(&back.body).unwrap();
+    assert_eq!(back["a"], "a");
+}
+
+/// A listener that accepts and never answers.
+async fn hanging() -> (SocketAddr, tokio::task::JoinHandle<()>) {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let task = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((s, _)) = l.accept().await {
+            held.push(s);
+        }
+    });
+    (addr, task)
+}
+
+/// With every request mirrored to a backend that is healthy, hangs, is down, or is slow,
+/// the primary's clients see no error, none of the mirror's bytes, and the same TTFT and
+/// TPOT as without a mirror (within 1 ms or 1%); copies over `max_in_flight` are skipped
+/// and counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_primary_neither_sees_nor_waits_on_its_mirror() {
+    let _one = SERIAL.lock().await;
+    let a = sim("1:10", "primary-model").await;
+    let slow = sim("1:200", "mirror-model").await;
+    let healthy = sim("1:10", "mirror-model").await;
+    let (hang, _hold) = hanging().await;
+    let down = common::free_addr(); // nothing listens
+                                    // Latencies are compared one client at a time: with several, the simulator's batch
+                                    // steps make TTFT take a few values, and its median can land on either.
+    let alone = proxy(&[("a", a.addr)], "").await;
+    let base = run(proxy_addr(&alone), 1, 2.0).await;
+    assert!(base.errors.is_empty(), "{:?}", base.errors);
+    let cases = [
+        ("healthy", healthy.addr),
+        ("hanging", hang),
+        ("down", down),
+        ("slow", slow.addr),
+    ];
+    for (what, b) in cases {
+        let tap = proxy(&[], &config(a.addr, b, "max_in_flight = 4")).await;
+        let busy = run(proxy_addr(&tap), 8, 2.0).await;
+        assert!(busy.errors.is_empty(), "{what}: {:?}", busy.errors);
+        let r = run(proxy_addr(&tap), 1, 2.0).await;
+        assert!(r.errors.is_empty(), "{what}: {:?}", r.errors);
+        for (name, x, y) in [
+            ("TTFT p50", base.ttft_ms.p50, r.ttft_ms.p50),
+            ("TPOT p50", base.tpot_ms.p50, r.tpot_ms.p50),
+        ] {
+            let (x, y) = (x.unwrap(), y.unwrap());
+            assert!(
+                (x - y).abs() <= 1.0_f64.max(0.01 * x),
+                "{what}: {name} {y:.2} ms with the mirror, {x:.2} without"
+            );
+        }
+        // Nothing of the mirror reaches a client.
+        let body = br#"{"model":"m","stream":true,"max_tokens":5,"messages":[{"role":"user","content":"hi"}]}"#;
+        let resp = fetch(proxy_addr(&tap), "POST", "/v1/chat/completions", body).await;
+        let text = String::from_utf8_lossy(&resp.body);
+        assert!(
+            text.contains("primary-model") && !text.contains("mirror-model"),
+            "{text}"
+        );
+        assert_eq!(resp.headers["x-tokentap-upstream"], "a");
+        let s = stats(&tap).await;
+        let skipped = upstream(&s, "b")["shadow"]["skipped_total"]["max_in_flight"]
+            .as_u64()
+            .unwrap();
+        // 8 clients against 4 copies at a time: the ones over are skipped (a healthy mirror
+        // as fast as its primary keeps up with them).
+        assert!(what == "healthy" || skipped > 0, "{what}: {s:#}");
+    }
+}
+
+/// The mirror's cap holds at its backend, its counts are exact (the usage the client asked
+/// for comes to it too) and its curve is its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_mirror_s_cap_holds_and_its_figures_are_its_own() {
+    let _one = SERIAL.lock().await;
+    let (a, b) = (sim("1:5", "a").await, sim("1:5", "b").await);
+    let tap = proxy(&[], &config(a.addr, b.addr, "max_in_flight = 3")).await;
+    let r = run(proxy_addr(&tap), 16, 3.0).await;
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    let s = stats_where(&tap, |s| upstream(s, "b")["shadow"]["in_flight"] == 0).await;
+    assert!(
+        b.engine.stats().peak_batch <= 3,
+        "{}",
+        b.engine.stats().peak_batch
+    );
+    assert!(a.engine.stats().peak_batch >= 12);
+    let ub = upstream(&s, "b");
+    assert_eq!(ub["counts_exact"], true, "{ub:#}");
+    assert!(
+        ub["shadow"]["skipped_total"]["max_in_flight"]
+            .as_u64()
+            .unwrap()
+            > 0
+    );
+    let curve = ub["curve"].as_array().unwrap();
+    assert!(
+        curve
+            .iter()
+            .all(|p| p["concurrency"].as_u64().unwrap() <= 4),
+        "{curve:?}"
+    );
+    let metrics = fetch(tap.shared().config.listen.admin, "GET", "/metrics", b"").await;
+    let text = String::from_utf8(metrics.body).unwrap();
+    assert!(
+        text.contains("tokentap_mirror_skipped_total{upstream=\"b\",reason=\"max_in_flight\"}"),
+        "{text}"
+    );
+}

@@ -226,3 +226,82 @@ async fn the_mirror_s_cap_holds_and_its_figures_are_its_own() {
         "{text}"
     );
 }
+
+const CHAT: &str = "/v1/chat/completions";
+
+fn chat(prompt: &str) -> Vec<u8> {
+    serde_json::json!({
+        "model": "m", "stream": true, "max_tokens": 5,
+        "stream_options": {"include_usage": true},
+        "messages": [{"role": "user", "content": prompt}],
+    })
+    .to_string()
+    .into_bytes()
+}
+
+/// `sticky`: a key is mirrored always or never; a body over the read-ahead is not
+/// mirrored, and counted; a copy goes on when its primary's client leaves, unless
+/// `cancel_with_client`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sampling_is_sticky_long_bodies_are_counted_and_copies_outlive_their_clients() {
+    let _one = SERIAL.lock().await;
+    let (a, b) = (sim("1:2", "a").await, sim("1:2", "b").await);
+    let mirror = "percent = 50, sticky = \"header:x-user-id\"";
+    let tap = proxy(&[], &config(a.addr, b.addr, mirror)).await;
+    let p = proxy_addr(&tap);
+    for key in 0..40 {
+        for _ in 0..3 {
+            let id = format!("user-{key}");
+            let r = common::send(p, "POST", CHAT, &chat("hi"), &[("x-user-id", &id)])
+                .await
+                .unwrap();
+            assert_eq!(r.status, 200);
+        }
+    }
+    let s = stats_where(&tap, |s| upstream(s, "b")["shadow"]["in_flight"] == 0).await;
+    let copies = upstream(&s, "b")["requests_total"].as_u64().unwrap();
+    assert_eq!(copies % 3, 0, "each key all or nothing: {copies}");
+    assert!((30..=90).contains(&copies), "about half the keys: {copies}");
+    // Past the read-ahead (64 KiB; more when it came at once): sent on, not copied, and
+    // counted.
+    let every = proxy(&[], &config(a.addr, b.addr, "max_in_flight = 4")).await;
+    let long = "x".repeat(900 << 10);
+    let r = common::send(proxy_addr(&every), "POST", CHAT, &chat(&long), &[]).await;
+    assert_eq!(r.unwrap().status, 200);
+    let s = stats_where(&every, |s| {
+        upstream(s, "a")["in_flight"] == 0 && upstream(s, "b")["shadow"]["in_flight"] == 0
+    })
+    .await;
+    let skipped = &upstream(&s, "b")["shadow"]["skipped_total"];
+    assert_eq!(skipped["body_unread"], 1, "{skipped}");
+    assert_eq!(upstream(&s, "b")["requests_total"], 0);
+
+    // A client that leaves mid-stream: its copy runs to its end by default…
+    let (slow_a, slow_b) = (sim("1:20", "a").await, sim("1:20", "b").await);
+    for (cancel, want) in [(false, "ok"), (true, "aborted")] {
+        let extra = format!("cancel_with_client = {cancel}");
+        let tap = proxy(&[], &config(slow_a.addr, slow_b.addr, &extra)).await;
+        let p = proxy_addr(&tap);
+        let mut conn = tokio::net::TcpStream::connect(p).await.unwrap();
+        let body = String::from_utf8(chat("hi"))
+            .unwrap()
+            .replace("\"max_tokens\":5", "\"max_tokens\":30");
+        let head = format!(
+            "POST {CHAT} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        conn.write_all(head.as_bytes()).await.unwrap();
+        let mut first = [0u8; 512];
+        let _ = conn.read(&mut first).await.unwrap();
+        drop(conn); // gone after its first bytes
+        let s = stats_where(&tap, |s| {
+            let b = upstream(s, "b");
+            b["requests_total"] == 1 && b["in_flight"] == 0
+        })
+        .await;
+        let by = &upstream(&s, "b")["requests_by_status"];
+        assert_eq!(by[want], 1, "cancel_with_client = {cancel}: {by}");
+        assert_eq!(upstream(&s, "a")["requests_by_status"]["aborted"], 1);
+    }
+}

@@ -182,9 +182,12 @@ async fn the_primary_neither_sees_nor_waits_on_its_mirror() {
         let skipped = upstream(&s, "b")["shadow"]["skipped_total"]["max_in_flight"]
             .as_u64()
             .unwrap();
-        // 8 clients against 4 copies at a time: the ones over are skipped (a healthy mirror
-        // as fast as its primary keeps up with them).
-        assert!(what == "healthy" || skipped > 0, "{what}: {s:#}");
+        // 8 clients against 4 copies at a time that hang or take seconds: the ones over are
+        // skipped (a healthy mirror keeps up; a down one fails each copy at once).
+        assert!(
+            !matches!(what, "hanging" | "slow") || skipped > 0,
+            "{what}: {s:#}"
+        );
     }
 }
 

@@ -258,15 +258,7 @@ fn report(shared: &Shared, i: usize, u: &Upstream, now: crate::meter::Nanos) -> 
                 ]
                 .into_iter()
                 .collect(),
-                pairs: s
-                    .pairs
-                    .primaries()
-                    .into_iter()
-                    .map(|p| {
-                        let n = s.pairs.of(&p, 0).len();
-                        (p, n)
-                    })
-                    .collect(),
+                pairs: s.pairs.counts(),
             }
         }),
         meter,

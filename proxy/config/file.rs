@@ -781,6 +781,22 @@ impl FileConfig {
             let checked = route(i, r, &routes, index, p);
             routes.push(checked);
         }
+        // A mirror takes copies only: its requests run outside any cap, so it must not
+        // serve real clients on another route.
+        for (i, r) in routes.iter().enumerate() {
+            for (j, m) in r.mirrors.iter().enumerate() {
+                let primary = |o: &Route| o.split.iter().any(|&(u, _)| u == m.upstream);
+                if let Some(k) = routes.iter().position(primary) {
+                    p.add(
+                        format!("route[{i}].mirror[{j}].upstream"),
+                        format!(
+                            "`{}` is in route[{k}]'s split: a mirror serves copies only",
+                            self.upstream[m.upstream].name
+                        ),
+                    );
+                }
+            }
+        }
         if routes.is_empty() && self.upstream.len() > 1 {
             p.add(
                 "route",
@@ -1513,18 +1529,22 @@ fn mirror(
     if max_in_flight == 0 {
         p.add(key("max_in_flight"), "must be at least 1");
     }
-    let mut set_headers = Vec::new();
+    let mut set_headers: Vec<(HeaderName, String)> = Vec::new();
+    if m.set_headers.len() > 32 {
+        p.add(key("set_headers"), "at most 32 headers");
+    }
     for (name, value) in &m.set_headers {
+        let at = key(&format!("set_headers.{name}"));
         match (
             HeaderName::from_bytes(name.as_bytes()),
             http::HeaderValue::from_str(value),
         ) {
-            (Ok(h), Ok(_)) if !is_framing(&h) => set_headers.push((h, value.clone())),
-            (Ok(_), Ok(_)) => p.add(
-                key(&format!("set_headers.{name}")),
-                "tokentap sets this one itself",
-            ),
-            _ => p.add(key(&format!("set_headers.{name}")), "not a valid header"),
+            (Ok(h), Ok(_)) if is_framing(&h) => p.add(at, "tokentap sets this one itself"),
+            (Ok(h), Ok(_)) if set_headers.iter().any(|(o, _)| *o == h) => {
+                p.add(at, "given twice (header names are not case-sensitive)")
+            }
+            (Ok(h), Ok(_)) => set_headers.push((h, value.clone())),
+            _ => p.add(at, "not a valid header"),
         }
     }
     let sticky = m.sticky.as_deref().and_then(|s| {
@@ -1557,6 +1577,12 @@ fn is_framing(h: &HeaderName) -> bool {
         "content-length",
         "transfer-encoding",
         "connection",
+        "keep-alive",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "upgrade",
+        "expect",
         "x-request-id",
     ]
     .contains(&h.as_str())

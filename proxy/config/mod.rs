@@ -903,6 +903,16 @@ split = { "a" = 0 }
                 "missing {want:?} in {p:#?}"
             );
         }
+        // A mirror must not be another route's primary.
+        let p = problems(&format!(
+            "{two}[[route]]\npath_prefix = \"/v1/\"\nsplit = {{ a = 1 }}\nmirror = {{ upstream = \"b\" }}\n\
+             [[route]]\nsplit = {{ b = 1 }}\n"
+        ));
+        let want = "route[0].mirror[0].upstream: `b` is in route[1]'s split";
+        assert!(
+            p.iter().any(|x| x.starts_with(want)),
+            "missing {want:?} in {p:#?}"
+        );
     }
 
     /// A pool's keys: where its endpoints come from (one way), discovery, health, balance.

@@ -208,7 +208,12 @@ impl TokenTap {
                     link.primary_done(self.now(), outcome, summary);
                 }
             }
-            None => meter.count_plain(outcome),
+            None => {
+                meter.count_plain(outcome);
+                if let Some(link) = mirrored {
+                    link.primary_done(self.now(), outcome, None);
+                }
+            }
         }
         if let Some(held) = ctx.endpoint.as_mut() {
             held.end(matches!(

@@ -16,6 +16,7 @@ use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
 use pingora::prelude::*;
+use pingora::upstreams::peer::Peer as _;
 use tokio::sync::watch;
 
 use super::relay::Relay;
@@ -29,6 +30,7 @@ use crate::routing::Choice;
 use crate::service::ctx::Ctx;
 use crate::service::failure;
 use crate::service::http1::body::{BodyFraming, Chunked};
+use crate::service::http1::conn::Io;
 use crate::service::http1::head::{RequestHead, ResponseHead};
 use crate::service::http1::io::{poll_read_with, up_err, up_io};
 use crate::service::http1::response::{read_response_head, ToClient};
@@ -110,7 +112,14 @@ fn sampled(m: &Mirror, req: &RequestHead) -> bool {
         return true;
     }
     let point = match m.sticky.as_ref().and_then(|h| req.fields.get(h.as_str())) {
-        Some(key) => crate::routing::unit_hash(key),
+        // Salted with the mirror's upstream: a route sticky on the same header must not
+        // send every mirrored key to one of its arms.
+        Some(key) => {
+            let mut salted = Vec::with_capacity(key.len() + 16);
+            salted.extend_from_slice(&m.upstream.to_le_bytes());
+            salted.extend_from_slice(key);
+            crate::routing::unit_hash(&salted)
+        }
         None => rand::random::<f64>(),
     };
     point * 100.0 < m.percent
@@ -223,9 +232,10 @@ impl TokenTap {
         ctx.endpoint = Some(held);
         // Counted exactly where the mirror upstream asks for usage (its chunk is read here
         // and discarded with the rest).
-        let body = match usage::request_with_usage(&body) {
-            Some(asked) if dialect == Dialect::OpenAi && upstream.config.inject_usage => asked,
-            _ => body,
+        let ask = dialect == Dialect::OpenAi && upstream.config.inject_usage;
+        let body = match ask.then(|| usage::request_with_usage(&body)).flatten() {
+            Some(asked) => asked,
+            None => body,
         };
         let ours = ctx.request_id.is_ours() && shared.config.request_id_upstream;
         let mut wire = BytesMut::with_capacity(512 + body.len());
@@ -322,6 +332,24 @@ impl TokenTap {
                 Ok(Err(e)) => return Err(up_io(ReadError, e)),
             }
         }
+        // A clean connection goes back to the pool, as a primary's does.
+        if let (true, Some(held)) = (relay.reusable, ctx.endpoint.as_ref()) {
+            let idle = upstream.config.idle_timeout;
+            match up {
+                Io::Tcp(tcp) => {
+                    let now = std::time::Instant::now();
+                    self.transport
+                        .pool
+                        .release(held.endpoint.at.addr, tcp, now, idle);
+                }
+                Io::Pingora(tls) => {
+                    let hash = held.endpoint.peer().reuse_hash();
+                    self.transport
+                        .connector
+                        .release_stream(tls, hash, Some(idle));
+                }
+            }
+        }
         Ok(())
     }
 
@@ -335,12 +363,15 @@ impl TokenTap {
         let content_type = resp.fields.get("content-type");
         let content_encoding = resp.fields.get("content-encoding");
         self.on_response(ctx, resp.status, content_type, (content_encoding, coded));
+        let reusable = resp.http11
+            && framing != BodyFraming::UntilClose
+            && !resp.fields.has_token("connection", "close");
         let mut relay = Relay {
             framing,
             chunked: Chunked::default(),
             to_client: ToClient::AsIs,
             done: false,
-            reusable: false,
+            reusable,
         };
         if !first.is_empty() || matches!(framing, BodyFraming::Empty | BodyFraming::Length(0)) {
             let mut out = BytesMut::new();

@@ -29,10 +29,53 @@ async fn sim(curve: &str, model: &str) -> Sim {
     .unwrap()
 }
 
+/// A simulator on a runtime of its own thread (stopped when dropped): a mirror's backend
+/// whose timers and work must not share the primary's simulator's runtime, or its copies
+/// would delay the primary's tokens inside the test rather than in tokentap.
+struct Apart {
+    addr: SocketAddr,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for Apart {
+    fn drop(&mut self) {
+        let _ = self.stop.take().map(|s| s.send(()));
+        let _ = self.thread.take().map(std::thread::JoinHandle::join);
+    }
+}
+
+fn sim_apart(curve: &'static str, model: &'static str) -> Apart {
+    let (addr_tx, addr_rx) = std::sync::mpsc::channel();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let thread = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let s = sim(curve, model).await;
+            addr_tx.send(s.addr).unwrap();
+            let _ = stopped.await;
+            drop(s);
+        });
+    });
+    Apart {
+        addr: addr_rx.recv().unwrap(),
+        stop: Some(stop),
+        thread: Some(thread),
+    }
+}
+
 /// `clients` closed-loop clients through `proxy` for `secs`.
 async fn run(proxy: SocketAddr, clients: usize, secs: f64) -> PhaseReport {
+    run_of(proxy, clients, secs, 30).await
+}
+
+/// [`run`] with `max_tokens` a request.
+async fn run_of(proxy: SocketAddr, clients: usize, secs: f64, max_tokens: u64) -> PhaseReport {
     let target = LoadArgs {
-        max_tokens: 30,
+        max_tokens,
         include_usage: true,
         ..LoadArgs::for_url(format!("http://{proxy}"))
     }
@@ -138,14 +181,15 @@ async fn hanging() -> (SocketAddr, tokio::task::JoinHandle<()>) {
 async fn the_primary_neither_sees_nor_waits_on_its_mirror() {
     let _one = SERIAL.lock().await;
     let a = sim("1:10", "primary-model").await;
-    let slow = sim("1:200", "mirror-model").await;
-    let healthy = sim("1:10", "mirror-model").await;
+    let slow = sim_apart("1:200", "mirror-model");
+    let healthy = sim_apart("1:10", "mirror-model");
     let (hang, _hold) = hanging().await;
     let down = common::free_addr(); // nothing listens
                                     // Latencies are compared one client at a time: with several, the simulator's batch
                                     // steps make TTFT take a few values, and its median can land on either.
     let alone = proxy(&[("a", a.addr)], "").await;
-    let base = run(proxy_addr(&alone), 1, 2.0).await;
+    // Short answers (6 tokens, ~70 ms), so that each median is of some 40 requests.
+    let base = run_of(proxy_addr(&alone), 1, 3.0, 6).await;
     assert!(base.errors.is_empty(), "{:?}", base.errors);
     let cases = [
         ("healthy", healthy.addr),
@@ -157,13 +201,14 @@ async fn the_primary_neither_sees_nor_waits_on_its_mirror() {
         let tap = proxy(&[], &config(a.addr, b, "max_in_flight = 4")).await;
         let busy = run(proxy_addr(&tap), 8, 2.0).await;
         assert!(busy.errors.is_empty(), "{what}: {:?}", busy.errors);
-        let r = run(proxy_addr(&tap), 1, 2.0).await;
+        let r = run_of(proxy_addr(&tap), 1, 3.0, 6).await;
         assert!(r.errors.is_empty(), "{what}: {:?}", r.errors);
         for (name, x, y) in [
             ("TTFT p50", base.ttft_ms.p50, r.ttft_ms.p50),
             ("TPOT p50", base.tpot_ms.p50, r.tpot_ms.p50),
         ] {
             let (x, y) = (x.unwrap(), y.unwrap());
+            eprintln!("{what}: {name} {y:.2} ms with the mirror, {x:.2} without");
             assert!(
                 (x - y).abs() <= 1.0_f64.max(0.01 * x),
                 "{what}: {name} {y:.2} ms with the mirror, {x:.2} without"

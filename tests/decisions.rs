@@ -7,7 +7,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{fetch, proxy, proxy_addr, stats_when, stats_where};
+use common::{fetch, proxy, proxy_addr, stats_when, stats_where, upstream_named};
 use tokentap::load::{self, LoadArgs, Mode, Options, RequestRecord, Slo};
 use tokentap::sim::{Sim, SimArgs};
 
@@ -170,16 +170,7 @@ async fn cost_and_roofline_follow_from_the_figures() {
             .all(|u| u["roofline"]["mbu_at_concurrency"] == 1)
     })
     .await;
-    let up = |name: &str| {
-        s["upstreams"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|u| u["name"] == name)
-            .unwrap()
-            .clone()
-    };
-    let (slow, fast) = (up("slow"), up("fast"));
+    let (slow, fast) = (upstream_named(&s, "slow"), upstream_named(&s, "fast"));
 
     let r = &slow["roofline"];
     assert!(

@@ -8,7 +8,7 @@ mod common;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use common::{fetch, proxy, proxy_addr, stats, stats_where};
+use common::{fetch, proxy, proxy_addr, stats, stats_where, upstream_named as upstream};
 use tokentap::load::{self, LoadArgs, Mode, PhaseReport};
 use tokentap::sim::{Sim, SimArgs};
 
@@ -100,15 +100,6 @@ fn config(a: SocketAddr, b: SocketAddr, mirror: &str) -> String {
          [[upstream]]\nname = \"b\"\nurl = \"http://{b}\"\n\
          [[route]]\nsplit = {{ a = 1 }}\nmirror = {{ upstream = \"b\", {mirror} }}\n"
     )
-}
-
-fn upstream<'a>(s: &'a serde_json::Value, name: &str) -> &'a serde_json::Value {
-    s["upstreams"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|u| u["name"] == name)
-        .unwrap()
 }
 
 /// b 10% slower per token, mirrored at 20% of 32 clients' traffic: the paired verdict

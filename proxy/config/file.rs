@@ -1437,19 +1437,10 @@ fn route(
     if !r.split.is_empty() && r.split.values().map(|&w| u64::from(w)).sum::<u64>() == 0 {
         p.add(at("split"), "total weight is 0");
     }
-    let sticky = match r.sticky.as_deref() {
-        None => None,
-        Some(s) => match s
-            .strip_prefix("header:")
-            .map(|h| HeaderName::from_bytes(h.trim().as_bytes()))
-        {
-            Some(Ok(h)) => Some(h),
-            _ => {
-                p.add(at("sticky"), format!("must be `header:NAME`, not `{s}`"));
-                None
-            }
-        },
-    };
+    let sticky = r
+        .sticky
+        .as_deref()
+        .and_then(|s| header_key(s, &at("sticky"), p));
     let name = match &r.name {
         Some(n) if n.is_empty() || n.len() > 128 => {
             p.add(at("name"), "must be 1 to 128 characters");
@@ -1547,18 +1538,10 @@ fn mirror(
             _ => p.add(at, "not a valid header"),
         }
     }
-    let sticky = m.sticky.as_deref().and_then(|s| {
-        match s
-            .strip_prefix("header:")
-            .map(|h| HeaderName::from_bytes(h.trim().as_bytes()))
-        {
-            Some(Ok(h)) => Some(h),
-            _ => {
-                p.add(key("sticky"), format!("must be `header:NAME`, not `{s}`"));
-                None
-            }
-        }
-    });
+    let sticky = m
+        .sticky
+        .as_deref()
+        .and_then(|s| header_key(s, &key("sticky"), p));
     let upstream = upstream?;
     (p.len() == before).then_some(Mirror {
         upstream,
@@ -1568,6 +1551,20 @@ fn mirror(
         cancel_with_client: m.cancel_with_client,
         sticky,
     })
+}
+
+/// A `header:NAME` key (a route's or a mirror's `sticky`), or its problem at `at`.
+fn header_key(s: &str, at: &str, p: &mut Problems) -> Option<HeaderName> {
+    match s
+        .strip_prefix("header:")
+        .map(|h| HeaderName::from_bytes(h.trim().as_bytes()))
+    {
+        Some(Ok(h)) => Some(h),
+        _ => {
+            p.add(at, format!("must be `header:NAME`, not `{s}`"));
+            None
+        }
+    }
 }
 
 /// Headers the upstream request's framing and routing take from tokentap, never a config.

@@ -438,16 +438,6 @@ impl UpstreamMeter {
         windows.slo_bound(now, bound, &sums)
     }
 
-    /// [`Self::slo_bound`]'s system T/s for a TPOT SLO alone.
-    pub fn slo_bounded_system_tps(&self, tpot_ms: f64, percentile: f64) -> Option<f64> {
-        let bound = Bound {
-            tpot_ms: Some(tpot_ms),
-            percentile,
-            attainment_pct: None,
-        };
-        self.slo_bound(&bound).map(|b| b.system_tps)
-    }
-
     /// The per-event distributions since start, merged over the shards.
     pub fn distributions(&self) -> Distributions {
         let mut sums = Sums::new();
@@ -1127,7 +1117,12 @@ mod tests {
             sample.tpot_ms.is_some_and(|t| (t - 20.0).abs() < 0.3),
             "{sample:?}"
         );
-        assert!(m.slo_bounded_system_tps(25.0, 90.0).is_some());
+        let tpot25 = Bound {
+            tpot_ms: Some(25.0),
+            percentile: 90.0,
+            attainment_pct: None,
+        };
+        assert!(m.slo_bound(&tpot25).is_some());
         for s in streams {
             s.finish(30 * S, Outcome::Ok);
         }

@@ -63,6 +63,16 @@ pub async fn stats(r: &Running) -> serde_json::Value {
     serde_json::from_slice(&resp.body).unwrap()
 }
 
+/// The upstream named `name` in a `/stats` document.
+pub fn upstream_named<'a>(s: &'a serde_json::Value, name: &str) -> &'a serde_json::Value {
+    s["upstreams"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|u| u["name"] == name)
+        .unwrap()
+}
+
 /// Polls `/stats` until `cond` holds for the first upstream (the proxy records a request
 /// in its logging phase, just after the client has read the last byte).
 pub async fn stats_when(

@@ -16,7 +16,6 @@ use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
 use pingora::prelude::*;
-use pingora::upstreams::peer::Peer as _;
 use tokio::sync::watch;
 
 use super::relay::Relay;
@@ -30,7 +29,6 @@ use crate::routing::Choice;
 use crate::service::ctx::Ctx;
 use crate::service::failure;
 use crate::service::http1::body::{BodyFraming, Chunked};
-use crate::service::http1::conn::Io;
 use crate::service::http1::head::{RequestHead, ResponseHead};
 use crate::service::http1::io::{poll_read_with, up_err, up_io};
 use crate::service::http1::response::{read_response_head, ToClient};
@@ -58,7 +56,10 @@ impl Drop for InFlight {
 /// One copy to send.
 struct Job {
     shared: Arc<Shared>,
+    /// The route and the mirror upstream; the mirror's settings are the route's
+    /// `mirrors[mirror]` in `shared`.
     choice: Choice,
+    mirror: usize,
     head: RequestHead,
     body: Bytes,
     request_id: RequestId,
@@ -146,7 +147,10 @@ impl TokenTap {
             cancel: None,
         };
         let mut body_bytes: Option<Bytes> = None;
-        for m in route.mirrors.iter().filter(|m| sampled(m, req)) {
+        for (j, m) in route.mirrors.iter().enumerate() {
+            if !sampled(m, req) {
+                continue;
+            }
             let shadow = &shared.upstreams[m.upstream].shadow;
             if !read_whole {
                 shadow.skipped_body_unread.fetch_add(1, Relaxed);
@@ -164,17 +168,14 @@ impl TokenTap {
                     .get_or_insert_with(|| watch::channel(false).0)
                     .subscribe()
             });
-            let mut head = req.clone();
-            for (name, _) in &m.set_headers {
-                head.fields.remove(name.as_str());
-            }
             let job = Job {
                 shared: Arc::clone(&shared),
                 choice: Choice {
                     route: choice.route,
                     upstream: m.upstream,
                 },
-                head,
+                mirror: j,
+                head: req.clone(),
                 body: body_bytes
                     .get_or_insert_with(|| Bytes::copy_from_slice(body))
                     .clone(),
@@ -188,12 +189,7 @@ impl TokenTap {
                 live: Arc::clone(&self.live),
                 transport: Arc::clone(&self.transport),
             };
-            let sets: Vec<(String, String)> = m
-                .set_headers
-                .iter()
-                .map(|(n, v)| (n.as_str().to_owned(), v.clone()))
-                .collect();
-            tokio::spawn(async move { tap.copy(job, sets).await });
+            tokio::spawn(async move { tap.copy(job).await });
             link.meetings.push((meeting, Arc::clone(shadow)));
         }
         if !link.meetings.is_empty() {
@@ -202,11 +198,12 @@ impl TokenTap {
     }
 
     /// Sends one copy, meters its answer and discards it; makes its pair.
-    async fn copy(self, job: Job, sets: Vec<(String, String)>) {
+    async fn copy(self, job: Job) {
         let Job {
             shared,
             choice,
-            head,
+            mirror,
+            mut head,
             body,
             request_id,
             dialect,
@@ -239,6 +236,11 @@ impl TokenTap {
         };
         let ours = ctx.request_id.is_ours() && shared.config.request_id_upstream;
         let mut wire = BytesMut::with_capacity(512 + body.len());
+        // `set_headers`: out of the copied head, and written with tokentap's own.
+        let sets = &shared.config.routes[choice.route].mirrors[mirror].set_headers;
+        for (name, _) in sets {
+            head.fields.remove(name.as_str());
+        }
         let extra: Vec<(&str, &[u8])> = sets
             .iter()
             .map(|(n, v)| (n.as_str(), v.as_bytes()))
@@ -334,21 +336,7 @@ impl TokenTap {
         }
         // A clean connection goes back to the pool, as a primary's does.
         if let (true, Some(held)) = (relay.reusable, ctx.endpoint.as_ref()) {
-            let idle = upstream.config.idle_timeout;
-            match up {
-                Io::Tcp(tcp) => {
-                    let now = std::time::Instant::now();
-                    self.transport
-                        .pool
-                        .release(held.endpoint.at.addr, tcp, now, idle);
-                }
-                Io::Pingora(tls) => {
-                    let hash = held.endpoint.peer().reuse_hash();
-                    self.transport
-                        .connector
-                        .release_stream(tls, hash, Some(idle));
-                }
-            }
+            self.release(up, &held.endpoint, upstream.config.idle_timeout);
         }
         Ok(())
     }

@@ -261,20 +261,7 @@ impl TokenTap {
         let result = relayed.map(|()| {
             let endpoint = ctx.endpoint.as_ref().map(|h| &h.endpoint);
             if let (true, Some(endpoint)) = (open.relay.reusable, endpoint) {
-                let idle = upstream.config.idle_timeout;
-                match open.up {
-                    Io::Tcp(tcp) => {
-                        let now = std::time::Instant::now();
-                        let addr = endpoint.at.addr;
-                        self.transport.pool.release(addr, tcp, now, idle);
-                    }
-                    Io::Pingora(tls) => {
-                        let hash = endpoint.peer().reuse_hash();
-                        self.transport
-                            .connector
-                            .release_stream(tls, hash, Some(idle));
-                    }
-                }
+                self.release(open.up, endpoint, upstream.config.idle_timeout);
             }
             if !open.watch || !open.leftover.is_empty() {
                 After::Linger
@@ -286,6 +273,25 @@ impl TokenTap {
         });
         self.finish(ctx, result.as_ref().err().map(|e| &**e));
         (ended(result, read_whole), failure)
+    }
+
+    /// Gives a clean upstream connection back to its pool (plain TCP: tokentap's; TLS:
+    /// pingora's), kept `idle` at most.
+    fn release(&self, up: Io, endpoint: &crate::pool::Endpoint, idle: Duration) {
+        match up {
+            Io::Tcp(tcp) => {
+                let now = std::time::Instant::now();
+                self.transport
+                    .pool
+                    .release(endpoint.at.addr, tcp, now, idle);
+            }
+            Io::Pingora(tls) => {
+                let hash = endpoint.peer().reuse_hash();
+                self.transport
+                    .connector
+                    .release_stream(tls, hash, Some(idle));
+            }
+        }
     }
 
     /// Routes and admits the request and sends it upstream; or answers it (no route,

@@ -50,9 +50,8 @@ enum Command {
     Demo(tokentap::demo::DemoArgs),
     /// Run the proxy.
     Run {
-        /// The TOML config file (see config/ for commented examples).
-        #[arg(long, short)]
-        config: PathBuf,
+        #[command(flatten)]
+        config: ConfigPath,
         /// Log lines as human-readable text or as JSON objects (default: `[log] format`,
         /// else text). The filter is RUST_LOG, else `[log] filter`, else info.
         #[arg(long, value_enum)]
@@ -60,8 +59,8 @@ enum Command {
     },
     /// Validate a config file: exit 0, or print every problem with its location and exit 1.
     Check {
-        #[arg(long, short)]
-        config: PathBuf,
+        #[command(flatten)]
+        config: ConfigPath,
     },
     /// A simulated continuously batching backend that streams as one API does (--dialect:
     /// OpenAI, Responses, Anthropic, TGI, Ollama, llama.cpp).
@@ -73,12 +72,29 @@ enum Command {
     Top(tokentap::top::TopArgs),
 }
 
+/// The config file, as `--config FILE` or as the argument itself.
+#[derive(clap::Args)]
+struct ConfigPath {
+    /// The TOML config file (see config/ for commented examples).
+    #[arg(long, short, value_name = "FILE", conflicts_with = "file")]
+    config: Option<PathBuf>,
+    /// The same, given without `--config`.
+    #[arg(value_name = "FILE", required_unless_present = "config")]
+    file: Option<PathBuf>,
+}
+
+impl ConfigPath {
+    fn path(self) -> PathBuf {
+        self.config.or(self.file).unwrap_or_default()
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Demo(args) => tokentap::demo::run(args),
-        Command::Run { config, log_format } => run(config, log_format.map(LogFormat::from)),
-        Command::Check { config } => return check(config),
+        Command::Run { config, log_format } => run(config.path(), log_format.map(LogFormat::from)),
+        Command::Check { config } => return check(config.path()),
         Command::Sim(args) => tokentap::sim::run_blocking(args),
         Command::Load(args) => tokentap::load::run_blocking(args),
         Command::Top(args) => tokentap::top::run(args),

@@ -30,6 +30,34 @@ fn every_example_config_is_valid() {
     assert!(n >= 2, "config/ holds the examples");
 }
 
+/// The file may be given as the argument itself, as `--config FILE` or `-c FILE`; not both.
+#[test]
+fn the_file_is_taken_with_or_without_config() {
+    let example = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config/single.toml");
+    let run = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_tokentap"))
+            .args(args)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string()
+            + &String::from_utf8_lossy(&out.stderr);
+        (out.status.success(), text)
+    };
+    let file = example.to_str().unwrap();
+    for args in [
+        &["check", file][..],
+        &["check", "--config", file],
+        &["check", "-c", file],
+    ] {
+        let (ok, text) = run(args);
+        assert!(ok && text.contains(": ok ("), "{args:?}: {text}");
+    }
+    let (ok, text) = run(&["check", "--config", file, file]);
+    assert!(!ok && text.contains("cannot be used with"), "{text}");
+    let (ok, text) = run(&["check"]);
+    assert!(!ok && text.contains("required"), "{text}");
+}
+
 #[test]
 fn a_broken_config_names_each_problem() {
     let path = std::env::temp_dir().join(format!("tokentap-broken-{}.toml", std::process::id()));

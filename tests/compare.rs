@@ -98,6 +98,12 @@ async fn compare_names_the_faster_backend() {
     assert_eq!(ghost.status, 404);
     let e: serde_json::Value = serde_json::from_slice(&ghost.body).unwrap();
     assert!(e["error"]["message"].as_str().unwrap().contains("ghost"));
+    // An upstream against itself is a mistake, not "not enough data".
+    let same = fetch(admin, "GET", "/compare?a=fast&b=fast", b"").await;
+    assert_eq!(same.status, 400);
+    let e: serde_json::Value = serde_json::from_slice(&same.body).unwrap();
+    let message = e["error"]["message"].as_str().unwrap();
+    assert!(message.contains("same upstream"), "{message}");
 
     assert_eq!(
         fetch(admin, "POST", "/compare/reset", b"").await.status,

@@ -431,6 +431,13 @@ pub fn compare(shared: &Shared, query: Option<&str>) -> Result<Comparison, (Stat
             "no route splits traffic: name the arms, /compare?a=NAME&b=NAME".to_owned(),
         ))?,
     };
+    if a == b {
+        let name = bounded(&shared.upstreams[a].config.name);
+        return Err((
+            StatusCode::BAD_REQUEST,
+            format!("a and b are the same upstream (`{name}`): name two upstreams to compare"),
+        ));
+    }
     let now = shared.clock.now();
     let (a, b) = (&shared.upstreams[a], &shared.upstreams[b]);
     let price = |u: &Upstream| {

@@ -1109,6 +1109,9 @@ fn slo(
     (cap, targets, attainment)
 }
 
+/// The highest `cost_per_hour` taken: a billion an hour, in any currency.
+const MAX_COST_PER_HOUR: f64 = 1e9;
+
 /// `upstream[i]`'s price, model and GPUs, and its capacity's headroom, checked.
 fn economics(i: usize, u: &UpstreamFile, p: &mut Problems) -> Economics {
     let at = |f: &str| format!("upstream[{i}].{f}");
@@ -1121,7 +1124,18 @@ fn economics(i: usize, u: &UpstreamFile, p: &mut Problems) -> Economics {
             ok
         })
     };
-    let per_hour = positive(p, "cost_per_hour", u.cost_per_hour, "price per hour");
+    // A price past this is a slip of the keyboard, and its figures would overflow to
+    // nothing (1e308 per hour has no per-token cost an f64 can hold): refused.
+    let per_hour = positive(p, "cost_per_hour", u.cost_per_hour, "price per hour").filter(|v| {
+        let ok = *v <= MAX_COST_PER_HOUR;
+        if !ok {
+            p.add(
+                at("cost_per_hour"),
+                format!("{v:e} is not a price per hour (at most {MAX_COST_PER_HOUR:e})"),
+            );
+        }
+        ok
+    });
     if u.cost_per_hour.is_none() {
         for (key, given) in [
             ("cost_currency", u.cost_currency.is_some()),

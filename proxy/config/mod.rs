@@ -845,9 +845,11 @@ split = { "a" = 0 }
             "[[upstream]]\nname = \"b\"\nurl = \"http://127.0.0.1:2\"\ngpus = 2\ngpu = \"h200\"\n",
             "model = { weight_gb = 16 }\nhbm_tb_per_s = 4.8\n",
             "[[route]]\nsplit = { a = 1, b = 1 }\n",
+            "[[upstream]]\nname = \"c\"\nurl = \"http://127.0.0.1:3\"\ncost_per_hour = 1e308\n",
         ));
         for want in [
             "upstream[0].cost_per_hour: must be a positive price per hour",
+            "upstream[2].cost_per_hour: 1e308 is not a price per hour (at most 1e9)",
             "upstream[0].model.bytes_per_param: is required with params_b",
             "upstream[0].gpu: `h100` is not one of h100-sxm, h200",
             "upstream[0].tensor_parallel: must be at least 1",

@@ -55,6 +55,20 @@ pub struct RooflineStats {
     pub problem: Option<String>,
 }
 
+/// `x` to three significant digits, however small or large: 40.0, 0.0706, 7.06e-8, 1.42e10.
+pub fn significant(x: f64) -> String {
+    if x == 0.0 || !x.is_finite() {
+        return format!("{x}");
+    }
+    let magnitude = x.abs().log10().floor() as i32;
+    if (-3..6).contains(&magnitude) {
+        let decimals = usize::try_from(2 - magnitude).unwrap_or(0);
+        format!("{x:.decimals$}")
+    } else {
+        format!("{x:.2e}")
+    }
+}
+
 // === impl Roofline ===
 
 impl Roofline {
@@ -75,9 +89,11 @@ impl Roofline {
         };
         let problem = seen.filter(|(_, tps)| mbu(*tps) > 100.0).map(|(at, tps)| {
             format!(
-                "single-stream {tps:.1} T/s {at} is {:.2}× the roofline's \
-                 {ceiling:.1} T/s: model.weight_gb ({}) or the bandwidth ({} TB/s × {}) is wrong",
-                tps / ceiling,
+                "single-stream {} T/s {at} is {}× the roofline's {} T/s: model.weight_gb ({}) \
+                 or the bandwidth ({} TB/s × {}) is wrong",
+                significant(tps),
+                significant(tps / ceiling),
+                significant(ceiling),
                 self.weight_gb,
                 self.hbm_tb_per_s,
                 self.tensor_parallel
@@ -129,6 +145,19 @@ mod tests {
         assert!(
             s.problem.as_deref().is_some_and(|p| p.contains("2.11×")),
             "{s:?}"
+        );
+        // A weight absurdly large: every figure in the text keeps its significant digits.
+        let huge = Roofline {
+            weight_gb: 1e12,
+            ..llama70b_fp8()
+        };
+        let s = huge.stats(Some((1, 40.0)), None);
+        let text = s.problem.unwrap_or_default();
+        assert!(text.contains("roofline's 3.35e-9 T/s"), "{text}");
+        assert!(text.contains("1.19e10×"), "{text}");
+        assert_eq!(
+            [1e-9, 0.0706, 0.5, 40.04, 123_456.0, 1.42e10, 0.0].map(significant),
+            ["1.00e-9", "0.0706", "0.500", "40.0", "123456", "1.42e10", "0"]
         );
         // No supported point yet: the live window's rate says it just the same.
         let s = r.stats(None, Some(100.0));

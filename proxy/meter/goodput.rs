@@ -9,7 +9,14 @@
 //! A request is judged as `vllm bench serve --goodput` judges it: every SLO set must hold,
 //! a figure equal to its SLO holds, TPOT is the request's own (`(t_last − t_first) /
 //! (N − 1)`, none under two tokens, which holds). A response that was not streamed has its
-//! first token when it ends. A request that failed or was abandoned is not good.
+//! first token when it ends. A request that failed (an error, an upstream that cut it) is
+//! not good.
+//!
+//! A request its client abandoned (a chat UI's stop button, a client that stopped) is
+//! judged only by what it had already broken when the client left: a TTFT past the SLO
+//! (its first token late, or none yet after the SLO's time), gaps past the TPOT SLO so
+//! far, an e2e past its SLO. Otherwise it is not judged (counted as cancelled): it says
+//! nothing of whether its backend would have met the SLO.
 
 use super::Outcome;
 
@@ -49,21 +56,26 @@ impl Targets {
         self.ttft_ms.is_some() || self.tpot_ms.is_some() || self.e2e_ms.is_some()
     }
 
-    pub fn judge(&self, r: &Judged) -> Verdict {
-        if r.outcome != Outcome::Ok {
-            return Verdict::Error;
-        }
+    /// How `r` stood against the SLOs; `None`: not judged (its client left before it broke
+    /// any).
+    pub fn judge(&self, r: &Judged) -> Option<Verdict> {
         let breaks = |slo: Option<f64>, figure: Option<f64>| {
             slo.zip(figure).is_some_and(|(slo, figure)| figure > slo)
         };
-        if breaks(self.ttft_ms, Some(r.ttft_ms.unwrap_or(r.e2e_ms))) {
-            Verdict::Ttft
+        // For an abandoned request, each figure is what it was when the client left.
+        let broken = if breaks(self.ttft_ms, Some(r.ttft_ms.unwrap_or(r.e2e_ms))) {
+            Some(Verdict::Ttft)
         } else if breaks(self.tpot_ms, r.tpot_ms) {
-            Verdict::Tpot
+            Some(Verdict::Tpot)
         } else if breaks(self.e2e_ms, Some(r.e2e_ms)) {
-            Verdict::E2e
+            Some(Verdict::E2e)
         } else {
-            Verdict::Good
+            None
+        };
+        match r.outcome {
+            Outcome::Ok => Some(broken.unwrap_or(Verdict::Good)),
+            Outcome::Aborted => broken,
+            _ => Some(Verdict::Error),
         }
     }
 }
@@ -102,6 +114,18 @@ struct Slot {
     judged: u64,
     good: u64,
     good_tokens: u64,
+    /// Abandoned by their clients before breaking any SLO: not judged.
+    cancelled: u64,
+}
+
+impl Slot {
+    const EMPTY: Slot = Slot {
+        epoch: u64::MAX,
+        judged: 0,
+        good: 0,
+        good_tokens: 0,
+        cancelled: 0,
+    };
 }
 
 /// The live window's judgements, by slot (the window's own slots), and the totals since
@@ -109,6 +133,7 @@ struct Slot {
 pub(super) struct Ring {
     slots: [Slot; super::window::SLOTS],
     pub(super) totals: [u64; Verdict::ALL.len()],
+    pub(super) cancelled_total: u64,
 }
 
 /// The live window's judgements, summed.
@@ -117,33 +142,39 @@ pub(super) struct Window {
     pub(super) judged: u64,
     pub(super) good: u64,
     pub(super) good_tokens: u64,
+    pub(super) cancelled: u64,
 }
 
 impl Ring {
     pub(super) fn new() -> Ring {
         Ring {
-            slots: [Slot {
-                epoch: u64::MAX,
-                judged: 0,
-                good: 0,
-                good_tokens: 0,
-            }; super::window::SLOTS],
+            slots: [Slot::EMPTY; super::window::SLOTS],
             totals: [0; Verdict::ALL.len()],
+            cancelled_total: 0,
         }
+    }
+
+    fn slot(&mut self, epoch: u64) -> &mut Slot {
+        let slot = &mut self.slots[(epoch % self.slots.len() as u64) as usize];
+        if slot.epoch != epoch {
+            *slot = Slot {
+                epoch,
+                ..Slot::EMPTY
+            };
+        }
+        slot
+    }
+
+    /// A request its client abandoned before it broke any SLO ended in slot `epoch`.
+    pub(super) fn cancelled(&mut self, epoch: u64) {
+        self.cancelled_total += 1;
+        self.slot(epoch).cancelled += 1;
     }
 
     /// A request judged `verdict` finished in slot `epoch` with `tokens` output tokens.
     pub(super) fn add(&mut self, epoch: u64, verdict: Verdict, tokens: u64) {
         self.totals[verdict.index()] += 1;
-        let slot = &mut self.slots[(epoch % self.slots.len() as u64) as usize];
-        if slot.epoch != epoch {
-            *slot = Slot {
-                epoch,
-                judged: 0,
-                good: 0,
-                good_tokens: 0,
-            };
-        }
+        let slot = self.slot(epoch);
         slot.judged += 1;
         if verdict == Verdict::Good {
             slot.good += 1;
@@ -167,6 +198,7 @@ impl Ring {
                 judged: w.judged + s.judged,
                 good: w.good + s.good,
                 good_tokens: w.good_tokens.saturating_add(s.good_tokens),
+                cancelled: w.cancelled + s.cancelled,
             })
     }
 }
@@ -191,27 +223,74 @@ mod tests {
             tpot_ms: Some(30.0),
             e2e_ms: Some(5000.0),
         };
-        assert_eq!(t.judge(&ok(Some(200.0), Some(30.0), 5000.0)), Verdict::Good);
-        assert_eq!(t.judge(&ok(Some(201.0), Some(31.0), 9e3)), Verdict::Ttft);
-        assert_eq!(t.judge(&ok(Some(100.0), Some(31.0), 9e3)), Verdict::Tpot);
-        assert_eq!(t.judge(&ok(Some(100.0), Some(20.0), 9e3)), Verdict::E2e);
+        let good = Some(Verdict::Good);
+        assert_eq!(t.judge(&ok(Some(200.0), Some(30.0), 5000.0)), good);
+        assert_eq!(
+            t.judge(&ok(Some(201.0), Some(31.0), 9e3)),
+            Some(Verdict::Ttft)
+        );
+        assert_eq!(
+            t.judge(&ok(Some(100.0), Some(31.0), 9e3)),
+            Some(Verdict::Tpot)
+        );
+        assert_eq!(
+            t.judge(&ok(Some(100.0), Some(20.0), 9e3)),
+            Some(Verdict::E2e)
+        );
         // One token: no TPOT, which holds (vLLM counts it 0).
-        assert_eq!(t.judge(&ok(Some(100.0), None, 100.0)), Verdict::Good);
+        assert_eq!(t.judge(&ok(Some(100.0), None, 100.0)), good);
         // Not streamed: its first token came with the end.
-        assert_eq!(t.judge(&ok(None, None, 300.0)), Verdict::Ttft);
-        for outcome in Outcome::ALL.into_iter().filter(|o| *o != Outcome::Ok) {
+        assert_eq!(t.judge(&ok(None, None, 300.0)), Some(Verdict::Ttft));
+        for outcome in Outcome::ALL
+            .into_iter()
+            .filter(|o| !matches!(o, Outcome::Ok | Outcome::Aborted))
+        {
             let r = Judged {
                 outcome,
                 ..ok(Some(1.0), Some(1.0), 1.0)
             };
-            assert_eq!(t.judge(&r), Verdict::Error, "{outcome:?}");
+            assert_eq!(t.judge(&r), Some(Verdict::Error), "{outcome:?}");
         }
         let only_tpot = Targets {
             tpot_ms: Some(30.0),
             ..Targets::default()
         };
-        assert_eq!(only_tpot.judge(&ok(None, Some(29.0), 1e9)), Verdict::Good);
+        assert_eq!(only_tpot.judge(&ok(None, Some(29.0), 1e9)), good);
         assert!(!Targets::default().any());
+    }
+
+    /// A request its client abandoned is judged by what it had broken when the client
+    /// left, and otherwise not at all.
+    #[test]
+    fn an_abandoned_request_is_judged_by_what_it_had_broken() {
+        let t = Targets {
+            ttft_ms: Some(500.0),
+            tpot_ms: Some(30.0),
+            e2e_ms: Some(5000.0),
+        };
+        let left = |ttft_ms, tpot_ms, e2e_ms| Judged {
+            outcome: Outcome::Aborted,
+            ..ok(ttft_ms, tpot_ms, e2e_ms)
+        };
+        // Within every SLO so far: not judged.
+        assert_eq!(t.judge(&left(Some(40.0), Some(26.0), 900.0)), None);
+        assert_eq!(t.judge(&left(None, None, 300.0)), None);
+        assert_eq!(t.judge(&left(Some(40.0), None, 41.0)), None);
+        // Its first token late, or none yet past the TTFT SLO.
+        assert_eq!(
+            t.judge(&left(Some(600.0), Some(26.0), 900.0)),
+            Some(Verdict::Ttft)
+        );
+        assert_eq!(t.judge(&left(None, None, 501.0)), Some(Verdict::Ttft));
+        // Its gaps so far past the TPOT SLO; its time past the e2e SLO.
+        assert_eq!(
+            t.judge(&left(Some(40.0), Some(31.0), 900.0)),
+            Some(Verdict::Tpot)
+        );
+        assert_eq!(
+            t.judge(&left(Some(40.0), Some(26.0), 5001.0)),
+            Some(Verdict::E2e)
+        );
     }
 
     #[test]

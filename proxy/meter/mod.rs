@@ -783,15 +783,16 @@ mod tests {
         for _ in 0..9 {
             m.arrived();
         }
-        // 4 good (TTFT 50, TPOT 20), 2 late (TTFT 150), 2 slow (TPOT 30), 1 aborted.
+        // 4 good (TTFT 50, TPOT 20), 2 late (TTFT 150), 2 slow (TPOT 30), 1 abandoned by its
+        // client before it broke any SLO (not judged).
         wave(&m, 4, 0, 50 * MS, 20 * MS, 51);
         wave(&m, 2, S, 150 * MS, 20 * MS, 51);
         wave(&m, 2, 2 * S, 50 * MS, 30 * MS, 51);
         drop(m.begin(3 * S, 3 * S));
         let st = m.stats(10 * S);
         let g = st.goodput.expect("goodput");
-        assert_eq!((g.requests, g.good_requests), (9, 4));
-        assert!(close(g.attainment_pct, 400.0 / 9.0, 1e-9), "{g:?}");
+        assert_eq!((g.requests, g.good_requests, g.cancelled), (8, 4, 1));
+        assert!(close(g.attainment_pct, 50.0, 1e-9), "{g:?}");
         // Over the window's 19 full slots of 0.5 s and the newest, empty one.
         assert!(close(g.requests_per_sec, 4.0 / 9.5, 1e-9), "{g:?}");
         assert!(
@@ -809,7 +810,7 @@ mod tests {
                 ("ttft", 2),
                 ("tpot", 2),
                 ("e2e", 0),
-                ("error", 1)
+                ("error", 0)
             ]
         );
         // Each wave ran at its own batch: the curve says where the SLO held.
@@ -836,9 +837,18 @@ mod tests {
             one.map(|p| (p.slo_requests, p.slo_attainment_pct)),
             Some((1, Some(100.0)))
         );
+        // A client that left after waiting past the TTFT SLO for its first token: late.
+        let late = m.begin(7 * S, 7 * S);
+        late.finish(7 * S + 600 * MS, Outcome::Aborted);
+        let st3 = m.stats(10 * S);
+        assert_eq!(st3.slo_requests_total[1], ("ttft", 4));
+        assert_eq!(st3.goodput.map(|g| g.cancelled), Some(1));
         // The window slides; the totals stay.
         let later = m.stats(40 * S);
-        assert_eq!(later.goodput.map(|g| g.requests), Some(0));
+        assert_eq!(
+            later.goodput.map(|g| (g.requests, g.cancelled)),
+            Some((0, 0))
+        );
         assert_eq!(later.slo_requests_total[0], ("good", 4));
     }
 

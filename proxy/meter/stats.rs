@@ -151,6 +151,8 @@ pub struct Goodput {
     /// Requests judged in the window (finished generations, errors included), and the good.
     pub requests: u64,
     pub good_requests: u64,
+    /// Requests in the window whose clients left before they broke any SLO: not judged.
+    pub cancelled: u64,
 }
 
 #[cfg(test)]

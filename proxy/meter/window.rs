@@ -322,13 +322,15 @@ impl Windows {
                 .saturating_add(exact.unwrap_or(estimated));
         }
         if self.targets.any() {
-            let verdict = self.targets.judge(&judged);
             let tokens = exact.unwrap_or(estimated);
-            self.goodput.add(now / self.slot_ns, verdict, tokens);
+            match self.targets.judge(&judged) {
+                Some(verdict) => self.goodput.add(now / self.slot_ns, verdict, tokens),
+                None => self.goodput.cancelled(now / self.slot_ns),
+            }
             // A client that left gives no evidence of what its backend does at this
-            // batch: it counts against goodput, not against the curve's bucket.
+            // batch: not judged in the curve's bucket.
             if outcome != Outcome::Aborted {
-                let served = self.targets.judge(&at_backend) == goodput::Verdict::Good;
+                let served = self.targets.judge(&at_backend) == Some(goodput::Verdict::Good);
                 self.verdicts.add(now, bucket, served);
             }
         }
@@ -457,6 +459,7 @@ impl Windows {
                     attainment_pct: (w.judged > 0).then(|| 100.0 * w.good as f64 / w.judged as f64),
                     requests: w.judged,
                     good_requests: w.good,
+                    cancelled: w.cancelled,
                 }
             }),
             slo_requests_total: goodput::Verdict::ALL

@@ -1,7 +1,9 @@
 //! One endpoint of a pool: where it is, its health (active checks, passive ejection), its
 //! load (slots held, the backend's own count), its counters, and its meter.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{
+    AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering::Relaxed, Ordering::SeqCst,
+};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use arc_swap::ArcSwap;
@@ -42,12 +44,35 @@ pub struct Endpoint {
     pub(super) last_error: Mutex<Option<Box<str>>>,
     /// Its slots as leases in the fleet's Redis (`[cluster]`), made when first needed.
     fleet: std::sync::OnceLock<Arc<Fleet>>,
+    /// Its pool's requests waiting for a slot on some endpoint, woken when one frees.
+    freed: Arc<Freed>,
 }
 
 #[derive(Debug, Default)]
 pub(super) struct Checks {
     pub(super) ok: u32,
     pub(super) failed: u32,
+    /// A check failed during the ejection running now: the checks saw it down too, so a
+    /// check that passes again may end the ejection (a replica restarted). An ejection the
+    /// checks never saw (its health path fine, its generations failing) runs its length.
+    pub(super) down_while_ejected: bool,
+}
+
+/// Requests of one pool that wait for a slot (every endpoint at its cap: a connect retried
+/// after its endpoint failed, a cap lowered a moment ago), woken when a slot frees.
+#[derive(Debug, Default)]
+pub(super) struct Freed {
+    pub(super) waiting: AtomicUsize,
+    pub(super) notify: tokio::sync::Notify,
+}
+
+impl Freed {
+    /// Wakes the waiting requests, if any (one load when none waits).
+    pub(super) fn wake(&self) {
+        if self.waiting.load(SeqCst) > 0 {
+            self.notify.notify_waiters();
+        }
+    }
 }
 
 /// What `/stats` shows of an endpoint.
@@ -80,7 +105,7 @@ pub struct EndpointStats {
 // === impl Endpoint ===
 
 impl Endpoint {
-    pub(super) fn new(at: EndpointAddr, peer: HttpPeer) -> Arc<Endpoint> {
+    pub(super) fn new(at: EndpointAddr, peer: HttpPeer, freed: &Arc<Freed>) -> Arc<Endpoint> {
         Arc::new(Endpoint {
             at,
             peer: ArcSwap::from_pointee(peer),
@@ -98,6 +123,7 @@ impl Endpoint {
             checks: Mutex::default(),
             last_error: Mutex::new(None),
             fleet: std::sync::OnceLock::new(),
+            freed: Arc::clone(freed),
         })
     }
 
@@ -150,9 +176,11 @@ impl Endpoint {
                 self.slots.fetch_add(1, Relaxed);
                 true
             }
+            // SeqCst with the release's: a request that found no room, and waits for one,
+            // is woken by the slot freed after it looked (see [`Freed`]).
             Some(cap) => self
                 .slots
-                .fetch_update(Relaxed, Relaxed, |n| (n < cap).then_some(n + 1))
+                .fetch_update(SeqCst, SeqCst, |n| (n < cap).then_some(n + 1))
                 .is_ok(),
         }
     }
@@ -258,7 +286,8 @@ impl Held {
     /// Gives the slot and its lease back (once).
     fn release(&mut self) {
         if std::mem::take(&mut self.slot) {
-            self.endpoint.slots.fetch_sub(1, Relaxed);
+            self.endpoint.slots.fetch_sub(1, SeqCst);
+            self.endpoint.freed.wake();
         }
         self.lease = None;
     }

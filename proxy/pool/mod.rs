@@ -7,12 +7,20 @@
 //!   holds a slot of the endpoint it goes to; each endpoint's cap is the limiter's
 //!   per-endpoint limit, and the limiter's pool limit (that cap times the endpoints that
 //!   take requests) guarantees one has room for every request it admits.
-//! - **Passive health**: a failed connect, a reset before any response byte, or
-//!   `eject_after` consecutive 5xx eject an endpoint for `eject_secs`, doubled while it
-//!   keeps failing (at most five minutes). The last endpoint taking requests is never
-//!   ejected on passive evidence alone; if they all are, requests go to all that pass their
-//!   checks (panic mode).
-//! - **Active health** (`health`, [`health`]): a GET of its path every `every_secs`.
+//! - **Caps**: a generation request takes a slot under its endpoint's cap or none; with
+//!   every endpoint full (a connect retried after its endpoint failed, a cap lowered a
+//!   moment ago) it waits for one to free ([`Pool::pick_within`]), never over a cap.
+//! - **Passive health**: a failed connect or a reset before any response byte eject an
+//!   endpoint at once; `eject_after` failures in a row (5xx, no response head within
+//!   `read_timeout_secs`, a body gone silent or cut by the upstream) eject it; a response
+//!   under 500 that completes ends the run. An ejection lasts `eject_secs`, doubled while
+//!   the endpoint keeps failing (at most five minutes). The last endpoint taking requests is
+//!   never ejected on passive evidence alone; if they all are, requests go to all that pass
+//!   their checks (panic mode).
+//! - **Active health** (`health`, [`health`]): a GET of its path every `every_secs`. A
+//!   passing check never ends an ejection on its own: evidence from real traffic outweighs
+//!   a probe ("/health is fine, the model is broken"), unless a check failed during the
+//!   ejection too (the probes saw it down; passing again, it was restarted).
 //! - **Discovery** ([`discover`]): the set follows the records or the file; an endpoint
 //!   keeps its state by address; one that leaves drains (its requests finish on it).
 //!
@@ -38,6 +46,8 @@ use crate::meter::{Clock, Nanos};
 
 pub use endpoint::{Endpoint, EndpointStats, Held};
 
+use endpoint::Freed;
+
 /// The longest ejection.
 const MAX_EJECTION: Duration = Duration::from_secs(300);
 
@@ -62,6 +72,8 @@ pub struct Pool {
     sampled: AtomicU64,
     /// Past `metrics.endpoint_labels` (logged when it becomes so).
     unlabelled: AtomicBool,
+    /// Requests waiting for a slot on an endpoint, woken when one frees.
+    freed: Arc<Freed>,
 }
 
 /// What the pool takes from its upstream's config.
@@ -96,9 +108,14 @@ struct Due {
     failing: bool,
 }
 
-/// No endpoint can take the request.
+/// Why a request has no endpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct NoEndpoint;
+pub enum Unplaced {
+    /// None takes requests (unhealthy, or none at all).
+    NoEndpoint,
+    /// Every endpoint that takes requests is at its cap.
+    Full,
+}
 
 /// How the endpoints of a pool stand, for `/metrics`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -121,10 +138,11 @@ impl Pool {
         cluster: Option<Arc<FleetLink>>,
     ) -> Arc<Pool> {
         let settings = Settings::of(u);
+        let freed = Arc::new(Freed::default());
         let members = u
             .endpoints
             .iter()
-            .map(|at| Endpoint::new(at.clone(), settings.peer.peer(at)))
+            .map(|at| Endpoint::new(at.clone(), settings.peer.peer(at), &freed))
             .collect();
         let pool = Arc::new(Pool {
             name: u.name.as_str().into(),
@@ -141,6 +159,7 @@ impl Pool {
             quiet_until: AtomicU64::new(0),
             sampled: AtomicU64::new(0),
             unlabelled: AtomicBool::new(false),
+            freed,
         });
         pool.refresh(clock.now());
         pool
@@ -198,7 +217,7 @@ impl Pool {
         slot: bool,
         key: Option<&[u8]>,
         avoid: &[Arc<Endpoint>],
-    ) -> Result<Held, NoEndpoint> {
+    ) -> Result<Held, Unplaced> {
         let members = self.members.load();
         let avoided = |e: &Endpoint| avoid.iter().any(|a| std::ptr::eq(&**a, e));
         // Panic mode when none takes requests: every endpoint that passes its checks.
@@ -214,9 +233,46 @@ impl Pool {
         let each = self.limiter.each();
         // A generation request takes a slot under the cap; others only go there.
         let room = |e: &Endpoint| !slot || e.take_slot(each);
+        if !members.iter().any(|e| takes(e)) {
+            return Err(Unplaced::NoEndpoint);
+        }
         match self.choose(&members, each, key, &takes, &room) {
             Some(e) => Ok(Held::new(Arc::clone(e), slot)),
-            None => Err(NoEndpoint),
+            None => Err(Unplaced::Full),
+        }
+    }
+
+    /// [`Pool::pick`], waiting up to `wait` for a slot when every endpoint is at its cap:
+    /// woken when a slot frees (and at the pool's tick, when an ejection ends or a cap
+    /// rises). The pool's limit makes that wait rare and short: the endpoints' slots never
+    /// outnumber the pool's, except when a failover or a lowered cap moves requests.
+    pub async fn pick_within(
+        &self,
+        slot: bool,
+        key: Option<&[u8]>,
+        avoid: &[Arc<Endpoint>],
+        wait: Duration,
+    ) -> Result<Held, Unplaced> {
+        let deadline = tokio::time::Instant::now() + wait;
+        let freed = &self.freed;
+        loop {
+            // Waiting is announced, and the wake-up armed, before the endpoints are looked
+            // at: a slot freed after the look wakes it.
+            freed
+                .waiting
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let _waiting = Waiting(freed);
+            let woken = freed.notify.notified();
+            tokio::pin!(woken);
+            woken.as_mut().enable();
+            match self.pick(self.clock.now(), slot, key, avoid) {
+                Err(Unplaced::Full) => {
+                    if tokio::time::timeout_at(deadline, woken).await.is_err() {
+                        return Err(Unplaced::Full);
+                    }
+                }
+                placed => return placed,
+            }
         }
     }
 
@@ -247,16 +303,15 @@ impl Pool {
                         Ok(next) => held = next,
                         // Every one full as far as Redis counts now (leases freed a moment
                         // ago elsewhere): this one, over the fleet's count.
-                        Err(NoEndpoint) => return held,
+                        Err(_) => return held,
                     }
                 }
             }
         }
     }
 
-    /// The endpoint `balance` picks among those `takes` allows, where `room` takes its slot
-    /// (or, with none having room, the least loaded, its slot taken over the cap: the
-    /// pool's limit says one has room, but a cap lowered a moment ago may say otherwise).
+    /// The endpoint `balance` picks among those `takes` allows, where `room` takes its slot;
+    /// the least loaded with room when the balance's choice has none; `None` when none has.
     fn choose<'a>(
         &self,
         members: &'a [Arc<Endpoint>],
@@ -318,14 +373,7 @@ impl Pool {
                 }
             }
         };
-        picked.or_else(|| {
-            let e = (members.iter().filter(|e| takes(e)))
-                .min_by(|a, b| a.load(each).total_cmp(&b.load(each)))?;
-            if !room(e) {
-                e.slots.fetch_add(1, Relaxed); // over the cap, counted all the same
-            }
-            Some(e)
-        })
+        picked.or_else(|| least(members.iter().filter(|e| takes(e)).collect()))
     }
 
     // --- passive health ---
@@ -342,26 +390,33 @@ impl Pool {
         self.eject(e, cause);
     }
 
-    /// `e` answered with `status`: `eject_after` 5xx in a row eject it; any other answer
-    /// ends its run of failures (and the doubling of its ejections).
+    /// `e` answered with `status`: a 5xx is a failure (see [`Pool::failed`]); an answer
+    /// under 500 is judged when its body ends ([`Pool::served`], or a failure).
     pub fn answered(&self, e: &Endpoint, status: u16) {
         if status >= 500 {
-            let fails = e.fails.fetch_add(1, Relaxed) + 1;
-            e.set_error(&format!("answered {status}"));
-            if fails >= self.settings.load().eject_after {
-                e.fails.store(0, Relaxed);
-                self.eject(
-                    e,
-                    &format!("{fails} answers 5xx in a row (the last {status})"),
-                );
-            }
-        } else {
-            if e.fails.load(Relaxed) != 0 {
-                e.fails.store(0, Relaxed);
-            }
-            if e.ejections.load(Relaxed) != 0 {
-                e.ejections.store(0, Relaxed);
-            }
+            self.failed(e, &format!("answered {status}"));
+        }
+    }
+
+    /// `e` failed a request it was sent (`cause`: a 5xx, no response head within
+    /// `read_timeout_secs`, a body gone silent or cut): `eject_after` in a row eject it.
+    pub fn failed(&self, e: &Endpoint, cause: &str) {
+        let fails = e.fails.fetch_add(1, Relaxed) + 1;
+        e.set_error(cause);
+        if fails >= self.settings.load().eject_after {
+            e.fails.store(0, Relaxed);
+            self.eject(e, &format!("{fails} failures in a row (the last: {cause})"));
+        }
+    }
+
+    /// `e` served a response under 500 to its end: its run of failures ends, and the
+    /// doubling of its ejections.
+    pub fn served(&self, e: &Endpoint) {
+        if e.fails.load(Relaxed) != 0 {
+            e.fails.store(0, Relaxed);
+        }
+        if e.ejections.load(Relaxed) != 0 {
+            e.ejections.store(0, Relaxed);
         }
     }
 
@@ -388,6 +443,7 @@ impl Pool {
         let k = e.ejections.fetch_add(1, Relaxed).min(16);
         let base = self.settings.load().eject;
         let length = base.saturating_mul(1 << k).min(MAX_EJECTION);
+        lock(&e.checks).down_while_ejected = false;
         e.ejected_until
             .store(now + length.as_nanos() as u64, Relaxed);
         e.ejections_total.fetch_add(1, Relaxed);
@@ -487,7 +543,7 @@ impl Pool {
             .into_iter()
             .map(|at| match old.iter().find(|e| e.at == at) {
                 Some(kept) => Arc::clone(kept),
-                None => Endpoint::new(at.clone(), settings.peer.peer(&at)),
+                None => Endpoint::new(at.clone(), settings.peer.peer(&at), &self.freed),
             })
             .collect();
         let added: Vec<&str> = (next.iter())
@@ -522,6 +578,8 @@ impl Pool {
     ) {
         let now = self.clock.now();
         self.refresh(now);
+        // Requests waiting for a slot look again: an ejection may have ended, a cap risen.
+        self.freed.wake();
         let unlabelled = self.members.load().len() > endpoint_labels;
         if self.unlabelled.swap(unlabelled, Relaxed) != unlabelled && unlabelled {
             tracing::warn!(
@@ -631,16 +689,21 @@ impl Pool {
                     e.healthy.store(true, Relaxed);
                     tracing::info!(upstream = %self.name, endpoint = %e.at.url, "endpoint healthy again");
                 }
-                if e.healthy.load(Relaxed) && e.ejected(self.clock.now()) {
-                    // It answers its checks: it takes requests again at once.
+                if e.healthy.load(Relaxed) && c.down_while_ejected && e.ejected(self.clock.now()) {
+                    // Its checks failed during the ejection and pass again (a replica
+                    // restarted): it takes requests again at once. An ejection its checks
+                    // never saw runs its length.
                     e.ejected_until.store(0, Relaxed);
-                    e.ejections.store(0, Relaxed);
-                    tracing::info!(upstream = %self.name, endpoint = %e.at.url, "endpoint passes its health check: ejection ended");
+                    c.down_while_ejected = false;
+                    tracing::info!(upstream = %self.name, endpoint = %e.at.url, "endpoint passes its health check again after failing it while ejected: ejection ended");
                 }
             }
             Err(cause) => {
                 c.ok = 0;
                 c.failed = c.failed.saturating_add(1);
+                if e.ejected(self.clock.now()) {
+                    c.down_while_ejected = true;
+                }
                 e.set_error(&cause);
                 if e.healthy.load(Relaxed) && c.failed >= h.unhealthy_after {
                     e.healthy.store(false, Relaxed);
@@ -654,6 +717,17 @@ impl Pool {
                 }
             }
         }
+    }
+}
+
+/// Counts a request out of a pool's waiters however its wait ends.
+struct Waiting<'a>(&'a Freed);
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0
+            .waiting
+            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
     }
 }
 
@@ -789,7 +863,8 @@ mod tests {
         let c = at(&p, 2);
         p.answered(&c, 503);
         p.answered(&c, 502);
-        p.answered(&c, 200);
+        p.answered(&c, 200); // judged when its body ends:
+        p.served(&c);
         p.answered(&c, 500);
         p.answered(&c, 500);
         assert!(c.eligible(p.clock.now()));
@@ -814,7 +889,7 @@ mod tests {
         assert!(!p.serving());
         assert_eq!(
             p.pick(p.clock.now(), true, None, &[]).err(),
-            Some(NoEndpoint)
+            Some(Unplaced::NoEndpoint)
         );
     }
 
@@ -834,6 +909,91 @@ mod tests {
         for e in p.members().iter() {
             assert_eq!(e.in_flight(), 0);
         }
+    }
+
+    /// Full means full: with every endpoint at its cap a generation request gets no slot
+    /// (it was given one over the cap), waits for one, and has it the moment one frees; a
+    /// wait that no slot ends is refused at its end.
+    #[tokio::test]
+    async fn a_full_pool_waits_for_a_slot_and_never_passes_a_cap() {
+        let (p, _) = pool("max_concurrency = 1\n", 2);
+        let a = p.pick(p.clock.now(), true, None, &[]).unwrap();
+        let b = p.pick(p.clock.now(), true, None, &[]).unwrap();
+        assert_eq!(
+            p.pick(p.clock.now(), true, None, &[]).err(),
+            Some(Unplaced::Full)
+        );
+        // A failover avoids where it failed, and the only other one is full.
+        let avoid = [Arc::clone(&a.endpoint)];
+        let waited = p.pick_within(true, None, &avoid, Duration::from_millis(30));
+        assert_eq!(waited.await.err(), Some(Unplaced::Full));
+        // Waiting, it takes b's slot when b's request ends; a's freeing does not help it.
+        let b_at = Arc::clone(&b.endpoint);
+        let (p2, avoid2) = (Arc::clone(&p), avoid.clone());
+        let waiter = tokio::spawn(async move {
+            p2.pick_within(true, None, &avoid2, Duration::from_secs(30))
+                .await
+                .map(|h| h.endpoint.at.url.clone())
+        });
+        while p.freed.waiting.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+            tokio::task::yield_now().await;
+        }
+        drop(b);
+        assert_eq!(waiter.await.unwrap(), Ok(b_at.at.url.clone()));
+        for e in p.members().iter() {
+            assert!(e.in_flight() <= 1, "{}: {}", e.at.url, e.in_flight());
+        }
+        drop(a);
+        assert_eq!(p.freed.waiting.load(std::sync::atomic::Ordering::SeqCst), 0);
+    }
+
+    /// Evidence from real traffic outweighs a probe: a passing check leaves a passive
+    /// ejection running, unless a check failed during it (the probes saw it down: passing
+    /// again, it was restarted).
+    #[test]
+    fn a_passing_check_ends_only_an_ejection_the_checks_saw() {
+        let (p, _) = pool("eject_after = 1\n", 2);
+        let a = at(&p, 0);
+        let h = HealthCheck {
+            path: "/health".into(),
+            every: Duration::from_secs(1),
+            timeout: Duration::from_secs(1),
+            unhealthy_after: 2,
+            healthy_after: 1,
+        };
+        p.answered(&a, 500);
+        assert!(a.ejected(p.clock.now()));
+        for _ in 0..3 {
+            p.checked(&a, &h, Ok(()));
+            assert!(
+                a.ejected(p.clock.now()),
+                "a good /health ended the ejection"
+            );
+        }
+        // Down to its checks as well, then up: restarted.
+        p.checked(&a, &h, Err("connect: refused".into()));
+        assert!(a.ejected(p.clock.now()));
+        p.checked(&a, &h, Ok(()));
+        assert!(a.eligible(p.clock.now()));
+        // Failing again, its next ejection is twice as long: no good answer came between.
+        let now = p.clock.now();
+        p.answered(&a, 500);
+        let second = a.ejected_until.load(Relaxed) - now;
+        assert!(
+            (20_000_000_000..21_000_000_000).contains(&second),
+            "{second}"
+        );
+        // A failure's cause is named: a head that never came counts as a failure too.
+        let b = at(&p, 1);
+        a.ejected_until.store(0, Relaxed);
+        p.failed(&b, "no response head within read_timeout_secs (1 s)");
+        assert!(!b.eligible(p.clock.now()));
+        let s = p.stats(p.clock.now(), Duration::from_secs(10));
+        assert_eq!(
+            s[1].last_error.as_deref(),
+            Some("no response head within read_timeout_secs (1 s)")
+        );
+        assert_eq!(s[1].ejections_total, 1);
     }
 
     /// Consistent hashing: a key keeps its endpoint; an endpoint that leaves moves its own

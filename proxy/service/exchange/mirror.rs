@@ -13,12 +13,13 @@
 use std::future::poll_fn;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use pingora::prelude::*;
 use tokio::sync::watch;
 
-use super::relay::Relay;
+use super::relay::{health_after_body, health_after_head, Relay};
 use super::upstream::{upstream_request, UpBody};
 use crate::compare::paired::{Meeting, Side};
 use crate::config::Mirror;
@@ -29,6 +30,7 @@ use crate::routing::Choice;
 use crate::service::ctx::Ctx;
 use crate::service::failure;
 use crate::service::http1::body::{BodyFraming, Chunked};
+use crate::service::http1::conn::Io;
 use crate::service::http1::head::{RequestHead, ResponseHead};
 use crate::service::http1::io::{poll_read_with, up_err, up_io};
 use crate::service::http1::response::{read_response_head, ToClient};
@@ -306,21 +308,47 @@ impl TokenTap {
         let upstream = &shared.upstreams[choice.upstream];
         let pool = &upstream.pool;
         let mut up = self
-            .connect_and_write(pool, (&mut ctx.endpoint, &mut ctx.stream), wire)
+            .connect_and_write(
+                (pool, upstream.config.queue_timeout),
+                (&mut ctx.endpoint, &mut ctx.stream),
+                wire,
+            )
             .await?;
         let read_timeout = upstream.config.read_timeout;
         let head = read_response_head(&mut up, None, Some(read_timeout), |resp, first, _, _| {
             self.copy_head(ctx, resp, first)
         })
         .await;
-        if let (Ok(_), Some(held)) = (&head, ctx.endpoint.as_ref()) {
-            pool.answered(&held.endpoint, ctx.status);
+        let endpoint = ctx.endpoint.as_ref().map(|h| Arc::clone(&h.endpoint));
+        if let Some(endpoint) = &endpoint {
+            health_after_head(pool, endpoint, &head, ctx.status, read_timeout);
         }
         let mut relay = head?;
+        let body = self.copy_body(ctx, &mut up, &mut relay, read_timeout).await;
+        if let Some(endpoint) = &endpoint {
+            let ended = body.as_ref().map_err(|e| &**e).copied();
+            health_after_body(pool, endpoint, ctx.status, ended, read_timeout);
+        }
+        body?;
+        // A clean connection goes back to the pool, as a primary's does.
+        if let (true, Some(held)) = (relay.reusable, ctx.endpoint.as_ref()) {
+            self.release(up, &held.endpoint, upstream.config.idle_timeout);
+        }
+        Ok(())
+    }
+
+    /// Reads the copy's body to its end, metered and discarded.
+    async fn copy_body(
+        &self,
+        ctx: &mut Ctx,
+        up: &mut Io,
+        relay: &mut Relay,
+        read_timeout: Duration,
+    ) -> Result<()> {
         let mut out = BytesMut::new();
         while !relay.done {
             let read = poll_fn(|cx| {
-                poll_read_with(&mut up, cx, |data, _| {
+                poll_read_with(&mut *up, cx, |data, _| {
                     let now = self.now();
                     let r = relay.fragment(self, ctx, now, data, &mut out, None);
                     out.clear(); // discarded: nothing of it goes anywhere
@@ -333,10 +361,6 @@ impl TokenTap {
                 Ok(Ok(Err(e))) => return Err(e.into_up()),
                 Ok(Err(e)) => return Err(up_io(ReadError, e)),
             }
-        }
-        // A clean connection goes back to the pool, as a primary's does.
-        if let (true, Some(held)) = (relay.reusable, ctx.endpoint.as_ref()) {
-            self.release(up, &held.endpoint, upstream.config.idle_timeout);
         }
         Ok(())
     }

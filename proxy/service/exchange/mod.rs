@@ -43,11 +43,12 @@ use super::record::{self, model_of, RequestId, Seen, REQUEST_ID_HEADER};
 use super::{TokenTap, UPSTREAM_HEADER};
 use crate::dialect::Dialect;
 use crate::estimate::Estimate;
+use crate::limit::Rejected;
 use crate::meter::{Nanos, Outcome};
-use crate::pool::NoEndpoint;
+use crate::pool::Unplaced;
 use crate::routing::Choice;
 use admission::{reject, route};
-use relay::Relay;
+use relay::{health_after_body, Relay};
 use upstream::{send_rest, Outgoing};
 
 mod admission;
@@ -254,6 +255,17 @@ impl TokenTap {
         let relayed = self
             .relay(client, ctx, &mut open, Some(upstream.config.read_timeout))
             .await;
+        if let Some(held) = &ctx.endpoint {
+            let body = relayed.as_ref().map(|_| ()).map_err(|e| &**e);
+            let read_timeout = upstream.config.read_timeout;
+            health_after_body(
+                &upstream.pool,
+                &held.endpoint,
+                ctx.status,
+                body,
+                read_timeout,
+            );
+        }
         let failure = relayed
             .as_ref()
             .err()
@@ -399,13 +411,26 @@ impl TokenTap {
         }
 
         let key = pool.hash_header().and_then(|h| req.fields.get(h.as_str()));
-        match pool.pick(self.now(), ctx.dialect.is_some(), key, &[]) {
+        let wait = upstream.config.queue_timeout;
+        match pool
+            .pick_within(ctx.dialect.is_some(), key, &[], wait)
+            .await
+        {
             Ok(held) => ctx.endpoint = Some(pool.lease(held, self.now(), key).await),
-            Err(NoEndpoint) => {
+            Err(Unplaced::NoEndpoint) => {
                 let (keep, after) = no_endpoint(&leftover, watch);
                 ctx.status = 503;
                 ctx.bytes_out += unavailable(client, ctx, choice, keep).await;
                 ctx.permit = None;
+                return Prepared::Done(after, None);
+            }
+            Err(Unplaced::Full) => {
+                // Admitted by the pool, yet every endpoint stayed at its cap (a cap lowered
+                // a moment ago) for the queue's timeout.
+                let (keep, after) = answered(&leftover, watch);
+                ctx.status = 429;
+                ctx.permit = None;
+                ctx.bytes_out += reject(client, ctx, choice, Rejected::QueueTimeout, keep).await;
                 return Prepared::Done(after, None);
             }
         }
@@ -481,8 +506,11 @@ impl TokenTap {
         let upstream = &shared.upstreams[choice.upstream];
         let read_whole = matches!(rest, Rest::Done);
         let write_timeout = Some(upstream.config.write_timeout);
-        let send =
-            self.connect_and_write(&upstream.pool, (&mut ctx.endpoint, &mut ctx.stream), wire);
+        let send = self.connect_and_write(
+            (&upstream.pool, upstream.config.queue_timeout),
+            (&mut ctx.endpoint, &mut ctx.stream),
+            wire,
+        );
         let up = if read_whole {
             watching(client, &mut watch, &mut leftover, send).await?
         } else {

@@ -24,6 +24,7 @@ use pingora::protocols::http::date::get_cached_date;
 
 use super::{ClientSide, Open, Sent};
 use crate::meter::Nanos;
+use crate::pool::{Endpoint, Pool};
 use crate::routing::Choice;
 use crate::service::http1::body::{self, BodyFraming, Chunked};
 use crate::service::http1::conn::Io;
@@ -84,21 +85,8 @@ impl TokenTap {
         ));
         let opened = head.await;
         if let Some(endpoint) = &endpoint {
-            // Passive health: a reset before the head ejects; 5xx in a row do.
-            match &opened {
-                Ok(_) => upstream.pool.answered(endpoint, ctx.status),
-                Err(e)
-                    if e.esource() == &ErrorSource::Upstream
-                        && matches!(e.etype(), ConnectionClosed | ReadError) =>
-                {
-                    let cause = e.etype().as_str();
-                    upstream.pool.reset_before_response(
-                        endpoint,
-                        &format!("before its response head: {cause}"),
-                    );
-                }
-                Err(_) => {}
-            }
+            let read_timeout = upstream.config.read_timeout;
+            health_after_head(&upstream.pool, endpoint, &opened, ctx.status, read_timeout);
         }
         let (relay, out, keep_alive) = opened?;
         Ok(Open {
@@ -296,6 +284,72 @@ impl TokenTap {
             return Poll::Pending;
         })
         .await
+    }
+}
+
+/// Passive health from a response head read (or not) from `endpoint`, the primary's or a
+/// copy's: a reset or close before it ejects at once; a 5xx, or no head within
+/// `read_timeout_secs` (a replica that accepts and never answers), is a failure of the
+/// `eject_after` in a row that eject. A head under 500 is judged when its body ends
+/// ([`health_after_body`]).
+pub(super) fn health_after_head<T>(
+    pool: &Pool,
+    endpoint: &Endpoint,
+    head: &Result<T>,
+    status: u16,
+    read_timeout: Duration,
+) {
+    match head {
+        Ok(_) => pool.answered(endpoint, status),
+        Err(e) if e.esource() != &ErrorSource::Upstream => {}
+        Err(e) => match e.etype() {
+            ConnectionClosed | ReadError => {
+                let cause = e.etype().as_str();
+                pool.reset_before_response(endpoint, &format!("before its response head: {cause}"));
+            }
+            ReadTimedout => pool.failed(
+                endpoint,
+                &format!(
+                    "no response head within read_timeout_secs ({} s)",
+                    read_timeout.as_secs()
+                ),
+            ),
+            _ => {}
+        },
+    }
+}
+
+/// Passive health from how the body of a response under 500 from `endpoint` ended: to its
+/// end, the endpoint served it (its run of failures ends); gone silent past
+/// `read_timeout_secs` or cut by the upstream, a failure. A client that left says nothing
+/// of the endpoint.
+pub(super) fn health_after_body(
+    pool: &Pool,
+    endpoint: &Endpoint,
+    status: u16,
+    body: Result<(), &Error>,
+    read_timeout: Duration,
+) {
+    if status >= 500 {
+        return; // counted at its head
+    }
+    match body {
+        Ok(()) => pool.served(endpoint),
+        Err(e) if e.esource() != &ErrorSource::Upstream => {}
+        Err(e) => match e.etype() {
+            ReadTimedout => pool.failed(
+                endpoint,
+                &format!(
+                    "its response body silent for read_timeout_secs ({} s)",
+                    read_timeout.as_secs()
+                ),
+            ),
+            ConnectionClosed | ReadError => {
+                let cause = e.etype().as_str();
+                pool.failed(endpoint, &format!("its response body cut: {cause}"));
+            }
+            _ => {}
+        },
     }
 }
 

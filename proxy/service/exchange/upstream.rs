@@ -18,7 +18,7 @@ use super::{client_error, ClientSide, Ready};
 use crate::config::Limits;
 use crate::dialect::Dialect;
 use crate::meter::Stream;
-use crate::pool::{Held, Pool};
+use crate::pool::{Held, Pool, Unplaced};
 use crate::routing::Choice;
 use crate::service::ctx::Ctx;
 use crate::service::http1::body;
@@ -191,10 +191,11 @@ impl TokenTap {
     /// Connects to the request's endpoint and writes the request head with the body read so
     /// far, in one write. A connect that failed (nothing was sent) ejects the endpoint and is
     /// tried once more, on another endpoint of the pool when one takes requests (the request
-    /// and its slot move there), else on the same.
+    /// moves there, its slot taken within that endpoint's cap: waiting up to
+    /// `queue_timeout` for one when all are full), else on the same.
     pub(super) async fn connect_and_write(
         &self,
-        pool: &Pool,
+        (pool, queue_timeout): (&Pool, Duration),
         (held, stream): (&mut Option<Held>, &mut Option<Stream>),
         mut wire: BytesMut,
     ) -> Result<Io> {
@@ -220,8 +221,16 @@ impl TokenTap {
             if !e.retry() || attempt >= ATTEMPTS {
                 return Err(e.into_up());
             }
+            // Another endpoint, within its cap: with every other one full, the request
+            // waits for a slot as a queued one would, and fails as it would have on timeout.
             let slot = held.as_ref().is_some_and(Held::holds_slot);
-            if let Ok(next) = pool.pick(self.now(), slot, None, std::slice::from_ref(&endpoint)) {
+            let avoid = std::slice::from_ref(&endpoint);
+            let next = match pool.pick_within(slot, None, avoid, queue_timeout).await {
+                Ok(next) => Some(next),
+                Err(Unplaced::Full) => return Err(e.into_up()),
+                Err(Unplaced::NoEndpoint) => None, // tried once more where it was
+            };
+            if let Some(next) = next {
                 let next = pool.lease(next, self.now(), None).await;
                 let (from, to) = (&endpoint.at.host_header, &next.endpoint.at.host_header);
                 if from != to {

@@ -330,3 +330,82 @@ async fn the_plot_shows_the_load_s_table() {
     assert_eq!(marked[0].0, 4);
     assert_eq!(Some(marked[0].1), reports[1].system_tps);
 }
+
+/// Clients that stop are not SLO misses: a backend inside both SLOs (26 ms a token, TTFT
+/// 40 ms; SLOs 30 and 500 ms) under 16 closed-loop clients that stop mid-answer at the
+/// window's end (each one's last request cut): every finished request is good, the cut
+/// ones are counted as cancelled, and attainment is 100%. A client that leaves after
+/// waiting past the TTFT SLO for its first token had already missed it: judged late.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_that_stop_are_not_slo_misses() {
+    let backend = sim("1:26", 40.0, None).await;
+    let tap = proxy(
+        &[("b", backend.addr)],
+        // tpot_ms steers an adaptive cap: from 16, so that no client waits for a slot.
+        "[upstream.slo]\ntpot_ms = 30\nttft_ms = 500\nmin_concurrency = 16\n",
+    )
+    .await;
+    let url = format!("http://{}", proxy_addr(&tap));
+    let options = Options {
+        slo: None,
+        records: false,
+        progress: false,
+        drain: Duration::ZERO, // cut at the window's end, as a user stops
+    };
+    let (r, _) = run(
+        url,
+        Mode::Closed { concurrency: 16 },
+        4.0,
+        64,
+        &[],
+        &options,
+    )
+    .await;
+    let s = stats_when(&tap, |u| u["in_flight"] == 0).await;
+    let g = &upstream_named(&s, "b")["goodput"];
+    assert!(r.requests >= 16, "{}", r.requests);
+    assert!(g["cancelled"].as_u64().unwrap() >= 8, "{g:#}");
+    assert_eq!(g["requests"], g["good_requests"], "{g:#}");
+    assert_eq!(g["attainment_pct"], 100.0, "{g:#}");
+
+    // Now a first token takes a second: a client that gives up after 700 ms had waited
+    // past the TTFT SLO (500 ms) already.
+    let admin = tap.shared().config.listen.admin;
+    let slow = common::send(backend.addr, "POST", "/sim/curve", b"1:1000", &[]).await;
+    assert_eq!(slow.map(|r| r.status).ok(), Some(200));
+    let body =
+        r#"{"model":"m","stream":true,"max_tokens":8,"messages":[{"role":"user","content":"hi"}]}"#;
+    let mut client = tokio::net::TcpStream::connect(proxy_addr(&tap))
+        .await
+        .unwrap();
+    let req = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    tokio::io::AsyncWriteExt::write_all(&mut client, req.as_bytes())
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    drop(client); // gave up
+    let s = stats_where(&tap, |s| {
+        let g = &upstream_named(s, "b")["goodput"];
+        g["requests"].as_u64() > g["good_requests"].as_u64()
+    })
+    .await;
+    let g = &upstream_named(&s, "b")["goodput"];
+    assert_eq!(
+        g["requests"].as_u64().unwrap() - g["good_requests"].as_u64().unwrap(),
+        1,
+        "{g:#}"
+    );
+    let metrics = String::from_utf8(fetch(admin, "GET", "/metrics", b"").await.body).unwrap();
+    assert!(
+        metrics.contains("tokentap_slo_requests_total{upstream=\"b\",result=\"ttft\"} 1"),
+        "{}",
+        metrics
+            .lines()
+            .filter(|l| l.contains("slo_requests"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}

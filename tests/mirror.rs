@@ -134,6 +134,15 @@ async fn the_paired_verdict_names_the_faster_on_the_same_prompts() {
     assert!((d - 10.0).abs() < 0.5 && lo > 9.0 && hi < 11.0, "{c:#}");
     assert!(lo <= d && d <= hi, "{c:#}");
     assert!(c["pairs"].as_u64().unwrap() >= 30, "{c:#}");
+    // The copies ran at a fifth of a's load: moved to a's along b's own curve, and said so.
+    assert_eq!(c["matching"], "b_curve", "{c:#}");
+    assert!(
+        c["verdict"]
+            .as_str()
+            .unwrap()
+            .contains("along b's own curve"),
+        "{c:#}"
+    );
     // The same prompt, so the same length.
     assert_eq!(c["length_differs_pct"], 0.0, "{c:#}");
     // b is a mirror, a fifth of a's requests, and so marked.

@@ -773,3 +773,197 @@ async fn each_endpoints_backend_is_scraped() {
     let curve = s["upstreams"][0]["curve"].as_array().unwrap();
     assert!(!curve.is_empty(), "{s:#}");
 }
+
+/// A listener that accepts connections and never answers (nor reads).
+async fn hung() -> (SocketAddr, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let task = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((s, _)) = listener.accept().await {
+            held.push(s);
+        }
+    });
+    (addr, task)
+}
+
+/// Sequential streaming requests through `proxy`: each one's status (0: no answer) and
+/// whether it completed.
+async fn sequential(proxy: SocketAddr, n: usize) -> Vec<(u16, bool)> {
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let d = one(proxy, &[]).await;
+        out.push((d.status, d.ok));
+    }
+    out
+}
+
+/// A replica that accepts and never answers, and one whose stream goes silent after its
+/// first event: each fails `eject_after` (3) requests at `read_timeout_secs` (1 s), is
+/// ejected with the cause named, and takes no more; every later request completes on the
+/// good replica.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_replica_is_ejected_after_eject_after_timeouts() {
+    let good = sim("1:2", "good").await;
+    let (wedged, _accepting) = hung().await;
+    let head =
+        "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
+    let event = b"data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"a\"}}]}\n\n";
+    let mut first = head.as_bytes().to_vec();
+    first.extend_from_slice(format!("{:x}\r\n", event.len()).as_bytes());
+    first.extend_from_slice(event);
+    first.extend_from_slice(b"\r\n");
+    let silent = mock(vec![(
+        CHAT,
+        Reply::Raw {
+            pieces: vec![first, b"0\r\n\r\n".to_vec()],
+            gap: Duration::from_secs(120),
+            close: false,
+        },
+    )])
+    .await;
+    for (bad, cause) in [
+        (wedged, "no response head within read_timeout_secs (1 s)"),
+        (
+            silent.addr,
+            "its response body silent for read_timeout_secs (1 s)",
+        ),
+    ] {
+        let extra = "balance = \"round_robin\"\nread_timeout_secs = 1\neject_after = 3\n";
+        let tap = proxy(&[], &pool_config(&[good.addr, bad], extra)).await;
+        let done = sequential(proxy_addr(&tap), 12).await;
+        let failed = done.iter().filter(|d| !d.1).count();
+        assert_eq!(failed, 3, "{cause}: {done:?}");
+        // The three failures came first (alternating with the good one); none after.
+        assert!(done[6..].iter().all(|d| d.1), "{cause}: {done:?}");
+        let s = stats(&tap).await;
+        let e = endpoint(&s, &format!("http://{bad}")).unwrap();
+        assert_eq!(e["healthy"], false, "{e:#}");
+        assert_eq!(e["ejections_total"], 1, "{e:#}");
+        assert_eq!(e["requests_total"], 3, "{e:#}");
+        assert_eq!(e["last_error"], cause, "{e:#}");
+        eprintln!("{cause}: {done:?}");
+    }
+}
+
+/// "/health is fine, the model is broken": an endpoint whose health path answers 200 and
+/// whose generations all answer 500 is ejected after eject_after (3) of them and stays out
+/// for eject_secs (3 s) through passing checks every second; back, failing again, it is
+/// out twice as long.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_passing_health_check_does_not_undo_an_ejection() {
+    let good = sim("1:2", "good").await;
+    let broken = mock(vec![
+        (
+            "/health",
+            Reply::Whole {
+                status: 200,
+                content_type: "application/json",
+                body: b"{}".to_vec(),
+            },
+        ),
+        (
+            CHAT,
+            Reply::Whole {
+                status: 500,
+                content_type: "application/json",
+                body: br#"{"error":{"message":"model broken"}}"#.to_vec(),
+            },
+        ),
+    ])
+    .await;
+    let bad = format!("http://{}", broken.addr);
+    let extra = "balance = \"round_robin\"\neject_after = 3\neject_secs = 3\n\
+                 [upstream.health]\npath = \"/health\"\nevery_secs = 1\n";
+    let tap = proxy(&[], &pool_config(&[good.addr, broken.addr], extra)).await;
+    let p = proxy_addr(&tap);
+    let requests = |s: &serde_json::Value| endpoint(s, &bad).unwrap()["requests_total"].as_u64();
+    // Until it is ejected.
+    let mut sent = 0;
+    while endpoint(&stats(&tap).await, &bad).unwrap()["healthy"] == true {
+        one(p, &[]).await;
+        sent += 1;
+        assert!(sent < 20, "never ejected");
+    }
+    let ejected = Instant::now();
+    let s = stats(&tap).await;
+    let (at_ejection, e) = (requests(&s), endpoint(&s, &bad).unwrap().clone());
+    assert_eq!(at_ejection, Some(3), "{e:#}");
+    // Traffic goes on through two passing checks: none reaches it, and it stays out.
+    while ejected.elapsed() < Duration::from_millis(2500) {
+        let d = one(p, &[]).await;
+        assert!(d.ok, "{d:?}");
+        let s = stats(&tap).await;
+        let e = endpoint(&s, &bad).unwrap();
+        assert_eq!(
+            e["healthy"],
+            false,
+            "back {:?} after its ejection: {e:#}",
+            ejected.elapsed()
+        );
+        assert_eq!(e["health_checks_pass"], true, "{e:#}");
+        assert_eq!(requests(&s), at_ejection);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Its ejection ends; it fails three more and is out for 6 s.
+    let mut s = stats(&tap).await;
+    while requests(&s) < Some(6) || endpoint(&s, &bad).unwrap()["healthy"] == true {
+        one(p, &[]).await;
+        s = stats(&tap).await;
+        assert!(
+            ejected.elapsed() < Duration::from_secs(15),
+            "not ejected again"
+        );
+    }
+    let e = endpoint(&s, &bad).unwrap();
+    assert_eq!(e["ejections_total"], 2, "{e:#}");
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    let left = e["ejected_until"].as_f64().unwrap() - now;
+    assert!(
+        (5.0..=6.1).contains(&left),
+        "the second ejection: {left:.2} s left: {e:#}"
+    );
+}
+
+/// A pool of three with a cap of 8 each under 24 closed-loop clients, one replica
+/// SIGKILLed: the requests it held fail, their clients come back at once and the connects
+/// to it are retried elsewhere, yet neither survivor's own batch ever passes 8, and no
+/// slot is left behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failover_never_passes_a_survivors_cap() {
+    let survivors = [sim("1:5", "a").await, sim("1:5", "b").await];
+    let victim_addr = free_addr();
+    let mut victim = SimProc::start(victim_addr, "1:5", "v").await;
+    let addrs = [survivors[0].addr, victim_addr, survivors[1].addr];
+    let extra = "max_concurrency = 8\nmax_queue = 1000\n\
+                 [upstream.health]\npath = \"/health\"\nevery_secs = 1\n";
+    let tap = proxy(&[], &pool_config(&addrs, extra)).await;
+    let load = tokio::spawn(closed_loop(proxy_addr(&tap), 24, 5.0, |_| Vec::new()));
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    victim.kill();
+    let done = load.await.unwrap();
+    let peaks: Vec<u64> = survivors
+        .iter()
+        .map(|s| s.engine.stats().peak_batch)
+        .collect();
+    let failed = done.iter().filter(|d| !d.ok).count();
+    eprintln!(
+        "{} requests, {failed} failed; survivors' peak batches {peaks:?}",
+        done.len()
+    );
+    assert!(
+        peaks.iter().all(|&p| p <= 8),
+        "survivors' peaks {peaks:?} over their cap of 8"
+    );
+    assert!(
+        peaks.iter().all(|&p| p >= 6),
+        "the survivors were loaded: {peaks:?}"
+    );
+    let s = stats_when(&tap, |u| u["in_flight"] == 0 && u["queued"] == 0).await;
+    for e in s["upstreams"][0]["endpoints"].as_array().unwrap() {
+        assert_eq!(e["in_flight"], 0, "{e:#}");
+    }
+}

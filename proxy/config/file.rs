@@ -412,7 +412,8 @@ pub struct UpstreamFile {
     /// Active health checks of each endpoint: `{ path = "/health" }`. Default: none.
     #[serde(default)]
     pub health: Option<HealthFile>,
-    /// Consecutive 5xx answers that eject an endpoint. Default 3.
+    /// Consecutive failures that eject an endpoint: 5xx answers, no response head within
+    /// `read_timeout_secs`, a body gone silent or cut by the upstream. Default 3.
     #[serde(default)]
     pub eject_after: Option<u32>,
     /// How long an endpoint is ejected, seconds: doubled while it keeps failing, at most
@@ -571,7 +572,8 @@ pub struct HealthFile {
     /// Consecutive failed checks that take an endpoint out. Default 2.
     #[serde(default)]
     pub unhealthy_after: Option<u32>,
-    /// Consecutive good checks that bring it back (and end an ejection). Default 1.
+    /// Consecutive good checks that bring it back (and end an ejection during which a check
+    /// failed: a replica restarted). Default 1.
     #[serde(default)]
     pub healthy_after: Option<u32>,
 }

@@ -14,7 +14,26 @@ use metrics_exporter_prometheus::{
     Matcher, PrometheusBuilder, PrometheusHandle, PrometheusRecorder,
 };
 
-use crate::meter::Histograms;
+/// Prometheus histogram handles an upstream's finished requests feed (no-ops in unit
+/// tests). The per-event distributions (ITL, tokens per event) are not among them: they are
+/// read from the meter's shards at scrape time (`UpstreamMeter::distributions`), so a
+/// token event writes nothing shared with other threads.
+#[derive(Clone)]
+pub struct Histograms {
+    pub ttft: metrics::Histogram,
+    pub tpot: metrics::Histogram,
+    pub e2e: metrics::Histogram,
+}
+
+impl Histograms {
+    pub fn noop() -> Self {
+        Histograms {
+            ttft: metrics::Histogram::noop(),
+            tpot: metrics::Histogram::noop(),
+            e2e: metrics::Histogram::noop(),
+        }
+    }
+}
 
 /// The E12 series: neighbouring values 18–25% apart, so a `histogram_quantile` read
 /// between two edges is off by at most half that.

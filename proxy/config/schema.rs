@@ -504,7 +504,19 @@ mod tests {
         let mut all = Vec::new();
         keys(FILE, "", "FileConfig", &mut all);
         let readme = readme_defaults();
-        let file = include_str!("file.rs");
+        let file = [
+            include_str!("file/mod.rs"),
+            include_str!("file/server.rs"),
+            include_str!("file/metrics.rs"),
+            include_str!("file/cluster.rs"),
+            include_str!("file/upstream/mod.rs"),
+            include_str!("file/upstream/slo.rs"),
+            include_str!("file/upstream/economics.rs"),
+            include_str!("file/upstream/pool.rs"),
+            include_str!("file/route.rs"),
+        ]
+        .concat();
+        let file = file.as_str();
         let mut problems = Vec::new();
         for (key, strukt) in &all {
             let Some(written) = readme.get(key) else {

@@ -36,6 +36,7 @@ mod control;
 mod wire;
 use control::Control;
 pub use control::Steer;
+use wire::{ACQUIRE, ALIVE, RENEW};
 
 /// How often the request at the head of the queue asks again for a fleet slot.
 const RETRY: Duration = Duration::from_millis(20);
@@ -46,49 +47,6 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(1);
 /// other replicas without this one knowing); after that, requests try, and a refused one
 /// says so again.
 const FULL_FOR: Duration = Duration::from_secs(2);
-const ACQUIRE: &str = r"
-if redis.replicate_commands then redis.replicate_commands() end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-local limit = tonumber(ARGV[1])
-if KEYS[2] then
-  local fleet = tonumber(redis.call('GET', KEYS[2]) or '')
-  if fleet then
-    -- The fleet's limit is each endpoint's: the pool's is that times its endpoints.
-    fleet = fleet * tonumber(ARGV[4] or '1')
-  end
-  if fleet and fleet < limit then
-    limit = fleet
-  end
-end
-if redis.call('ZCARD', KEYS[1]) < limit then
-  redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[3])
-  return 1
-end
-return 0
-";
-
-const RENEW: &str = r"
-if redis.replicate_commands then redis.replicate_commands() end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-for i = 2, #ARGV do
-  redis.call('ZADD', KEYS[1], now + tonumber(ARGV[1]), ARGV[i])
-end
-return redis.call('ZCARD', KEYS[1])
-";
-
-const ALIVE: &str = r"
-if redis.replicate_commands then redis.replicate_commands() end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('ZADD', KEYS[1], now, ARGV[1])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - 60000)
-return redis.call('ZCARD', KEYS[1])
-";
-
 /// This replica's link to the fleet.
 pub struct FleetLink {
     client: redis::Client,

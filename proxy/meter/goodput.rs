@@ -128,10 +128,10 @@ impl Slot {
     };
 }
 
-/// The live window's judgements, by slot (the window's own slots), and the totals since
+/// The live window's judgements, by slot (the window's own `N` slots), and the totals since
 /// start.
-pub(super) struct Ring {
-    slots: [Slot; super::window::SLOTS],
+pub(super) struct Ring<const N: usize> {
+    slots: [Slot; N],
     pub(super) totals: [u64; Verdict::ALL.len()],
     pub(super) cancelled_total: u64,
 }
@@ -145,10 +145,10 @@ pub(super) struct Window {
     pub(super) cancelled: u64,
 }
 
-impl Ring {
-    pub(super) fn new() -> Ring {
+impl<const N: usize> Ring<N> {
+    pub(super) fn new() -> Ring<N> {
         Ring {
-            slots: [Slot::EMPTY; super::window::SLOTS],
+            slots: [Slot::EMPTY; N],
             totals: [0; Verdict::ALL.len()],
             cancelled_total: 0,
         }
@@ -295,14 +295,15 @@ mod tests {
 
     #[test]
     fn the_ring_forgets_old_slots() {
-        let mut r = Ring::new();
+        const SLOTS: u64 = 20;
+        let mut r = Ring::<{ SLOTS as usize }>::new();
         r.add(3, Verdict::Good, 10);
         r.add(3, Verdict::Tpot, 10);
         r.add(4, Verdict::Good, 7);
         let w = r.window(|e| e >= 4 && e != u64::MAX);
         assert_eq!((w.judged, w.good, w.good_tokens), (1, 1, 7));
         // Slot 3 + SLOTS reuses slot 3's place.
-        r.add(3 + super::super::window::SLOTS as u64, Verdict::Error, 0);
+        r.add(3 + SLOTS, Verdict::Error, 0);
         let w = r.window(|e| e != u64::MAX);
         assert_eq!((w.judged, w.good), (2, 1));
         assert_eq!(r.totals, [2, 0, 1, 0, 1]);

@@ -44,26 +44,7 @@ pub fn bucket_of(concurrency: f64) -> usize {
     window::bucket(concurrency.round().max(1.0) as u64)
 }
 
-/// Prometheus histogram handles an upstream's finished requests feed (no-ops in unit
-/// tests). The per-event distributions (ITL, tokens per event) are not among them: they are
-/// read from the meter's shards at scrape time ([`UpstreamMeter::distributions`]), so a
-/// token event writes nothing shared with other threads.
-#[derive(Clone)]
-pub struct Histograms {
-    pub ttft: metrics::Histogram,
-    pub tpot: metrics::Histogram,
-    pub e2e: metrics::Histogram,
-}
-
-impl Histograms {
-    pub fn noop() -> Self {
-        Histograms {
-            ttft: metrics::Histogram::noop(),
-            tpot: metrics::Histogram::noop(),
-            e2e: metrics::Histogram::noop(),
-        }
-    }
-}
+pub use crate::telemetry::Histograms;
 
 /// An upstream's per-event distributions since start.
 pub struct Distributions {

@@ -197,7 +197,7 @@ pub(super) struct Windows {
     /// The latency SLOs finished requests are judged against, their verdicts in the live
     /// window and since start, and by curve bucket.
     targets: Targets,
-    goodput: goodput::Ring,
+    goodput: goodput::Ring<SLOTS>,
     verdicts: Verdicts,
     /// The backend's running count, when the curve is bucketed by it.
     backend: Option<u64>,

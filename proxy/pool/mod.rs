@@ -26,11 +26,12 @@
 //!
 //! The pool and its endpoints are kept across reloads by the upstream's name.
 
+mod choice;
 mod discover;
+mod eject;
 mod endpoint;
 mod health;
 
-use std::hash::{BuildHasher, Hasher};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -40,16 +41,13 @@ use pingora::upstreams::peer::HttpPeer;
 
 use crate::backend::Backend;
 use crate::config::{Balance, Discover, EndpointAddr, HealthCheck, UpstreamConfig};
-use crate::limit::fleet::{FleetLink, Leased};
+use crate::limit::fleet::FleetLink;
 use crate::limit::Limiter;
 use crate::meter::{Clock, Nanos};
 
 pub use endpoint::{Endpoint, EndpointStats, Held};
 
 use endpoint::Freed;
-
-/// The longest ejection.
-const MAX_EJECTION: Duration = Duration::from_secs(300);
 
 /// An upstream's endpoints and how requests are spread over them.
 pub struct Pool {
@@ -194,267 +192,10 @@ impl Pool {
         self.members.load_full()
     }
 
-    /// The header whose value picks the endpoint (`consistent_hash:header:NAME`).
-    pub fn hash_header(&self) -> Option<http::HeaderName> {
-        match &self.settings.load().balance {
-            Balance::ConsistentHash(name) => Some(name.clone()),
-            _ => None,
-        }
-    }
-
     /// Whether any endpoint can take a request now (else: 503 `no_healthy_endpoint`).
     pub fn serving(&self) -> bool {
         // Ejected or not: panic mode sends requests to any endpoint passing its checks.
         self.members.load().iter().any(|e| e.healthy.load(Relaxed))
-    }
-
-    /// An endpoint for a request (`slot`: a generation request, which holds a slot there
-    /// under its cap), by the pool's balance, never `avoid` (where its connect just
-    /// failed). `key`: the hash header's value, with `consistent_hash`.
-    pub fn pick(
-        &self,
-        now: Nanos,
-        slot: bool,
-        key: Option<&[u8]>,
-        avoid: &[Arc<Endpoint>],
-    ) -> Result<Held, Unplaced> {
-        let members = self.members.load();
-        let avoided = |e: &Endpoint| avoid.iter().any(|a| std::ptr::eq(&**a, e));
-        // Panic mode when none takes requests: every endpoint that passes its checks.
-        let panic = !members.iter().any(|e| !avoided(e) && e.eligible(now));
-        let takes = |e: &Endpoint| {
-            !avoided(e)
-                && if panic {
-                    e.healthy.load(Relaxed)
-                } else {
-                    e.eligible(now)
-                }
-        };
-        let each = self.limiter.each();
-        // A generation request takes a slot under the cap; others only go there.
-        let room = |e: &Endpoint| !slot || e.take_slot(each);
-        if !members.iter().any(|e| takes(e)) {
-            return Err(Unplaced::NoEndpoint);
-        }
-        match self.choose(&members, each, key, &takes, &room) {
-            Some(e) => Ok(Held::new(Arc::clone(e), slot)),
-            None => Err(Unplaced::Full),
-        }
-    }
-
-    /// [`Pool::pick`], waiting up to `wait` for a slot when every endpoint is at its cap:
-    /// woken when a slot frees (and at the pool's tick, when an ejection ends or a cap
-    /// rises). The pool's limit makes that wait rare and short: the endpoints' slots never
-    /// outnumber the pool's, except when a failover or a lowered cap moves requests.
-    pub async fn pick_within(
-        &self,
-        slot: bool,
-        key: Option<&[u8]>,
-        avoid: &[Arc<Endpoint>],
-        wait: Duration,
-    ) -> Result<Held, Unplaced> {
-        let deadline = tokio::time::Instant::now() + wait;
-        let freed = &self.freed;
-        loop {
-            // Waiting is announced, and the wake-up armed, before the endpoints are looked
-            // at: a slot freed after the look wakes it.
-            freed
-                .waiting
-                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            let _waiting = Waiting(freed);
-            let woken = freed.notify.notified();
-            tokio::pin!(woken);
-            woken.as_mut().enable();
-            match self.pick(self.clock.now(), slot, key, avoid) {
-                Err(Unplaced::Full) => {
-                    if tokio::time::timeout_at(deadline, woken).await.is_err() {
-                        return Err(Unplaced::Full);
-                    }
-                }
-                placed => return placed,
-            }
-        }
-    }
-
-    /// With `[cluster]` and a cap, the endpoint's slot as a lease in Redis too, so that
-    /// each endpoint's cap holds across every tokentap of the fleet: `held`'s endpoint, or,
-    /// when the fleet holds its cap there, the next the balance picks (the pool's own
-    /// lease, taken first, says one has room). Redis away: the local caps hold alone.
-    pub async fn lease(&self, mut held: Held, now: Nanos, key: Option<&[u8]>) -> Held {
-        let (Some(cluster), Some(each)) = (&self.cluster, self.limiter.each()) else {
-            return held;
-        };
-        if !held.holds_slot() || self.members.load().len() < 2 {
-            // One endpoint: the pool's lease is its lease.
-            return held;
-        }
-        let mut tried = Vec::new();
-        loop {
-            let fleet = held.endpoint.fleet(cluster, &self.name);
-            match fleet.try_lease(each).await {
-                Leased::Held(lease) => {
-                    held.lease = Some(lease);
-                    return held;
-                }
-                Leased::Away => return held,
-                Leased::Full => {
-                    tried.push(Arc::clone(&held.endpoint));
-                    match self.pick(now, true, key, &tried) {
-                        Ok(next) => held = next,
-                        // Every one full as far as Redis counts now (leases freed a moment
-                        // ago elsewhere): this one, over the fleet's count.
-                        Err(_) => return held,
-                    }
-                }
-            }
-        }
-    }
-
-    /// The endpoint `balance` picks among those `takes` allows, where `room` takes its slot;
-    /// the least loaded with room when the balance's choice has none; `None` when none has.
-    fn choose<'a>(
-        &self,
-        members: &'a [Arc<Endpoint>],
-        each: Option<u64>,
-        key: Option<&[u8]>,
-        takes: &dyn Fn(&Endpoint) -> bool,
-        room: &dyn Fn(&Endpoint) -> bool,
-    ) -> Option<&'a Arc<Endpoint>> {
-        let n = members.iter().filter(|e| takes(e)).count();
-        if n == 0 {
-            return None;
-        }
-        let nth = |k: usize| members.iter().filter(|e| takes(e)).nth(k);
-        let least = |candidates: Vec<&'a Arc<Endpoint>>| {
-            let mut by_load = candidates;
-            by_load.sort_by(|a, b| a.load(each).total_cmp(&b.load(each)));
-            by_load.into_iter().find(|e| room(e))
-        };
-        let settings = self.settings.load();
-        let picked = match (&settings.balance, key) {
-            (Balance::RoundRobin, _) => {
-                let start = self.next.fetch_add(1, Relaxed) % n;
-                (0..n)
-                    .filter_map(|i| nth((start + i) % n))
-                    .find(|e| room(e))
-            }
-            (Balance::ConsistentHash(_), Some(key)) => {
-                // Rendezvous: the endpoint whose hash with the key is highest, among those
-                // under their cap (uncapped: under twice the pool's mean load): an endpoint
-                // that leaves moves only its own keys.
-                let total: u64 = (members.iter().filter(|e| takes(e)))
-                    .map(|e| e.in_flight())
-                    .sum();
-                let bound = each.unwrap_or_else(|| (2 * (total + 1)).div_ceil(n as u64));
-                let mut ranked: Vec<(u64, &Arc<Endpoint>)> = (members.iter())
-                    .filter(|e| takes(e))
-                    .map(|e| (rendezvous(key, &e.at), e))
-                    .collect();
-                ranked.sort_unstable_by_key(|r| std::cmp::Reverse(r.0));
-                (ranked.into_iter())
-                    .map(|(_, e)| e)
-                    .find(|e| e.in_flight() < bound && room(e))
-            }
-            (Balance::LeastLoaded | Balance::ConsistentHash(_), _) => {
-                let first = if n == 1 {
-                    nth(0)
-                } else {
-                    // Power of two choices: two distinct endpoints at random, the less
-                    // loaded one.
-                    let a = rand::random::<usize>() % n;
-                    let b = (a + 1 + rand::random::<usize>() % (n - 1)) % n;
-                    let (a, b) = (nth(a)?, nth(b)?);
-                    Some(if b.load(each) < a.load(each) { b } else { a })
-                };
-                match first {
-                    Some(e) if room(e) => Some(e),
-                    // It had no room: the least loaded with room.
-                    _ => least(members.iter().filter(|e| takes(e)).collect()),
-                }
-            }
-        };
-        picked.or_else(|| least(members.iter().filter(|e| takes(e)).collect()))
-    }
-
-    // --- passive health ---
-
-    /// A connect to `e` failed (nothing was sent).
-    pub fn connect_failed(&self, e: &Endpoint, cause: &str) {
-        e.set_error(cause);
-        self.eject(e, cause);
-    }
-
-    /// `e` closed or reset the connection before any response byte.
-    pub fn reset_before_response(&self, e: &Endpoint, cause: &str) {
-        e.set_error(cause);
-        self.eject(e, cause);
-    }
-
-    /// `e` answered with `status`: a 5xx is a failure (see [`Pool::failed`]); an answer
-    /// under 500 is judged when its body ends ([`Pool::served`], or a failure).
-    pub fn answered(&self, e: &Endpoint, status: u16) {
-        if status >= 500 {
-            self.failed(e, &format!("answered {status}"));
-        }
-    }
-
-    /// `e` failed a request it was sent (`cause`: a 5xx, no response head within
-    /// `read_timeout_secs`, a body gone silent or cut): `eject_after` in a row eject it.
-    pub fn failed(&self, e: &Endpoint, cause: &str) {
-        let fails = e.fails.fetch_add(1, Relaxed) + 1;
-        e.set_error(cause);
-        if fails >= self.settings.load().eject_after {
-            e.fails.store(0, Relaxed);
-            self.eject(e, &format!("{fails} failures in a row (the last: {cause})"));
-        }
-    }
-
-    /// `e` served a response under 500 to its end: its run of failures ends, and the
-    /// doubling of its ejections.
-    pub fn served(&self, e: &Endpoint) {
-        if e.fails.load(Relaxed) != 0 {
-            e.fails.store(0, Relaxed);
-        }
-        if e.ejections.load(Relaxed) != 0 {
-            e.ejections.store(0, Relaxed);
-        }
-    }
-
-    /// Ejects `e`, unless it is the last endpoint taking requests (or already ejected).
-    fn eject(&self, e: &Endpoint, cause: &str) {
-        let now = self.clock.now();
-        if e.ejected(now) {
-            return;
-        }
-        let members = self.members.load();
-        let others = members
-            .iter()
-            .filter(|m| !std::ptr::eq(&***m, e) && m.eligible(now))
-            .count();
-        if others == 0 {
-            tracing::warn!(
-                upstream = %self.name,
-                endpoint = %e.at.url,
-                cause,
-                "endpoint failing, but it is the last one taking requests: not ejected"
-            );
-            return;
-        }
-        let k = e.ejections.fetch_add(1, Relaxed).min(16);
-        let base = self.settings.load().eject;
-        let length = base.saturating_mul(1 << k).min(MAX_EJECTION);
-        lock(&e.checks).down_while_ejected = false;
-        e.ejected_until
-            .store(now + length.as_nanos() as u64, Relaxed);
-        e.ejections_total.fetch_add(1, Relaxed);
-        tracing::warn!(
-            upstream = %self.name,
-            endpoint = %e.at.url,
-            cause,
-            secs = length.as_secs(),
-            "endpoint ejected"
-        );
-        self.refresh(now);
     }
 
     /// Counts the endpoints that take requests for the limiter (all that pass their checks
@@ -677,58 +418,6 @@ impl Pool {
         lock(&self.checks).running = false;
         self.refresh(self.clock.now());
     }
-
-    /// An active check of `e` came back.
-    fn checked(&self, e: &Endpoint, h: &HealthCheck, result: Result<(), String>) {
-        let mut c = lock(&e.checks);
-        match result {
-            Ok(()) => {
-                c.failed = 0;
-                c.ok = c.ok.saturating_add(1);
-                if !e.healthy.load(Relaxed) && c.ok >= h.healthy_after {
-                    e.healthy.store(true, Relaxed);
-                    tracing::info!(upstream = %self.name, endpoint = %e.at.url, "endpoint healthy again");
-                }
-                if e.healthy.load(Relaxed) && c.down_while_ejected && e.ejected(self.clock.now()) {
-                    // Its checks failed during the ejection and pass again (a replica
-                    // restarted): it takes requests again at once. An ejection its checks
-                    // never saw runs its length.
-                    e.ejected_until.store(0, Relaxed);
-                    c.down_while_ejected = false;
-                    tracing::info!(upstream = %self.name, endpoint = %e.at.url, "endpoint passes its health check again after failing it while ejected: ejection ended");
-                }
-            }
-            Err(cause) => {
-                c.ok = 0;
-                c.failed = c.failed.saturating_add(1);
-                if e.ejected(self.clock.now()) {
-                    c.down_while_ejected = true;
-                }
-                e.set_error(&cause);
-                if e.healthy.load(Relaxed) && c.failed >= h.unhealthy_after {
-                    e.healthy.store(false, Relaxed);
-                    tracing::warn!(
-                        upstream = %self.name,
-                        endpoint = %e.at.url,
-                        cause = %cause,
-                        "endpoint unhealthy: {} failed health checks in a row",
-                        c.failed
-                    );
-                }
-            }
-        }
-    }
-}
-
-/// Counts a request out of a pool's waiters however its wait ends.
-struct Waiting<'a>(&'a Freed);
-
-impl Drop for Waiting<'_> {
-    fn drop(&mut self) {
-        self.0
-            .waiting
-            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
-    }
 }
 
 /// Marks the job running when it is due (and due again `every` later).
@@ -741,15 +430,6 @@ fn due(job: &Mutex<Due>, every: Duration) -> bool {
     d.running = true;
     d.next = Some(now + every);
     true
-}
-
-/// The rendezvous score of `key` on an endpoint: a fixed hash of both (the same in every
-/// tokentap of a fleet).
-fn rendezvous(key: &[u8], at: &EndpointAddr) -> u64 {
-    let mut h = foldhash::fast::FixedState::with_seed(0x746f_6b65_6e74_6170).build_hasher();
-    h.write(key);
-    h.write(at.url.as_bytes());
-    h.finish()
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {

@@ -1,10 +1,57 @@
-//! The fleet's wire format in Redis: a replica's control tick as one line of text
+//! The fleet's wire format in Redis: the Lua scripts that take, renew and count leases
+//! atomically on Redis's own clock, a replica's control tick as one line of text
 //! ([`Report`]), its per-token gaps as `µs:count` pairs. A record that does not read
 //! (another version's) is left out, never misread.
 
 use std::fmt::Write as _;
 
 use crate::meter::Gaps;
+
+/// Takes a lease under the limit (and the fleet's published limit, times the endpoints).
+pub(super) const ACQUIRE: &str = r"
+if redis.replicate_commands then redis.replicate_commands() end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local limit = tonumber(ARGV[1])
+if KEYS[2] then
+  local fleet = tonumber(redis.call('GET', KEYS[2]) or '')
+  if fleet then
+    -- The fleet's limit is each endpoint's: the pool's is that times its endpoints.
+    fleet = fleet * tonumber(ARGV[4] or '1')
+  end
+  if fleet and fleet < limit then
+    limit = fleet
+  end
+end
+if redis.call('ZCARD', KEYS[1]) < limit then
+  redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[3])
+  return 1
+end
+return 0
+";
+
+/// Renews this replica's leases; the count after.
+pub(super) const RENEW: &str = r"
+if redis.replicate_commands then redis.replicate_commands() end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+for i = 2, #ARGV do
+  redis.call('ZADD', KEYS[1], now + tonumber(ARGV[1]), ARGV[i])
+end
+return redis.call('ZCARD', KEYS[1])
+";
+
+/// Marks this replica alive; the replicas seen in the last minute.
+pub(super) const ALIVE: &str = r"
+if redis.replicate_commands then redis.replicate_commands() end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZADD', KEYS[1], now, ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - 60000)
+return redis.call('ZCARD', KEYS[1])
+";
 
 /// One replica's control tick, as it travels: `seq in_flight concurrency queued gaps`
 /// (Redis puts its clock's time in front).

@@ -1,0 +1,215 @@
+//! Which endpoint a request goes to: the balance's choice among the endpoints that take
+//! requests, a generation request's slot taken under its endpoint's cap or not at all (a
+//! request that finds every endpoint full waits for one to free), and with `[cluster]` the
+//! slot's lease in Redis.
+
+use std::hash::{BuildHasher, Hasher};
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::endpoint::Freed;
+use super::{Endpoint, Held, Pool, Unplaced};
+use crate::config::{Balance, EndpointAddr};
+use crate::limit::fleet::Leased;
+use crate::meter::Nanos;
+
+// === impl Pool ===
+
+impl Pool {
+    /// The header whose value picks the endpoint (`consistent_hash:header:NAME`).
+    pub fn hash_header(&self) -> Option<http::HeaderName> {
+        match &self.settings.load().balance {
+            Balance::ConsistentHash(name) => Some(name.clone()),
+            _ => None,
+        }
+    }
+
+    /// An endpoint for a request (`slot`: a generation request, which holds a slot there
+    /// under its cap), by the pool's balance, never `avoid` (where its connect just
+    /// failed). `key`: the hash header's value, with `consistent_hash`.
+    pub fn pick(
+        &self,
+        now: Nanos,
+        slot: bool,
+        key: Option<&[u8]>,
+        avoid: &[Arc<Endpoint>],
+    ) -> Result<Held, Unplaced> {
+        let members = self.members.load();
+        let avoided = |e: &Endpoint| avoid.iter().any(|a| std::ptr::eq(&**a, e));
+        // Panic mode when none takes requests: every endpoint that passes its checks.
+        let panic = !members.iter().any(|e| !avoided(e) && e.eligible(now));
+        let takes = |e: &Endpoint| {
+            !avoided(e)
+                && if panic {
+                    e.healthy.load(Relaxed)
+                } else {
+                    e.eligible(now)
+                }
+        };
+        let each = self.limiter.each();
+        // A generation request takes a slot under the cap; others only go there.
+        let room = |e: &Endpoint| !slot || e.take_slot(each);
+        if !members.iter().any(|e| takes(e)) {
+            return Err(Unplaced::NoEndpoint);
+        }
+        match self.choose(&members, each, key, &takes, &room) {
+            Some(e) => Ok(Held::new(Arc::clone(e), slot)),
+            None => Err(Unplaced::Full),
+        }
+    }
+
+    /// [`Pool::pick`], waiting up to `wait` for a slot when every endpoint is at its cap:
+    /// woken when a slot frees (and at the pool's tick, when an ejection ends or a cap
+    /// rises). The pool's limit makes that wait rare and short: the endpoints' slots never
+    /// outnumber the pool's, except when a failover or a lowered cap moves requests.
+    pub async fn pick_within(
+        &self,
+        slot: bool,
+        key: Option<&[u8]>,
+        avoid: &[Arc<Endpoint>],
+        wait: Duration,
+    ) -> Result<Held, Unplaced> {
+        let deadline = tokio::time::Instant::now() + wait;
+        let freed = &self.freed;
+        loop {
+            // Waiting is announced, and the wake-up armed, before the endpoints are looked
+            // at: a slot freed after the look wakes it.
+            freed
+                .waiting
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let _waiting = Waiting(freed);
+            let woken = freed.notify.notified();
+            tokio::pin!(woken);
+            woken.as_mut().enable();
+            match self.pick(self.clock.now(), slot, key, avoid) {
+                Err(Unplaced::Full) => {
+                    if tokio::time::timeout_at(deadline, woken).await.is_err() {
+                        return Err(Unplaced::Full);
+                    }
+                }
+                placed => return placed,
+            }
+        }
+    }
+
+    /// With `[cluster]` and a cap, the endpoint's slot as a lease in Redis too, so that
+    /// each endpoint's cap holds across every tokentap of the fleet: `held`'s endpoint, or,
+    /// when the fleet holds its cap there, the next the balance picks (the pool's own
+    /// lease, taken first, says one has room). Redis away: the local caps hold alone.
+    pub async fn lease(&self, mut held: Held, now: Nanos, key: Option<&[u8]>) -> Held {
+        let (Some(cluster), Some(each)) = (&self.cluster, self.limiter.each()) else {
+            return held;
+        };
+        if !held.holds_slot() || self.members.load().len() < 2 {
+            // One endpoint: the pool's lease is its lease.
+            return held;
+        }
+        let mut tried = Vec::new();
+        loop {
+            let fleet = held.endpoint.fleet(cluster, &self.name);
+            match fleet.try_lease(each).await {
+                Leased::Held(lease) => {
+                    held.lease = Some(lease);
+                    return held;
+                }
+                Leased::Away => return held,
+                Leased::Full => {
+                    tried.push(Arc::clone(&held.endpoint));
+                    match self.pick(now, true, key, &tried) {
+                        Ok(next) => held = next,
+                        // Every one full as far as Redis counts now (leases freed a moment
+                        // ago elsewhere): this one, over the fleet's count.
+                        Err(_) => return held,
+                    }
+                }
+            }
+        }
+    }
+
+    /// The endpoint `balance` picks among those `takes` allows, where `room` takes its slot;
+    /// the least loaded with room when the balance's choice has none; `None` when none has.
+    fn choose<'a>(
+        &self,
+        members: &'a [Arc<Endpoint>],
+        each: Option<u64>,
+        key: Option<&[u8]>,
+        takes: &dyn Fn(&Endpoint) -> bool,
+        room: &dyn Fn(&Endpoint) -> bool,
+    ) -> Option<&'a Arc<Endpoint>> {
+        let n = members.iter().filter(|e| takes(e)).count();
+        if n == 0 {
+            return None;
+        }
+        let nth = |k: usize| members.iter().filter(|e| takes(e)).nth(k);
+        let least = |candidates: Vec<&'a Arc<Endpoint>>| {
+            let mut by_load = candidates;
+            by_load.sort_by(|a, b| a.load(each).total_cmp(&b.load(each)));
+            by_load.into_iter().find(|e| room(e))
+        };
+        let settings = self.settings.load();
+        let picked = match (&settings.balance, key) {
+            (Balance::RoundRobin, _) => {
+                let start = self.next.fetch_add(1, Relaxed) % n;
+                (0..n)
+                    .filter_map(|i| nth((start + i) % n))
+                    .find(|e| room(e))
+            }
+            (Balance::ConsistentHash(_), Some(key)) => {
+                // Rendezvous: the endpoint whose hash with the key is highest, among those
+                // under their cap (uncapped: under twice the pool's mean load): an endpoint
+                // that leaves moves only its own keys.
+                let total: u64 = (members.iter().filter(|e| takes(e)))
+                    .map(|e| e.in_flight())
+                    .sum();
+                let bound = each.unwrap_or_else(|| (2 * (total + 1)).div_ceil(n as u64));
+                let mut ranked: Vec<(u64, &Arc<Endpoint>)> = (members.iter())
+                    .filter(|e| takes(e))
+                    .map(|e| (rendezvous(key, &e.at), e))
+                    .collect();
+                ranked.sort_unstable_by_key(|r| std::cmp::Reverse(r.0));
+                (ranked.into_iter())
+                    .map(|(_, e)| e)
+                    .find(|e| e.in_flight() < bound && room(e))
+            }
+            (Balance::LeastLoaded | Balance::ConsistentHash(_), _) => {
+                let first = if n == 1 {
+                    nth(0)
+                } else {
+                    // Power of two choices: two distinct endpoints at random, the less
+                    // loaded one.
+                    let a = rand::random::<usize>() % n;
+                    let b = (a + 1 + rand::random::<usize>() % (n - 1)) % n;
+                    let (a, b) = (nth(a)?, nth(b)?);
+                    Some(if b.load(each) < a.load(each) { b } else { a })
+                };
+                match first {
+                    Some(e) if room(e) => Some(e),
+                    // It had no room: the least loaded with room.
+                    _ => least(members.iter().filter(|e| takes(e)).collect()),
+                }
+            }
+        };
+        picked.or_else(|| least(members.iter().filter(|e| takes(e)).collect()))
+    }
+}
+
+/// Counts a request out of a pool's waiters however its wait ends.
+struct Waiting<'a>(&'a Freed);
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0
+            .waiting
+            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// The rendezvous score of `key` on an endpoint: a fixed hash of both (the same in every
+/// tokentap of a fleet).
+fn rendezvous(key: &[u8], at: &EndpointAddr) -> u64 {
+    let mut h = foldhash::fast::FixedState::with_seed(0x746f_6b65_6e74_6170).build_hasher();
+    h.write(key);
+    h.write(at.url.as_bytes());
+    h.finish()
+}

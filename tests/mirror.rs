@@ -353,3 +353,71 @@ async fn sampling_is_sticky_long_bodies_are_counted_and_copies_outlive_their_cli
         assert_eq!(upstream(&s, "a")["requests_by_status"]["aborted"], 1);
     }
 }
+
+/// A copy goes the primary's way, with no client: it is counted by model and in the GenAI
+/// histograms as its primary is, and an endpoint of the mirror that closes before its
+/// response head is ejected as a primary's would be.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_is_metered_and_judged_as_a_primary_is() {
+    let _one = SERIAL.lock().await;
+    let a = sim("1:5", "a").await;
+    let good = sim("1:5", "b").await;
+    let closes = common::mock(vec![(
+        "/v1/chat/completions",
+        common::Reply::Raw {
+            pieces: Vec::new(),
+            gap: Duration::ZERO,
+            close: true,
+        },
+    )])
+    .await;
+    let text = format!(
+        "[metrics]\nmodel_label = true\nsemconv = true\n\
+         [[upstream]]\nname = \"a\"\nurl = \"http://{}\"\n\
+         [[upstream]]\nname = \"b\"\nendpoints = [\"http://{}\", \"http://{}\"]\n\
+         balance = \"round_robin\"\n\
+         [[route]]\nsplit = {{ a = 1 }}\nmirror = {{ upstream = \"b\" }}\n",
+        a.addr, closes.addr, good.addr
+    );
+    let tap = proxy(&[], &text).await;
+    let r = run(proxy_addr(&tap), 2, 1.5).await;
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    let s = stats_where(&tap, |s| upstream(s, "b")["shadow"]["in_flight"] == 0).await;
+    let ub = upstream(&s, "b");
+    let closing = format!("http://{}", closes.addr);
+    let e = ub["endpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["address"] == closing.as_str())
+        .unwrap();
+    assert_eq!(e["ejections_total"], 1, "{e:#}");
+    assert_eq!(e["healthy"], false, "{e:#}");
+    assert!(
+        e["last_error"]
+            .as_str()
+            .unwrap()
+            .contains("before its response head"),
+        "{e:#}"
+    );
+    let admin = tap.shared().config.listen.admin;
+    let metrics = String::from_utf8(fetch(admin, "GET", "/metrics", b"").await.body).unwrap();
+    let line = |prefix: &str| {
+        metrics
+            .lines()
+            .find(|l| l.starts_with(prefix) && l.contains("\"b\""))
+            .map(str::to_owned)
+    };
+    let models = line("tokentap_model_requests_total{");
+    assert!(
+        models.as_deref().is_some_and(|l| !l.ends_with(" 0")),
+        "the copies by model: {models:?}"
+    );
+    let gen_ai = line("gen_ai_server_request_duration_seconds_count{");
+    assert!(
+        gen_ai
+            .as_deref()
+            .is_some_and(|l| l.contains("server_address=\"b\"")),
+        "the copies' GenAI figures: {gen_ai:?}"
+    );
+}

@@ -328,14 +328,7 @@ fn least_squares(points: impl Iterator<Item = (f64, f64)> + Clone) -> (f64, f64,
 /// `matching` says, with a normal 95% CI.
 fn diff(a: &str, b: &str, o: &[Obs], matching: Matching, lower: bool) -> MetricDiff {
     let n = o.len();
-    let none = MetricDiff {
-        a: None,
-        b: None,
-        diff_pct: None,
-        ci95_pct: None,
-        significant: false,
-        better: None,
-    };
+    let none = MetricDiff::none();
     if n < 2 {
         return none;
     }

@@ -10,17 +10,15 @@
 //! Only a request whose body was read whole (the 64 KiB read-ahead) is copied; a longer one
 //! is counted as skipped.
 
-use std::future::poll_fn;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
-use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use pingora::prelude::*;
 use tokio::sync::watch;
 
-use super::relay::{health_after_body, health_after_head, Relay};
-use super::upstream::{upstream_request, UpBody};
+use super::upstream::{upstream_id, upstream_request, usage_asked, UpBody};
+use super::{ClientSide, Sent};
 use crate::compare::paired::{Meeting, Side};
 use crate::config::Mirror;
 use crate::dialect::Dialect;
@@ -29,15 +27,10 @@ use crate::meter::{Outcome, Summary};
 use crate::routing::Choice;
 use crate::service::ctx::Ctx;
 use crate::service::failure;
-use crate::service::http1::body::{BodyFraming, Chunked};
-use crate::service::http1::conn::Io;
-use crate::service::http1::head::{RequestHead, ResponseHead};
-use crate::service::http1::io::{poll_read_with, up_err, up_io};
-use crate::service::http1::response::{read_response_head, ToClient};
+use crate::service::http1::head::RequestHead;
 use crate::service::record::{self, RequestId};
 use crate::service::TokenTap;
 use crate::state::{Shadow, Shared};
-use crate::usage;
 
 /// What a primary request keeps of its copies: where each pair is made, and the signal
 /// that cuts the copies that go with their client.
@@ -229,14 +222,10 @@ impl TokenTap {
         };
         let endpoint = Arc::clone(&held.endpoint);
         ctx.endpoint = Some(held);
-        // Counted exactly where the mirror upstream asks for usage (its chunk is read here
-        // and discarded with the rest).
-        let ask = dialect == Dialect::OpenAi && upstream.config.inject_usage;
-        let body = match ask.then(|| usage::request_with_usage(&body)).flatten() {
-            Some(asked) => asked,
-            None => body,
-        };
-        let ours = ctx.request_id.is_ours() && shared.config.request_id_upstream;
+        // Counted exactly where the mirror upstream asks for usage (its chunk is read with
+        // the rest, and goes nowhere).
+        let body = usage_asked(&ctx, upstream, &body).unwrap_or(body);
+        let operation = dialect.operation(head.uri.path());
         let mut wire = BytesMut::with_capacity(512 + body.len());
         // `set_headers`: out of the copied head, and written with tokentap's own.
         let sets = &shared.config.routes[choice.route].mirrors[mirror].set_headers;
@@ -250,15 +239,14 @@ impl TokenTap {
         upstream_request(
             head,
             &endpoint.at.host_header,
-            ours.then(|| ctx.request_id.as_str()),
+            upstream_id(&ctx),
             UpBody::Length(body.len() as u64),
             &extra,
             &mut wire,
         );
         wire.extend_from_slice(&body);
+        self.begin_record(&mut ctx, upstream, &endpoint, (&body, Some(operation)));
         drop(body);
-        let on = Arc::clone(&endpoint.meter);
-        ctx.stream = Some(upstream.meter.begin_on(ctx.t0, self.now(), on));
 
         let exchange = self.copy_exchange(&mut ctx, choice, wire);
         let result = match cancel {
@@ -302,95 +290,29 @@ impl TokenTap {
         drop(slot);
     }
 
-    /// Connects, sends `wire`, reads the answer and discards it, metered.
+    /// Connects, sends `wire`, reads the answer and discards it, metered: the primary's
+    /// response path with no client.
     async fn copy_exchange(&self, ctx: &mut Ctx, choice: Choice, wire: BytesMut) -> Result<()> {
         let shared = Arc::clone(&ctx.shared);
         let upstream = &shared.upstreams[choice.upstream];
-        let pool = &upstream.pool;
-        let mut up = self
+        let up = self
             .connect_and_write(
-                (pool, upstream.config.queue_timeout),
+                (&upstream.pool, upstream.config.queue_timeout),
                 (&mut ctx.endpoint, &mut ctx.stream),
                 wire,
             )
             .await?;
-        let read_timeout = upstream.config.read_timeout;
-        let head = read_response_head(&mut up, None, Some(read_timeout), |resp, first, _, _| {
-            self.copy_head(ctx, resp, first)
-        })
-        .await;
-        let endpoint = ctx.endpoint.as_ref().map(|h| Arc::clone(&h.endpoint));
-        if let Some(endpoint) = &endpoint {
-            health_after_head(pool, endpoint, &head, ctx.status, read_timeout);
-        }
-        let mut relay = head?;
-        let body = self.copy_body(ctx, &mut up, &mut relay, read_timeout).await;
-        if let Some(endpoint) = &endpoint {
-            let ended = body.as_ref().map_err(|e| &**e).copied();
-            health_after_body(pool, endpoint, ctx.status, ended, read_timeout);
-        }
-        body?;
-        // A clean connection goes back to the pool, as a primary's does.
-        if let (true, Some(held)) = (relay.reusable, ctx.endpoint.as_ref()) {
-            self.release(up, &held.endpoint, upstream.config.idle_timeout);
-        }
-        Ok(())
-    }
-
-    /// Reads the copy's body to its end, metered and discarded.
-    async fn copy_body(
-        &self,
-        ctx: &mut Ctx,
-        up: &mut Io,
-        relay: &mut Relay,
-        read_timeout: Duration,
-    ) -> Result<()> {
-        let mut out = BytesMut::new();
-        while !relay.done {
-            let read = poll_fn(|cx| {
-                poll_read_with(&mut *up, cx, |data, _| {
-                    let now = self.now();
-                    let r = relay.fragment(self, ctx, now, data, &mut out, None);
-                    out.clear(); // discarded: nothing of it goes anywhere
-                    r
-                })
-            });
-            match tokio::time::timeout(read_timeout, read).await {
-                Err(_) => return Err(up_err(ReadTimedout, "reading the mirror's response body")),
-                Ok(Ok(Ok(()))) => {}
-                Ok(Ok(Err(e))) => return Err(e.into_up()),
-                Ok(Err(e)) => return Err(up_io(ReadError, e)),
-            }
-        }
-        Ok(())
-    }
-
-    /// The copy's response head: metered as a primary's is, its body to be read and
-    /// discarded (the bytes that came with the head first).
-    fn copy_head(&self, ctx: &mut Ctx, resp: ResponseHead, first: &[u8]) -> Result<Relay> {
-        let Some(framing) = resp.framing() else {
-            return Err(up_err(InvalidHTTPHeader, "upstream response framing"));
+        let sent = Sent {
+            up,
+            watch: false,
+            leftover: BytesMut::new(),
+            client_side: ClientSide::NONE,
         };
-        let coded = framing == BodyFraming::Chunked && !resp.only_chunked();
-        let content_type = resp.fields.get("content-type");
-        let content_encoding = resp.fields.get("content-encoding");
-        self.on_response(ctx, resp.status, content_type, (content_encoding, coded));
-        let reusable = resp.http11
-            && framing != BodyFraming::UntilClose
-            && !resp.fields.has_token("connection", "close");
-        let mut relay = Relay {
-            framing,
-            chunked: Chunked::default(),
-            to_client: ToClient::AsIs,
-            done: false,
-            reusable,
-        };
-        if !first.is_empty() || matches!(framing, BodyFraming::Empty | BodyFraming::Length(0)) {
-            let mut out = BytesMut::new();
-            relay
-                .fragment(self, ctx, self.now(), first, &mut out, None)
-                .map_err(|e| e.into_up())?;
-        }
-        Ok(relay)
+        let mut open = self.receive(ctx, None, choice, sent).await?;
+        let read_timeout = Some(upstream.config.read_timeout);
+        let relayed = self.relay(None, ctx, &mut open, read_timeout).await;
+        let body = relayed.as_ref().map(|_| ()).map_err(|e| &**e);
+        self.body_ended(ctx, choice, open, body);
+        relayed
     }
 }

@@ -109,6 +109,15 @@ struct ClientSide {
     head_request: bool,
 }
 
+impl ClientSide {
+    /// A mirror's copy: no client, nothing kept.
+    const NONE: ClientSide = ClientSide {
+        keep_alive: false,
+        http10: false,
+        head_request: false,
+    };
+}
+
 /// A request whose response header is on its way to the client and whose body is next.
 struct Open {
     up: Io,
@@ -241,7 +250,7 @@ impl TokenTap {
         };
         // Boxed too (connecting is a large future, needed only until the request is sent).
         let opened = match Box::pin(self.deliver(client, ctx, choice, ready)).await {
-            Ok(sent) => self.receive(ctx, client, choice, sent).await,
+            Ok(sent) => self.receive(ctx, Some(client), choice, sent).await,
             Err(e) => Err(e),
         };
         let mut open = match opened {
@@ -252,32 +261,20 @@ impl TokenTap {
         };
         let shared = Arc::clone(&ctx.shared);
         let upstream = &shared.upstreams[choice.upstream];
-        let relayed = self
-            .relay(client, ctx, &mut open, Some(upstream.config.read_timeout))
-            .await;
-        if let Some(held) = &ctx.endpoint {
-            let body = relayed.as_ref().map(|_| ()).map_err(|e| &**e);
-            let read_timeout = upstream.config.read_timeout;
-            health_after_body(
-                &upstream.pool,
-                &held.endpoint,
-                ctx.status,
-                body,
-                read_timeout,
-            );
-        }
+        let read_timeout = Some(upstream.config.read_timeout);
+        let relayed = self.relay(Some(client), ctx, &mut open, read_timeout).await;
         let failure = relayed
             .as_ref()
             .err()
             .map(|e| failure::of(e, &upstream.config.name));
+        let linger = !open.watch || !open.leftover.is_empty();
+        let keep_alive = open.keep_alive;
+        let body = relayed.as_ref().map(|_| ()).map_err(|e| &**e);
+        self.body_ended(ctx, choice, open, body);
         let result = relayed.map(|()| {
-            let endpoint = ctx.endpoint.as_ref().map(|h| &h.endpoint);
-            if let (true, Some(endpoint)) = (open.relay.reusable, endpoint) {
-                self.release(open.up, endpoint, upstream.config.idle_timeout);
-            }
-            if !open.watch || !open.leftover.is_empty() {
+            if linger {
                 After::Linger
-            } else if open.keep_alive {
+            } else if keep_alive {
                 After::KeepAlive
             } else {
                 After::Close
@@ -285,6 +282,25 @@ impl TokenTap {
         });
         self.finish(ctx, result.as_ref().err().map(|e| &**e));
         (ended(result, read_whole), failure)
+    }
+
+    /// A response's body ended, as `body` says (the primary's or a copy's): its endpoint's
+    /// passive health, and a clean connection back to its pool.
+    fn body_ended(&self, ctx: &Ctx, choice: Choice, open: Open, body: Result<(), &Error>) {
+        let Some(held) = &ctx.endpoint else { return };
+        let upstream = &ctx.shared.upstreams[choice.upstream];
+        let read_timeout = upstream.config.read_timeout;
+        let ok = body.is_ok();
+        health_after_body(
+            &upstream.pool,
+            &held.endpoint,
+            ctx.status,
+            body,
+            read_timeout,
+        );
+        if ok && open.relay.reusable {
+            self.release(open.up, &held.endpoint, upstream.config.idle_timeout);
+        }
     }
 
     /// Gives a clean upstream connection back to its pool (plain TCP: tokentap's; TLS:

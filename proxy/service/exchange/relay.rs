@@ -3,7 +3,8 @@
 //! tokentap's fields set), then its body relayed: each upstream fragment read into the
 //! thread's scratch buffer, written to the client from there, then handed to the tap
 //! ([`Relay::fragment`]); the upstream's silence and the client's stall timed by one lazy
-//! timer.
+//! timer. A mirror's copy takes the same path with no client: its bytes go nowhere, its
+//! metering and its endpoint's health are the primary's.
 
 use std::cell::RefCell;
 use std::future::{poll_fn, Future};
@@ -61,7 +62,7 @@ impl TokenTap {
     pub(super) async fn receive(
         &self,
         ctx: &mut Ctx,
-        client: &mut Io,
+        client: Option<&mut Io>,
         choice: Choice,
         sent: Sent,
     ) -> Result<Open> {
@@ -77,7 +78,7 @@ impl TokenTap {
         // Boxed: the wait for the first byte needs it, an open stream does not.
         let head = Box::pin(read_response_head(
             &mut up,
-            Some((client, &mut watch, &mut leftover)),
+            client.map(|c| (c, &mut watch, &mut leftover)),
             Some(upstream.config.read_timeout),
             |resp, first, bare_lf, watched| {
                 self.respond_head(ctx, resp, first, bare_lf, client_side, watched)
@@ -196,7 +197,7 @@ impl TokenTap {
     /// client that takes nothing for `client_write_timeout` is cut.
     pub(super) async fn relay(
         &self,
-        client: &mut Io,
+        mut client: Option<&mut Io>,
         ctx: &mut Ctx,
         open: &mut Open,
         read_timeout: Option<Duration>,
@@ -219,6 +220,26 @@ impl TokenTap {
         tokio::pin!(timer);
         let mut flushing = false;
         poll_fn(|cx| loop {
+            let Some(client) = client.as_deref_mut() else {
+                // No client (a mirror's copy): read, metered and let go.
+                out.clear();
+                if relay.done {
+                    return Poll::Ready(Ok(()));
+                }
+                let read = poll_read_with(up, cx, |data, _| {
+                    relay.fragment(self, ctx, self.now(), data, out, None)
+                });
+                match read {
+                    Poll::Ready(Ok(Ok(()))) => {
+                        last = Instant::now();
+                        continue;
+                    }
+                    Poll::Ready(Ok(Err(e))) => return Poll::Ready(Err(e.into_up())),
+                    Poll::Ready(Err(e)) => return Poll::Ready(Err(up_io(ReadError, e))),
+                    Poll::Pending => {}
+                }
+                return silence(cx, timer.as_mut(), last, read_timeout);
+            };
             while !out.is_empty() {
                 match Pin::new(&mut *client).poll_write(cx, out) {
                     Poll::Ready(Ok(0)) => {
@@ -271,20 +292,31 @@ impl TokenTap {
             if let Some(gone) = poll_client_gone(client, cx, watch, leftover) {
                 return Poll::Ready(Err(gone));
             }
-            if let Some(period) = read_timeout {
-                while timer.as_mut().poll(cx).is_ready() {
-                    let deadline = last + period;
-                    if Instant::now() >= deadline {
-                        let e = Error::explain(ReadTimedout, "reading the upstream response body");
-                        return Poll::Ready(Err(e.into_up()));
-                    }
-                    timer.as_mut().reset(deadline);
-                }
-            }
-            return Poll::Pending;
+            return silence(cx, timer.as_mut(), last, read_timeout);
         })
         .await
     }
+}
+
+/// The upstream has sent nothing for now: pending, or an error once it has been silent
+/// for `read_timeout` since `last`.
+fn silence<T>(
+    cx: &mut Context<'_>,
+    mut timer: Pin<&mut tokio::time::Sleep>,
+    last: Instant,
+    read_timeout: Option<Duration>,
+) -> Poll<Result<T>> {
+    if let Some(period) = read_timeout {
+        while timer.as_mut().poll(cx).is_ready() {
+            let deadline = last + period;
+            if Instant::now() >= deadline {
+                let e = Error::explain(ReadTimedout, "reading the upstream response body");
+                return Poll::Ready(Err(e.into_up()));
+            }
+            timer.as_mut().reset(deadline);
+        }
+    }
+    Poll::Pending
 }
 
 /// Passive health from a response head read (or not) from `endpoint`, the primary's or a

@@ -18,7 +18,7 @@ use super::{client_error, ClientSide, Ready};
 use crate::config::Limits;
 use crate::dialect::Dialect;
 use crate::meter::Stream;
-use crate::pool::{Held, Pool, Unplaced};
+use crate::pool::{Endpoint, Held, Pool, Unplaced};
 use crate::routing::Choice;
 use crate::service::ctx::Ctx;
 use crate::service::http1::body;
@@ -30,6 +30,7 @@ use crate::service::http1::request::{ClientError, Rest};
 use crate::service::record::model_of;
 use crate::service::record::REQUEST_ID_HEADER;
 use crate::service::TokenTap;
+use crate::state::Upstream;
 use crate::usage::{self, UsageStripper};
 
 /// Attempts at connecting: a connect that failed in a way pingora marks retryable is tried
@@ -80,11 +81,13 @@ impl TokenTap {
         let read_whole = matches!(rest, Rest::Done);
         let shared = Arc::clone(&ctx.shared);
         let upstream = &shared.upstreams[choice.upstream];
-        if read_whole && ctx.dialect == Some(Dialect::OpenAi) && upstream.config.inject_usage {
-            if let Some(rewritten) = usage::request_with_usage(&body) {
-                body = rewritten;
-                ctx.strip_usage = Some(UsageStripper::new(shared.config.max_event_bytes));
-            }
+        if let Some(asked) = read_whole
+            .then(|| usage_asked(ctx, upstream, &body))
+            .flatten()
+        {
+            body = asked;
+            // The client gets no usage chunk it did not ask for.
+            ctx.strip_usage = Some(UsageStripper::new(shared.config.max_event_bytes));
         }
         let expects_body = matches!(
             req.method,
@@ -99,9 +102,7 @@ impl TokenTap {
             (BodyKind::Length(n), _) => UpBody::Length(n),
             (BodyKind::Chunked, _) => UpBody::Chunked,
         };
-        // The client's own id goes as it came; tokentap's only when asked to.
-        let ours = ctx.request_id.is_ours() && shared.config.request_id_upstream;
-        let id = ours.then(|| ctx.request_id.as_str());
+        let id = upstream_id(ctx);
         let Some(endpoint) = ctx.endpoint.as_ref().map(|h| Arc::clone(&h.endpoint)) else {
             return Err(Error::explain(
                 InternalError,
@@ -116,22 +117,10 @@ impl TokenTap {
             wire.extend_from_slice(&body);
         }
         let sent_so_far = body.len() as u64;
-        let counted = shared.config.model_label || shared.config.semconv;
-        let model = (counted && ctx.dialect.is_some())
-            .then(|| model_of(&body).unwrap_or_else(|| "unknown".into()));
-        drop(body);
-
         if ctx.dialect.is_some() {
-            let on = Arc::clone(&endpoint.meter);
-            let mut stream = upstream.meter.begin_on(ctx.t0, self.now(), on);
-            stream.set_model(model);
-            if let (true, Some(dialect), Some(operation)) =
-                (shared.config.semconv, ctx.dialect, operation)
-            {
-                stream.set_gen_ai(operation, dialect.provider());
-            }
-            ctx.stream = Some(stream);
+            self.begin_record(ctx, upstream, &endpoint, (&body, operation));
         }
+        drop(body);
         Ok(Ready {
             wire,
             rest,
@@ -144,6 +133,27 @@ impl TokenTap {
                 head_request,
             },
         })
+    }
+
+    /// The request's record begun on `endpoint`, the request sent now: with its model
+    /// (read from `body`) and its GenAI operation when they are counted.
+    pub(super) fn begin_record(
+        &self,
+        ctx: &mut Ctx,
+        upstream: &Upstream,
+        endpoint: &Endpoint,
+        (body, operation): (&[u8], Option<&'static str>),
+    ) {
+        let config = &ctx.shared.config;
+        let counted = config.model_label || config.semconv;
+        let model = counted.then(|| model_of(body).unwrap_or_else(|| "unknown".into()));
+        let on = Arc::clone(&endpoint.meter);
+        let mut stream = upstream.meter.begin_on(ctx.t0, self.now(), on);
+        stream.set_model(model);
+        if let (true, Some(dialect), Some(operation)) = (config.semconv, ctx.dialect, operation) {
+            stream.set_gen_ai(operation, dialect.provider());
+        }
+        ctx.stream = Some(stream);
     }
 
     /// A pooled connection to `upstream`, else a new one. Plain TCP is tokio's own, pooled
@@ -243,6 +253,20 @@ impl TokenTap {
             }
         }
     }
+}
+
+/// The body with `stream_options.include_usage` asked for, when the upstream injects usage
+/// and the request is OpenAI's: counted exactly from the stream's own usage chunk.
+pub(super) fn usage_asked(ctx: &Ctx, upstream: &Upstream, body: &[u8]) -> Option<bytes::Bytes> {
+    let ask = ctx.dialect == Some(Dialect::OpenAi) && upstream.config.inject_usage;
+    ask.then(|| usage::request_with_usage(body)).flatten()
+}
+
+/// tokentap's request id for the upstream: the client's own goes as it came (in its
+/// head), tokentap's only when asked to.
+pub(super) fn upstream_id(ctx: &Ctx) -> Option<&str> {
+    let ours = ctx.request_id.is_ours() && ctx.shared.config.request_id_upstream;
+    ours.then(|| ctx.request_id.as_str())
 }
 
 /// Why a connect failed, for the endpoint's `last_error`.

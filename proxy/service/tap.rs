@@ -1,25 +1,30 @@
-//! The tap: what the request's flow hands over of a response, turned into the meter's
-//! record. The response head says how the body is read (its status, content type and
-//! codings); each payload run goes through the framing (SSE, NDJSON, a whole JSON body) and
-//! the dialect into facts, recorded on the request's meter stream; with usage injected, the
-//! usage chunk the client did not ask for is taken out. When the request ends, its outcome
-//! is recorded. Both paths (the direct one and pingora-proxy's for upgrades) call these;
-//! none of it touches a socket.
+//! The tap: every place the request's flow meets the meter. A generation request's demand
+//! is counted as it asks for a slot ([`TokenTap::arrived`]); its record begins when it is
+//! sent ([`TokenTap::begin_record`]); the response head says how the body is read (its
+//! status, content type and codings: [`TokenTap::on_response`]); each upstream fragment is
+//! handed over once ([`TokenTap::fragment`]), its payload runs going through the framing
+//! (SSE, NDJSON, a whole JSON body) and the dialect into facts recorded on the request's
+//! meter stream, and with usage injected the usage chunk the client did not ask for taken
+//! out; when the request ends its outcome is recorded ([`TokenTap::finish`]). Both paths
+//! (the direct one, a mirror's copy with it, and pingora-proxy's for upgrades) call these;
+//! none of it touches a socket, and nothing else in `service/` touches the meter.
 //!
 //! The tap never holds or delays a fragment, so the client sees each upstream fragment the
 //! moment it arrives; it rewrites one only to take out a usage chunk the proxy asked for
 //! and the client did not.
 
-use bytes::Bytes;
 use pingora::ErrorSource;
 
 use super::ctx::{Body, Ctx};
+use super::record::model_of;
 use super::TokenTap;
 use crate::dialect::{tokens_carried, Facts, Framing};
 use crate::estimate;
 use crate::meter::{Nanos, Outcome};
 use crate::ndjson::NdjsonParser;
+use crate::pool::Endpoint;
 use crate::sse::SseParser;
+use crate::state::Upstream;
 
 /// Non-streaming bodies larger than this are forwarded but not read for `usage`.
 const MAX_JSON_BODY: usize = 4 << 20;
@@ -152,31 +157,76 @@ impl TokenTap {
         }
     }
 
-    /// Meters one fragment of the response body (`end`: the body ended normally). With the
-    /// usage chunk being taken out, returns the bytes to forward instead.
+    /// A generation request asks `upstream` for a slot: its demand, whether it gets one
+    /// now, later or never.
+    pub(super) fn arrived(upstream: &Upstream) {
+        upstream.meter.arrived();
+    }
+
+    /// The request's record begun on `endpoint`, the request sent now; with `body`, its
+    /// model (when models are counted), and its GenAI operation (with `metrics.semconv`).
+    pub(super) fn begin_record(
+        &self,
+        ctx: &mut Ctx,
+        upstream: &Upstream,
+        endpoint: &Endpoint,
+        (body, operation): (Option<&[u8]>, Option<&'static str>),
+    ) {
+        let config = &ctx.shared.config;
+        let counted = config.model_label || config.semconv;
+        let model = body
+            .filter(|_| counted)
+            .map(|b| model_of(b).unwrap_or_else(|| "unknown".into()));
+        let on = std::sync::Arc::clone(&endpoint.meter);
+        let mut stream = upstream.meter.begin_on(ctx.t0, self.now(), on);
+        stream.set_model(model);
+        if let (true, Some(dialect), Some(operation)) = (config.semconv, ctx.dialect, operation) {
+            stream.set_gen_ai(operation, dialect.provider());
+        }
+        ctx.stream = Some(stream);
+    }
+
+    /// The request moved to `to` before it was sent (its connect failed): its record
+    /// follows it.
+    pub(super) fn moved(stream: &mut Option<crate::meter::Stream>, to: &Endpoint) {
+        if let Some(s) = stream.as_mut() {
+            s.move_to(std::sync::Arc::clone(&to.meter));
+        }
+    }
+
+    /// Meters one upstream fragment, handed over once: each of its payload runs
+    /// (`payloads`: a chunked body's, or the body bytes it carried) through the framing and
+    /// the dialect, the events it carried recorded at once (see
+    /// [`crate::meter::Stream::tokens`]); `end`: the body ended with it. `emit` gets what
+    /// the client is to get of each run when tokentap frames the body itself: the run, or,
+    /// with the usage chunk being taken out, what the stripper lets through (and at the
+    /// end what it held back).
     #[inline]
-    pub(super) fn on_body(
+    pub(super) fn fragment<'a>(
         &self,
         ctx: &mut Ctx,
         now: Nanos,
-        payload: &[u8],
+        payloads: impl IntoIterator<Item = &'a [u8]>,
         end: bool,
-    ) -> Option<Bytes> {
-        if !payload.is_empty() {
+        mut emit: impl FnMut(&[u8]),
+    ) {
+        for payload in payloads {
+            if payload.is_empty() {
+                continue;
+            }
             self.observe(ctx, now, payload);
+            match ctx.strip_usage.as_mut() {
+                // The usage chunk the proxy asked for, and the client did not, taken out.
+                Some(s) => emit(&s.push(payload, false)),
+                None => emit(payload),
+            }
         }
-        // The usage chunk the proxy asked for, and the client did not, is taken out.
-        let kept = ctx.strip_usage.as_mut().map(|s| s.push(payload, end));
         if end {
+            if let Some(s) = ctx.strip_usage.as_mut() {
+                emit(&s.push(&[], true));
+            }
             self.body_end(ctx, now);
         }
-        kept
-    }
-
-    /// An upstream fragment has been metered: the events it carried at once are recorded
-    /// (see [`crate::meter::Stream::tokens`]).
-    #[inline]
-    pub(super) fn fragment_read(ctx: &mut Ctx) {
         if let Some(stream) = ctx.stream.as_mut() {
             stream.flush();
         }

@@ -63,8 +63,7 @@ impl ProxyHttp for TokenTap {
             .map(|h| std::sync::Arc::clone(&h.endpoint))
             .ok_or_else(|| Error::explain(InternalError, "no endpoint chosen"))?;
         if ctx.dialect.is_some() && ctx.stream.is_none() {
-            let on = std::sync::Arc::clone(&endpoint.meter);
-            ctx.stream = Some(upstream.meter.begin_on(ctx.t0, self.now(), on));
+            self.begin_record(ctx, upstream, &endpoint, (None, None));
         }
         Ok(Box::new((*endpoint.peer()).clone()))
     }
@@ -111,11 +110,17 @@ impl ProxyHttp for TokenTap {
         ctx: &mut Ctx,
     ) -> Result<Option<std::time::Duration>> {
         let now = self.now();
-        let payload = body.as_deref().unwrap_or_default();
-        if let Some(kept) = self.on_body(ctx, now, payload, end_of_stream) {
-            *body = (!kept.is_empty()).then_some(kept);
-        }
-        Self::fragment_read(ctx);
+        let payload = body.take().unwrap_or_default();
+        // With the usage chunk being taken out, the client gets what the tap lets through.
+        let stripping = ctx.strip_usage.is_some();
+        let mut kept = bytes::BytesMut::new();
+        self.fragment(ctx, now, [&payload[..]], end_of_stream, |b| {
+            kept.extend_from_slice(b);
+        });
+        *body = match stripping {
+            true => (!kept.is_empty()).then(|| kept.freeze()),
+            false => (!payload.is_empty()).then_some(payload),
+        };
         Ok(None)
     }
 

@@ -16,6 +16,7 @@ use crate::service::http1::conn::Io;
 use crate::service::http1::head::RequestHead;
 use crate::service::http1::io::watching;
 use crate::service::record::REQUEST_ID_HEADER;
+use crate::service::TokenTap;
 use crate::service::UPSTREAM_HEADER;
 use crate::state::{Shared, Upstream};
 
@@ -75,7 +76,7 @@ pub(super) async fn slot(
 ) -> Result<Result<Slot, Rejected>> {
     let limiter = &upstream.limiter;
     // Demand, whether it gets a slot now, later or never.
-    upstream.meter.arrived();
+    TokenTap::arrived(upstream);
     let deadline = Instant::now() + upstream.config.queue_timeout;
     // Boxed: taking a fleet slot (Redis calls) is a large future, and inline it would make
     // every request's state, streaming or not, ~5 KiB larger.

@@ -245,7 +245,12 @@ impl TokenTap {
             &mut wire,
         );
         wire.extend_from_slice(&body);
-        self.begin_record(&mut ctx, upstream, &endpoint, (&body, Some(operation)));
+        self.begin_record(
+            &mut ctx,
+            upstream,
+            &endpoint,
+            (Some(&body), Some(operation)),
+        );
         drop(body);
 
         let exchange = self.copy_exchange(&mut ctx, choice, wire);

@@ -467,37 +467,26 @@ impl Relay {
         if mode == ToClient::AsIs {
             ctx.bytes_out += forward(body, out, client.take());
         }
-        // Handed to the tap; otherwise framed by tokentap: `kept` is what the client gets
-        // (with the usage chunk being taken out, what the tap lets through).
+        // Handed to the tap, once; otherwise framed by tokentap: `kept` is what the client
+        // gets (with the usage chunk being taken out, what the tap lets through).
         let mut kept = BytesMut::new();
-        let mut emit = |bytes: &[u8]| match mode {
+        let emit = |bytes: &[u8]| match mode {
             ToClient::AsIs => {}
             ToClient::Chunked => body::put_chunk(&mut kept, bytes),
             ToClient::Close => kept.extend_from_slice(bytes),
         };
-        let mut payload = |payload: &[u8]| match tap.on_body(ctx, now, payload, false) {
-            Some(instead) => emit(&instead),
-            None => emit(payload),
-        };
+        let done = self.done;
         if self.framing == BodyFraming::Chunked {
             PAYLOAD_RUNS.with_borrow(|runs| {
-                for run in runs {
-                    payload(&body[run.clone()]);
-                }
+                let payloads = runs.iter().map(|run| &body[run.clone()]);
+                tap.fragment(ctx, now, payloads, done, emit);
             });
-        } else if !body.is_empty() {
-            payload(body);
+        } else {
+            tap.fragment(ctx, now, [body], done, emit);
         }
-        if self.done {
-            // What a stripper held back, and the end of a JSON or NDJSON body.
-            if let Some(k) = tap.on_body(ctx, now, &[], true) {
-                emit(&k);
-            }
-            if mode == ToClient::Chunked {
-                kept.extend_from_slice(body::LAST_CHUNK);
-            }
+        if done && mode == ToClient::Chunked {
+            kept.extend_from_slice(body::LAST_CHUNK);
         }
-        TokenTap::fragment_read(ctx);
         if mode != ToClient::AsIs {
             ctx.bytes_out += forward(&kept, out, client);
         }

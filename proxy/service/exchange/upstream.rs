@@ -18,7 +18,7 @@ use super::{client_error, ClientSide, Ready};
 use crate::config::Limits;
 use crate::dialect::Dialect;
 use crate::meter::Stream;
-use crate::pool::{Endpoint, Held, Pool, Unplaced};
+use crate::pool::{Held, Pool, Unplaced};
 use crate::routing::Choice;
 use crate::service::ctx::Ctx;
 use crate::service::http1::body;
@@ -27,7 +27,6 @@ use crate::service::http1::head::RequestHead;
 use crate::service::http1::io::{down, down_io, read_more, up_err, up_io};
 use crate::service::http1::request::BodyKind;
 use crate::service::http1::request::{ClientError, Rest};
-use crate::service::record::model_of;
 use crate::service::record::REQUEST_ID_HEADER;
 use crate::service::TokenTap;
 use crate::state::Upstream;
@@ -118,7 +117,7 @@ impl TokenTap {
         }
         let sent_so_far = body.len() as u64;
         if ctx.dialect.is_some() {
-            self.begin_record(ctx, upstream, &endpoint, (&body, operation));
+            self.begin_record(ctx, upstream, &endpoint, (Some(&body), operation));
         }
         drop(body);
         Ok(Ready {
@@ -133,27 +132,6 @@ impl TokenTap {
                 head_request,
             },
         })
-    }
-
-    /// The request's record begun on `endpoint`, the request sent now: with its model
-    /// (read from `body`) and its GenAI operation when they are counted.
-    pub(super) fn begin_record(
-        &self,
-        ctx: &mut Ctx,
-        upstream: &Upstream,
-        endpoint: &Endpoint,
-        (body, operation): (&[u8], Option<&'static str>),
-    ) {
-        let config = &ctx.shared.config;
-        let counted = config.model_label || config.semconv;
-        let model = counted.then(|| model_of(body).unwrap_or_else(|| "unknown".into()));
-        let on = Arc::clone(&endpoint.meter);
-        let mut stream = upstream.meter.begin_on(ctx.t0, self.now(), on);
-        stream.set_model(model);
-        if let (true, Some(dialect), Some(operation)) = (config.semconv, ctx.dialect, operation) {
-            stream.set_gen_ai(operation, dialect.provider());
-        }
-        ctx.stream = Some(stream);
     }
 
     /// A pooled connection to `upstream`, else a new one. Plain TCP is tokio's own, pooled
@@ -246,9 +224,7 @@ impl TokenTap {
                 if from != to {
                     wire = rehost(&wire, from, to);
                 }
-                if let Some(s) = stream.as_mut() {
-                    s.move_to(Arc::clone(&next.endpoint.meter));
-                }
+                TokenTap::moved(stream, &next.endpoint);
                 *held = Some(next); // the first endpoint's slot is freed
             }
         }

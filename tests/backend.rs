@@ -8,10 +8,7 @@
 
 mod common;
 
-use std::time::Duration;
-
 use common::*;
-use tokentap::load::{self, LoadArgs, Mode};
 use tokentap::sim::{Curve, Sim, SimArgs};
 
 /// Samples of `stats`' only upstream's curve, by bucket.
@@ -52,22 +49,13 @@ async fn three_replicas_each_draw_the_backend_s_batch() {
     // A closed loop of 16 clients on each replica, all at once.
     let mut loops = Vec::new();
     for r in &replicas {
-        let target = LoadArgs {
+        let load = Closed {
+            clients: 16,
+            secs: 5.0,
             max_tokens: 400,
-            ..LoadArgs::for_url(format!("http://{}", proxy_addr(r)))
-        }
-        .target()
-        .unwrap();
-        loops.push(tokio::spawn(async move {
-            load::phase(
-                &target,
-                Mode::Closed { concurrency: 16 },
-                Duration::ZERO,
-                Duration::from_secs(5),
-                false,
-            )
-            .await
-        }));
+            usage: false,
+        };
+        loops.push(tokio::spawn(closed_loop(proxy_addr(r), load)));
     }
     let mut reports = Vec::new();
     for l in loops {

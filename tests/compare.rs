@@ -5,53 +5,29 @@
 
 mod common;
 
-use std::time::Duration;
-
 use common::*;
-use tokentap::load::{self, LoadArgs, Mode};
-use tokentap::sim::{Curve, Sim, SimArgs};
-
-async fn sim(curve: Curve) -> Sim {
-    Sim::start(SimArgs {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        tpot_curve: curve,
-        ttft_ms: 10.0,
-        max_tokens: 24,
-        ..SimArgs::defaults()
-    })
-    .await
-    .unwrap()
-}
+use tokentap::sim::Curve;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn compare_names_the_faster_backend() {
-    let fast = sim(Curve::reference()).await;
-    let slow = sim(Curve::reference().scaled(1.1)).await;
+    let fast = sim(Curve::reference()).ttft(10.0).max_tokens(24).await;
+    let slow = sim(Curve::reference().scaled(1.1))
+        .ttft(10.0)
+        .max_tokens(24)
+        .await;
     let tap = proxy(
         &[("fast", fast.addr), ("slow", slow.addr)],
         "[[route]]\npath_prefix = \"/\"\nsplit = { \"fast\" = 50, \"slow\" = 50 }\n",
     )
     .await;
     let admin = tap.shared().config.listen.admin;
-    let target = LoadArgs {
-        duration: 8.0,
-        warmup: 0.0,
+    let load = Closed {
+        clients: 32,
+        secs: 8.0,
         max_tokens: 24,
-        include_usage: true,
-        model: "m".into(),
-        prompt: "p".into(),
-        ..LoadArgs::for_url(format!("http://{}", proxy_addr(&tap)))
-    }
-    .target()
-    .unwrap();
-    let r = load::phase(
-        &target,
-        Mode::Closed { concurrency: 32 },
-        Duration::ZERO,
-        Duration::from_secs(8),
-        false,
-    )
-    .await;
+        usage: true,
+    };
+    let r = closed_loop(proxy_addr(&tap), load).await;
     assert!(r.errors.is_empty(), "{:?}", r.errors);
 
     let resp = fetch(admin, "GET", "/compare", b"").await;

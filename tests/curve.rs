@@ -6,10 +6,7 @@
 
 mod common;
 
-use std::time::Duration;
-
 use common::*;
-use tokentap::load::{self, LoadArgs, Mode};
 use tokentap::sim::{Curve, Sim, SimArgs};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -26,21 +23,13 @@ async fn no_point_is_faster_than_the_backend_can_run() {
     .await
     .unwrap();
     let tap = proxy(&[("sim", sim.addr)], "").await;
-    let target = LoadArgs {
+    let load = Closed {
+        clients: 24,
+        secs: 4.0,
         max_tokens: 150,
-        include_usage: true,
-        ..LoadArgs::for_url(format!("http://{}", proxy_addr(&tap)))
-    }
-    .target()
-    .unwrap();
-    let report = load::phase(
-        &target,
-        Mode::Closed { concurrency: 24 },
-        Duration::ZERO,
-        Duration::from_secs(4),
-        false,
-    )
-    .await;
+        usage: true,
+    };
+    let report = closed_loop(proxy_addr(&tap), load).await;
     assert!(report.errors.is_empty(), "{:?}", report.errors);
     let s = stats_when(&tap, |u| u["in_flight"] == 0).await;
     let u = &s["upstreams"][0];

@@ -7,21 +7,8 @@ mod common;
 
 use std::time::Duration;
 
-use common::{fetch, proxy, proxy_addr, stats_when, stats_where, upstream_named};
+use common::{fetch, proxy, proxy_addr, sim, stats_when, stats_where, upstream_named};
 use tokentap::load::{self, LoadArgs, Mode, Options, RequestRecord, Slo};
-use tokentap::sim::{Sim, SimArgs};
-
-async fn sim(curve: &str, ttft_ms: f64, max_batch: Option<usize>) -> Sim {
-    Sim::start(SimArgs {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        tpot_curve: curve.parse().unwrap(),
-        ttft_ms,
-        max_batch,
-        ..SimArgs::defaults()
-    })
-    .await
-    .unwrap()
-}
 
 /// A load of `mode` through `url` for `secs`, `max_tokens` a request, `headers` sent.
 async fn run(
@@ -60,7 +47,7 @@ fn close(a: f64, b: f64, tol: f64) -> bool {
 /// records, within one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn goodput_is_vllm_s_on_the_same_requests() {
-    let backend = sim("1:10", 5.0, None).await;
+    let backend = sim("1:10").ttft(5.0).max_tokens(128).await;
     let tap = proxy(
         &[("b", backend.addr)],
         "[upstream.slo]\ne2e_ms = 250\ntpot_ms = 30\n",
@@ -142,7 +129,10 @@ async fn goodput_is_vllm_s_on_the_same_requests() {
 /// own system T/s, now and at the SLO-bounded point.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cost_and_roofline_follow_from_the_figures() {
-    let (slow, fast) = (sim("1:25", 5.0, None).await, sim("1:10", 5.0, None).await);
+    let (slow, fast) = (
+        sim("1:25").ttft(5.0).max_tokens(128).await,
+        sim("1:10").ttft(5.0).max_tokens(128).await,
+    );
     let priced = "cost_per_hour = 2.5\ncost_currency = \"USD\"\ngpus = 1\n\
                   model = { weight_gb = 70.6 }\ngpu = \"h100-sxm\"\n\
                   [upstream.slo]\ntpot_ms = 30\n";
@@ -227,7 +217,7 @@ async fn capacity_says_how_many_endpoints_the_demand_needs() {
     let curve = "1:5,2:6,4:12,8:24";
     let mut sims = Vec::new();
     for _ in 0..4 {
-        sims.push(sim(curve, 5.0, None).await);
+        sims.push(sim(curve).ttft(5.0).max_tokens(128).await);
     }
     let dir = std::env::temp_dir().join(format!("tokentap-capacity-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -291,7 +281,7 @@ async fn capacity_says_how_many_endpoints_the_demand_needs() {
 /// `load --plot`: an SVG whose points are the load's table, the SLO-bounded phase marked.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_plot_shows_the_load_s_table() {
-    let backend = sim("1:10,4:12,16:30", 5.0, None).await;
+    let backend = sim("1:10,4:12,16:30").ttft(5.0).max_tokens(128).await;
     let url = format!("http://{}", backend.addr);
     let slo: Slo = "tpot:20".parse().unwrap();
     let options = Options {
@@ -338,7 +328,7 @@ async fn the_plot_shows_the_load_s_table() {
 /// waiting past the TTFT SLO for its first token had already missed it: judged late.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn clients_that_stop_are_not_slo_misses() {
-    let backend = sim("1:26", 40.0, None).await;
+    let backend = sim("1:26").ttft(40.0).max_tokens(128).await;
     let tap = proxy(
         &[("b", backend.addr)],
         // tpot_ms steers an adaptive cap: from 16, so that no client waits for a slot.
@@ -370,7 +360,7 @@ async fn clients_that_stop_are_not_slo_misses() {
 
     // A backend whose first token takes a second: a client that gives up after 700 ms
     // had waited past the TTFT SLO (500 ms) already.
-    let late = sim("1:26", 1000.0, None).await;
+    let late = sim("1:26").ttft(1000.0).max_tokens(128).await;
     let tap = proxy(
         &[("b", late.addr)],
         "[upstream.slo]\ntpot_ms = 30\nttft_ms = 500\nmin_concurrency = 16\n",

@@ -9,25 +9,10 @@ use std::time::Duration;
 
 use common::*;
 use tokentap::load::{self, LoadArgs, Mode};
-use tokentap::sim::{Sim, SimArgs, SimDialect, UsageMode};
+use tokentap::sim::{SimDialect, UsageMode};
 
 const WARMUP: Duration = Duration::from_millis(500);
 const MEASURE: Duration = Duration::from_millis(2500);
-
-async fn sim(dialect: SimDialect, tokens_per_chunk: u64, usage: UsageMode) -> Sim {
-    Sim::start(SimArgs {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        tpot_curve: "1:16".parse().unwrap(),
-        ttft_ms: 5.0,
-        max_tokens: 32,
-        tokens_per_chunk,
-        usage,
-        dialect,
-        ..SimArgs::defaults()
-    })
-    .await
-    .unwrap()
-}
 
 fn args(addr: std::net::SocketAddr, dialect: SimDialect) -> LoadArgs {
     LoadArgs {
@@ -79,7 +64,12 @@ async fn every_dialect_through_the_proxy() {
         SimDialect::Ollama,
         SimDialect::Llamacpp,
     ] {
-        let sim = sim(dialect, 1, UsageMode::Auto).await;
+        let sim = sim("1:16")
+            .max_tokens(32)
+            .dialect(dialect)
+            .tokens_per_chunk(1)
+            .usage(UsageMode::Auto)
+            .await;
         let tap = proxy(&[("sim", sim.addr)], "[metrics]\nwindow_secs = 2\n").await;
         let a = args(proxy_addr(&tap), dialect);
         let (r, u) = phase(&tap, &a, 4).await;
@@ -131,7 +121,12 @@ async fn four_tokens_per_event_give_the_per_token_gap() {
         (SimDialect::Llamacpp, UsageMode::Auto),
         (SimDialect::Openai, UsageMode::Continuous),
     ] {
-        let sim = sim(dialect, 4, usage).await;
+        let sim = sim("1:16")
+            .max_tokens(32)
+            .dialect(dialect)
+            .tokens_per_chunk(4)
+            .usage(usage)
+            .await;
         let tap = proxy(&[("sim", sim.addr)], "[metrics]\nwindow_secs = 2\n").await;
         let (r, u) = phase(&tap, &args(proxy_addr(&tap), dialect), 2).await;
         assert!(r.errors.is_empty(), "{dialect:?}: {:?}", r.errors);

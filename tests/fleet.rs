@@ -77,19 +77,6 @@ fn redis_missing() -> bool {
     !found
 }
 
-async fn sim() -> Sim {
-    Sim::start(SimArgs {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        tpot_curve: "1:20,128:20".parse::<Curve>().unwrap(),
-        ttft_ms: 10.0,
-        max_batch: Some(128),
-        max_tokens: 30,
-        ..SimArgs::defaults()
-    })
-    .await
-    .unwrap()
-}
-
 fn replica(dir: &Scratch, name: &str, redis: u16, sim: SocketAddr) -> Tokentap {
     replica_with(dir, name, redis, sim, "max_concurrency = 16\n")
 }
@@ -196,7 +183,7 @@ async fn sixteen_for_the_fleet_through_three_replicas_and_redis_going_away() {
     }
     let _one = ONE_AT_A_TIME.lock().await;
     let mut redis = Redis::start(free_addr().port()).unwrap();
-    let sim = sim().await;
+    let sim = sim("1:20,128:20").ttft(10.0).max_batch(Some(128)).await;
     let dir = Scratch::new("fleet");
     let taps: Vec<Tokentap> = ["a", "b", "c"]
         .iter()
@@ -387,7 +374,7 @@ async fn a_killed_replica_s_slots_are_free_within_the_lease() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_redis_from_the_start_it_serves_on_a_share_that_does_not_grow() {
     let _one = ONE_AT_A_TIME.lock().await;
-    let sim = sim().await;
+    let sim = sim("1:20,128:20").ttft(10.0).max_batch(Some(128)).await;
     let dir = Scratch::new("fleet-none");
     // Nothing listens on this port: Redis is away from the start.
     let tap = replica(&dir, "a", free_addr().port(), sim.addr);
@@ -728,7 +715,10 @@ async fn each_endpoints_cap_holds_across_the_fleet() {
     }
     let _one = ONE_AT_A_TIME.lock().await;
     let redis = Redis::start(free_addr().port()).unwrap();
-    let sims = [sim().await, sim().await];
+    let sims = [
+        sim("1:20,128:20").ttft(10.0).max_batch(Some(128)).await,
+        sim("1:20,128:20").ttft(10.0).max_batch(Some(128)).await,
+    ];
     let dir = Scratch::new("fleet-pool");
     let mut taps = Vec::new();
     for name in ["a", "b"] {

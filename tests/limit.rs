@@ -8,52 +8,24 @@ use std::time::Duration;
 
 use common::*;
 use rand::{rngs::StdRng, Rng, SeedableRng};
-use tokentap::load::{self, LoadArgs, Mode};
-use tokentap::sim::{Sim, SimArgs};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const CHAT: &str = "/v1/chat/completions";
 
-async fn sim(curve: &str, max_tokens: u64) -> Sim {
-    Sim::start(SimArgs {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        tpot_curve: curve.parse().unwrap(),
-        ttft_ms: 5.0,
-        max_tokens,
-        ..SimArgs::defaults()
-    })
-    .await
-    .unwrap()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_backend_never_sees_more_than_the_cap() {
-    let sim = sim("1:5,64:8", 30).await;
+    let sim = sim("1:5,64:8").max_tokens(30).await;
     let tap = proxy(
         &[("sim", sim.addr)],
         "max_concurrency = 16\nmax_queue = 1000\n",
     )
     .await;
-    let target = LoadArgs {
-        duration: 2.0,
-        warmup: 0.0,
-        max_tokens: 30,
-        model: "m".into(),
-        prompt: "p".into(),
-        ..LoadArgs::for_url(format!("http://{}", proxy_addr(&tap)))
-    }
-    .target()
-    .unwrap();
-    let phase = tokio::spawn(async move {
-        load::phase(
-            &target,
-            Mode::Closed { concurrency: 64 },
-            Duration::ZERO,
-            Duration::from_secs(2),
-            false,
-        )
-        .await
-    });
+    let load = Closed {
+        clients: 64,
+        secs: 2.0,
+        ..Closed::default()
+    };
+    let phase = tokio::spawn(closed_loop(proxy_addr(&tap), load));
     // Read the backend's peak while the load still runs: when the phase ends, its clients
     // all leave at once, and the backend only notices each abort at its next decode step
     // while the freed slots are already refilled from the queue.
@@ -71,7 +43,7 @@ async fn the_backend_never_sees_more_than_the_cap() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn beyond_the_queue_clients_get_429_with_retry_after() {
-    let sim = sim("1:10", 100_000).await;
+    let sim = sim("1:10").max_tokens(100_000).await;
     let tap = proxy(
         &[("sim", sim.addr)],
         "max_concurrency = 1\nmax_queue = 1\nqueue_timeout_ms = 400\n",
@@ -158,7 +130,7 @@ async fn fickle_client(addr: std::net::SocketAddr, seed: u64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_thousand_fickle_clients_leak_no_slot() {
-    let sim = sim("1:3,32:4", 40).await;
+    let sim = sim("1:3,32:4").max_tokens(40).await;
     let tap = proxy(
         &[("sim", sim.addr)],
         "max_concurrency = 8\nmax_queue = 10000\nqueue_timeout_ms = 60000\n",

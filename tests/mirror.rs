@@ -8,26 +8,14 @@ mod common;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use common::{fetch, proxy, proxy_addr, stats, stats_where, upstream_named as upstream};
-use tokentap::load::{self, LoadArgs, Mode, PhaseReport};
-use tokentap::sim::{Sim, SimArgs};
+use common::{
+    closed_loop, fetch, proxy, proxy_addr, sim, stats, stats_where, upstream_named as upstream,
+    Closed,
+};
 
 /// The tests of this file one at a time: one compares latencies with and without a mirror,
 /// which two cores shared with another test's 32 clients would blur.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-async fn sim(curve: &str, model: &str) -> Sim {
-    Sim::start(SimArgs {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        tpot_curve: curve.parse().unwrap(),
-        ttft_ms: 20.0,
-        max_tokens: 30,
-        model: model.into(),
-        ..SimArgs::defaults()
-    })
-    .await
-    .unwrap()
-}
 
 /// A simulator on a runtime of its own thread (stopped when dropped): a mirror's backend
 /// whose timers and work must not share the primary's simulator's runtime, or its copies
@@ -54,7 +42,7 @@ fn sim_apart(curve: &'static str, model: &'static str) -> Apart {
             .build()
             .unwrap();
         rt.block_on(async move {
-            let s = sim(curve, model).await;
+            let s = sim(curve).ttft(20.0).model(model).await;
             addr_tx.send(s.addr).unwrap();
             let _ = stopped.await;
             drop(s);
@@ -65,32 +53,6 @@ fn sim_apart(curve: &'static str, model: &'static str) -> Apart {
         stop: Some(stop),
         thread: Some(thread),
     }
-}
-
-/// `clients` closed-loop clients through `proxy` for `secs`.
-async fn run(proxy: SocketAddr, clients: usize, secs: f64) -> PhaseReport {
-    run_of(proxy, clients, secs, 30).await
-}
-
-/// [`run`] with `max_tokens` a request.
-async fn run_of(proxy: SocketAddr, clients: usize, secs: f64, max_tokens: u64) -> PhaseReport {
-    let target = LoadArgs {
-        max_tokens,
-        include_usage: true,
-        ..LoadArgs::for_url(format!("http://{proxy}"))
-    }
-    .target()
-    .unwrap();
-    load::phase(
-        &target,
-        Mode::Closed {
-            concurrency: clients,
-        },
-        Duration::ZERO,
-        Duration::from_secs_f64(secs),
-        false,
-    )
-    .await
 }
 
 /// A route to `a` that mirrors to `b` (`mirror` its table).
@@ -110,13 +72,25 @@ async fn the_paired_verdict_names_the_faster_on_the_same_prompts() {
     // 50 and 55 ms a token: slow enough that the simulators' own work per step (32 streams
     // on a's, 6 on b's, on two cores shared with the proxy and the clients) stays well
     // under a percent of it.
-    let (a, b) = (sim("1:50", "a").await, sim("1:55", "b").await);
+    let (a, b) = (
+        sim("1:50").ttft(20.0).model("a").await,
+        sim("1:55").ttft(20.0).model("b").await,
+    );
     let tap = proxy(
         &[],
         &config(a.addr, b.addr, "percent = 20, max_in_flight = 64"),
     )
     .await;
-    let r = run(proxy_addr(&tap), 32, 12.0).await;
+    let r = closed_loop(
+        proxy_addr(&tap),
+        Closed {
+            clients: 32,
+            secs: 12.0,
+            max_tokens: 30,
+            usage: true,
+        },
+    )
+    .await;
     assert!(r.errors.is_empty(), "{:?}", r.errors);
     let admin = tap.shared().config.listen.admin;
     let c = fetch(admin, "GET", "/compare?a=a&b=b", b"").await;
@@ -180,7 +154,7 @@ async fn hanging() -> (SocketAddr, tokio::task::JoinHandle<()>) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_primary_neither_sees_nor_waits_on_its_mirror() {
     let _one = SERIAL.lock().await;
-    let a = sim("1:10", "primary-model").await;
+    let a = sim("1:10").ttft(20.0).model("primary-model").await;
     let slow = sim_apart("1:200", "mirror-model");
     let healthy = sim_apart("1:10", "mirror-model");
     let (hang, _hold) = hanging().await;
@@ -189,7 +163,16 @@ async fn the_primary_neither_sees_nor_waits_on_its_mirror() {
                                     // steps make TTFT take a few values, and its median can land on either.
     let alone = proxy(&[("a", a.addr)], "").await;
     // Short answers (6 tokens, ~70 ms), so that each median is of some 40 requests.
-    let base = run_of(proxy_addr(&alone), 1, 3.0, 6).await;
+    let base = closed_loop(
+        proxy_addr(&alone),
+        Closed {
+            clients: 1,
+            secs: 3.0,
+            max_tokens: 6,
+            usage: true,
+        },
+    )
+    .await;
     assert!(base.errors.is_empty(), "{:?}", base.errors);
     let cases = [
         ("healthy", healthy.addr),
@@ -199,9 +182,27 @@ async fn the_primary_neither_sees_nor_waits_on_its_mirror() {
     ];
     for (what, b) in cases {
         let tap = proxy(&[], &config(a.addr, b, "max_in_flight = 4")).await;
-        let busy = run(proxy_addr(&tap), 8, 2.0).await;
+        let busy = closed_loop(
+            proxy_addr(&tap),
+            Closed {
+                clients: 8,
+                secs: 2.0,
+                max_tokens: 30,
+                usage: true,
+            },
+        )
+        .await;
         assert!(busy.errors.is_empty(), "{what}: {:?}", busy.errors);
-        let r = run_of(proxy_addr(&tap), 1, 3.0, 6).await;
+        let r = closed_loop(
+            proxy_addr(&tap),
+            Closed {
+                clients: 1,
+                secs: 3.0,
+                max_tokens: 6,
+                usage: true,
+            },
+        )
+        .await;
         assert!(r.errors.is_empty(), "{what}: {:?}", r.errors);
         for (name, x, y) in [
             ("TTFT p50", base.ttft_ms.p50, r.ttft_ms.p50),
@@ -241,9 +242,21 @@ async fn the_primary_neither_sees_nor_waits_on_its_mirror() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_mirror_s_cap_holds_and_its_figures_are_its_own() {
     let _one = SERIAL.lock().await;
-    let (a, b) = (sim("1:5", "a").await, sim("1:5", "b").await);
+    let (a, b) = (
+        sim("1:5").ttft(20.0).model("a").await,
+        sim("1:5").ttft(20.0).model("b").await,
+    );
     let tap = proxy(&[], &config(a.addr, b.addr, "max_in_flight = 3")).await;
-    let r = run(proxy_addr(&tap), 16, 3.0).await;
+    let r = closed_loop(
+        proxy_addr(&tap),
+        Closed {
+            clients: 16,
+            secs: 3.0,
+            max_tokens: 30,
+            usage: true,
+        },
+    )
+    .await;
     assert!(r.errors.is_empty(), "{:?}", r.errors);
     let s = stats_where(&tap, |s| upstream(s, "b")["shadow"]["in_flight"] == 0).await;
     assert!(
@@ -293,7 +306,10 @@ fn chat(prompt: &str) -> Vec<u8> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sampling_is_sticky_long_bodies_are_counted_and_copies_outlive_their_clients() {
     let _one = SERIAL.lock().await;
-    let (a, b) = (sim("1:2", "a").await, sim("1:2", "b").await);
+    let (a, b) = (
+        sim("1:2").ttft(20.0).model("a").await,
+        sim("1:2").ttft(20.0).model("b").await,
+    );
     let mirror = "percent = 50, sticky = \"header:x-user-id\"";
     let tap = proxy(&[], &config(a.addr, b.addr, mirror)).await;
     let p = proxy_addr(&tap);
@@ -325,7 +341,10 @@ async fn sampling_is_sticky_long_bodies_are_counted_and_copies_outlive_their_cli
     assert_eq!(upstream(&s, "b")["requests_total"], 0);
 
     // A client that leaves mid-stream: its copy runs to its end by default…
-    let (slow_a, slow_b) = (sim("1:20", "a").await, sim("1:20", "b").await);
+    let (slow_a, slow_b) = (
+        sim("1:20").ttft(20.0).model("a").await,
+        sim("1:20").ttft(20.0).model("b").await,
+    );
     for (cancel, want) in [(false, "ok"), (true, "aborted")] {
         let extra = format!("cancel_with_client = {cancel}");
         let tap = proxy(&[], &config(slow_a.addr, slow_b.addr, &extra)).await;
@@ -360,8 +379,8 @@ async fn sampling_is_sticky_long_bodies_are_counted_and_copies_outlive_their_cli
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_copy_is_metered_and_judged_as_a_primary_is() {
     let _one = SERIAL.lock().await;
-    let a = sim("1:5", "a").await;
-    let good = sim("1:5", "b").await;
+    let a = sim("1:5").ttft(20.0).model("a").await;
+    let good = sim("1:5").ttft(20.0).model("b").await;
     let closes = common::mock(vec![(
         "/v1/chat/completions",
         common::Reply::Raw {
@@ -380,7 +399,16 @@ async fn a_copy_is_metered_and_judged_as_a_primary_is() {
         a.addr, closes.addr, good.addr
     );
     let tap = proxy(&[], &text).await;
-    let r = run(proxy_addr(&tap), 2, 1.5).await;
+    let r = closed_loop(
+        proxy_addr(&tap),
+        Closed {
+            clients: 2,
+            secs: 1.5,
+            max_tokens: 30,
+            usage: true,
+        },
+    )
+    .await;
     assert!(r.errors.is_empty(), "{:?}", r.errors);
     let s = stats_where(&tap, |s| upstream(s, "b")["shadow"]["in_flight"] == 0).await;
     let ub = upstream(&s, "b");

@@ -13,7 +13,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::*;
-use tokentap::load::{self, LoadArgs, Mode};
 use tokentap::sim::{Sim, SimArgs};
 use tokio::time::Instant;
 
@@ -454,51 +453,14 @@ async fn file_discovery_follows_the_file() {
     assert_eq!(ready.body, b"not ready: no healthy endpoint: pool\n");
 }
 
-async fn sim(curve: &str, model: &str) -> Sim {
-    Sim::start(SimArgs {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        tpot_curve: curve.parse().unwrap(),
-        ttft_ms: 5.0,
-        max_tokens: 30,
-        model: model.into(),
-        ..SimArgs::defaults()
-    })
-    .await
-    .unwrap()
-}
-
-/// A closed-loop phase of `clients` through the proxy for `secs`.
-async fn phase(tap: &tokentap::server::Running, clients: usize, secs: f64) -> load::PhaseReport {
-    let target = LoadArgs {
-        duration: secs,
-        warmup: 0.0,
-        max_tokens: 30,
-        model: "m".into(),
-        prompt: "p".into(),
-        ..LoadArgs::for_url(format!("http://{}", proxy_addr(tap)))
-    }
-    .target()
-    .unwrap();
-    load::phase(
-        &target,
-        Mode::Closed {
-            concurrency: clients,
-        },
-        Duration::ZERO,
-        Duration::from_secs_f64(secs),
-        false,
-    )
-    .await
-}
-
 /// Three replicas with room for 128, a cap of 8 on each, 48 clients: each replica's batch
 /// peaks at 8 (and reaches 6), the other 24 wait in the pool's queue, none gets 429.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_cap_holds_on_each_endpoint() {
     let sims = [
-        sim("1:5", "a").await,
-        sim("1:5", "b").await,
-        sim("1:5", "c").await,
+        sim("1:5").model("a").await,
+        sim("1:5").model("b").await,
+        sim("1:5").model("c").await,
     ];
     let addrs: Vec<SocketAddr> = sims.iter().map(|s| s.addr).collect();
     let tap = proxy(
@@ -506,7 +468,14 @@ async fn the_cap_holds_on_each_endpoint() {
         &pool_config(&addrs, "max_concurrency = 8\nmax_queue = 1000\n"),
     )
     .await;
-    let run = phase(&tap, 48, 2.0);
+    let run = common::closed_loop(
+        proxy_addr(&tap),
+        Closed {
+            clients: 48,
+            secs: 2.0,
+            ..Closed::default()
+        },
+    );
     let peaks = async {
         tokio::time::sleep(Duration::from_millis(1500)).await;
         let s = stats(&tap).await;
@@ -538,9 +507,9 @@ async fn least_loaded_spares_a_slow_replica() {
     let mut figures = Vec::new();
     for balance in ["round_robin", "least_loaded"] {
         let sims = [
-            sim("1:5,24:15", "fast-1").await,
-            sim("1:5,24:15", "fast-2").await,
-            sim("1:10,24:30", "slow").await,
+            sim("1:5,24:15").model("fast-1").await,
+            sim("1:5,24:15").model("fast-2").await,
+            sim("1:10,24:30").model("slow").await,
         ];
         let addrs: Vec<SocketAddr> = sims.iter().map(|s| s.addr).collect();
         let tap = proxy(
@@ -548,7 +517,15 @@ async fn least_loaded_spares_a_slow_replica() {
             &pool_config(&addrs, &format!("balance = \"{balance}\"\n")),
         )
         .await;
-        let r = phase(&tap, 24, 3.0).await;
+        let r = common::closed_loop(
+            proxy_addr(&tap),
+            Closed {
+                clients: 24,
+                secs: 3.0,
+                ..Closed::default()
+            },
+        )
+        .await;
         assert!(r.errors.is_empty(), "{:?}", r.errors);
         let requests: Vec<u64> = sims.iter().map(|s| s.engine.stats().completed).collect();
         let total: u64 = requests.iter().sum();
@@ -648,9 +625,9 @@ async fn a_session_keeps_to_its_replica() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reload_changes_the_pool_and_keeps_endpoints_by_address() {
     let sims = [
-        sim("1:1", "a").await,
-        sim("1:1", "b").await,
-        sim("1:1", "c").await,
+        sim("1:1").model("a").await,
+        sim("1:1").model("b").await,
+        sim("1:1").model("c").await,
     ];
     let [a, b, c] = [sims[0].addr, sims[1].addr, sims[2].addr];
     let tap = proxy(&[], &pool_config(&[a, b], "")).await;
@@ -706,9 +683,9 @@ async fn a_reload_changes_the_pool_and_keeps_endpoints_by_address() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn endpoint_series_are_bounded() {
     let sims = [
-        sim("1:1", "a").await,
-        sim("1:1", "b").await,
-        sim("1:1", "c").await,
+        sim("1:1").model("a").await,
+        sim("1:1").model("b").await,
+        sim("1:1").model("c").await,
     ];
     let addrs: Vec<SocketAddr> = sims.iter().map(|s| s.addr).collect();
     for (labels, series) in [(64, 3), (2, 0)] {
@@ -754,7 +731,7 @@ async fn endpoint_series_are_bounded() {
 /// the curve.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_endpoints_backend_is_scraped() {
-    let sims = [sim("1:2", "a").await, sim("1:2", "b").await];
+    let sims = [sim("1:2").model("a").await, sim("1:2").model("b").await];
     let addrs: Vec<SocketAddr> = sims.iter().map(|s| s.addr).collect();
     let extra = "backend_metrics_path = \"/metrics\"\nbackend_scrape_ms = 100\n";
     let tap = proxy(&[], &pool_config(&addrs, extra)).await;
@@ -767,7 +744,15 @@ async fn each_endpoints_backend_is_scraped() {
     })
     .await;
     assert_eq!(s["upstreams"][0]["concurrency_source"], "backend", "{s:#}");
-    let r = phase(&tap, 4, 1.0).await;
+    let r = common::closed_loop(
+        proxy_addr(&tap),
+        Closed {
+            clients: 4,
+            secs: 1.0,
+            ..Closed::default()
+        },
+    )
+    .await;
     assert!(r.errors.is_empty(), "{:?}", r.errors);
     let s = stats(&tap).await;
     let curve = s["upstreams"][0]["curve"].as_array().unwrap();
@@ -804,7 +789,7 @@ async fn sequential(proxy: SocketAddr, n: usize) -> Vec<(u16, bool)> {
 /// good replica.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hung_replica_is_ejected_after_eject_after_timeouts() {
-    let good = sim("1:2", "good").await;
+    let good = sim("1:2").model("good").await;
     let (wedged, _accepting) = hung().await;
     let head =
         "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
@@ -852,7 +837,7 @@ async fn a_hung_replica_is_ejected_after_eject_after_timeouts() {
 /// out twice as long.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_passing_health_check_does_not_undo_an_ejection() {
-    let good = sim("1:2", "good").await;
+    let good = sim("1:2").model("good").await;
     let broken = mock(vec![
         (
             "/health",
@@ -934,7 +919,7 @@ async fn a_passing_health_check_does_not_undo_an_ejection() {
 /// slot is left behind.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failover_never_passes_a_survivors_cap() {
-    let survivors = [sim("1:5", "a").await, sim("1:5", "b").await];
+    let survivors = [sim("1:5").model("a").await, sim("1:5").model("b").await];
     let victim_addr = free_addr();
     let mut victim = SimProc::start(victim_addr, "1:5", "v").await;
     let addrs = [survivors[0].addr, victim_addr, survivors[1].addr];

@@ -11,21 +11,9 @@ use std::time::Duration;
 use common::process::{listen_section, Scratch, Tokentap};
 use common::*;
 use nix::sys::signal::Signal;
-use tokentap::sim::{Sim, SimArgs};
+use tokentap::sim::Sim;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-
-async fn sim(tokens: u64, tpot_ms: f64) -> Sim {
-    Sim::start(SimArgs {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        ttft_ms: 5.0,
-        tpot_curve: format!("1:{tpot_ms},64:{tpot_ms}").parse().unwrap(),
-        max_tokens: tokens,
-        ..SimArgs::defaults()
-    })
-    .await
-    .unwrap()
-}
 
 fn start(dir: &Scratch, backend: &Sim, grace_secs: u64) -> Tokentap {
     let (listen, proxy, admin) = listen_section();
@@ -64,7 +52,7 @@ async fn rest(mut s: TcpStream, mut got: Vec<u8>) -> (String, bool) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_on_an_idle_proxy_exits_within_a_second() {
-    let backend = sim(4, 5.0).await;
+    let backend = sim(&format!("1:{0},64:{0}", 5.0)).max_tokens(4).await;
     let dir = Scratch::new("term-idle");
     let mut tap = start(&dir, &backend, 30);
     // An idle keep-alive client does not hold the exit back.
@@ -82,7 +70,7 @@ async fn sigterm_on_an_idle_proxy_exits_within_a_second() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_lets_a_running_stream_finish_and_refuses_new_connections() {
-    let backend = sim(60, 20.0).await; // ~1.2 s of tokens
+    let backend = sim(&format!("1:{0},64:{0}", 20.0)).max_tokens(60).await; // ~1.2 s of tokens
     let dir = Scratch::new("term-stream");
     let mut tap = start(&dir, &backend, 30);
     let proxy = tap.proxy;
@@ -126,7 +114,7 @@ async fn sigterm_lets_a_running_stream_finish_and_refuses_new_connections() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_grace_period_ends_what_is_still_running() {
-    let backend = sim(1000, 20.0).await; // 20 s of tokens
+    let backend = sim(&format!("1:{0},64:{0}", 20.0)).max_tokens(1000).await; // 20 s of tokens
     let dir = Scratch::new("term-grace");
     let mut tap = start(&dir, &backend, 1);
     let (s, first) = streaming(tap.proxy).await;
@@ -147,7 +135,7 @@ async fn the_grace_period_ends_what_is_still_running() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigint_exits_at_once() {
-    let backend = sim(1000, 20.0).await;
+    let backend = sim(&format!("1:{0},64:{0}", 20.0)).max_tokens(1000).await;
     let dir = Scratch::new("int");
     let mut tap = start(&dir, &backend, 30);
     let (_s, _) = streaming(tap.proxy).await;

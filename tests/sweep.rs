@@ -10,22 +10,11 @@ use std::time::Duration;
 
 use common::*;
 use tokentap::load::{self, LoadArgs, Mode, PhaseReport};
-use tokentap::sim::{Curve, Sim, SimArgs};
+use tokentap::sim::Curve;
 
 const LEVELS: [usize; 3] = [1, 12, 48];
 const WARMUP: Duration = Duration::from_secs(1);
 const MEASURE: Duration = Duration::from_secs(4);
-
-async fn sim() -> Sim {
-    Sim::start(SimArgs {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        ttft_ms: 10.0,
-        max_tokens: 80,
-        ..SimArgs::defaults()
-    })
-    .await
-    .unwrap()
-}
 
 fn target(addr: SocketAddr) -> std::sync::Arc<load::Target> {
     LoadArgs {
@@ -47,7 +36,7 @@ fn within(got: Option<f64>, want: f64, tol: f64) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn load_against_sim_reproduces_the_reference_curve() {
-    let sim = sim().await;
+    let sim = sim(Curve::reference()).ttft(10.0).max_tokens(80).await;
     let target = target(sim.addr);
     let curve = Curve::reference();
     for c in LEVELS {
@@ -82,7 +71,7 @@ async fn load_against_sim_reproduces_the_reference_curve() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn proxy_stats_agree_with_the_load_generator() {
-    let sim = sim().await;
+    let sim = sim(Curve::reference()).ttft(10.0).max_tokens(80).await;
     let tap = proxy(&[("sim", sim.addr)], "[metrics]\nwindow_secs = 2\n").await;
     let target = target(proxy_addr(&tap));
     let mut seen: Vec<(usize, PhaseReport, serde_json::Value)> = Vec::new();

@@ -478,6 +478,70 @@ mod tests {
         None
     }
 
+    /// The config file's structs, every section's file.
+    fn sources() -> String {
+        [
+            include_str!("file/mod.rs"),
+            include_str!("file/server.rs"),
+            include_str!("file/metrics.rs"),
+            include_str!("file/cluster.rs"),
+            include_str!("file/upstream/mod.rs"),
+            include_str!("file/upstream/slo.rs"),
+            include_str!("file/upstream/economics.rs"),
+            include_str!("file/upstream/pool.rs"),
+            include_str!("file/route.rs"),
+        ]
+        .concat()
+    }
+
+    /// Every (struct, key) of the shape, tables included.
+    fn shape_fields(fields: &[Field], strukt: &str, out: &mut Vec<(String, String)>) {
+        for (key, kind) in fields {
+            out.push((strukt.to_owned(), (*key).to_owned()));
+            let sub = format!("{}File", key[..1].to_uppercase() + &key[1..]);
+            if let Kind::Table(inner) | Kind::Tables(inner) | Kind::TableOrTables(inner) = kind {
+                shape_fields(inner, &sub, out);
+            }
+        }
+    }
+
+    /// A key is written twice, as a field of its section's struct and in the shape above
+    /// (which `check` reads first): neither may have one the other lacks.
+    #[test]
+    fn every_field_is_in_the_shape_and_every_key_a_field() {
+        let file = sources();
+        let mut shape = Vec::new();
+        shape_fields(FILE, "FileConfig", &mut shape);
+        let mut structs: Vec<(String, String)> = Vec::new();
+        for part in file.split("pub struct ").skip(1) {
+            let Some((name, rest)) = part.split_once(" {") else {
+                continue;
+            };
+            let body = &rest[..rest.find("\n}").unwrap_or(rest.len())];
+            for line in body.lines().map(str::trim) {
+                if let Some((field, _)) = line.strip_prefix("pub ").and_then(|l| l.split_once(':'))
+                {
+                    structs.push((name.to_owned(), field.to_owned()));
+                }
+            }
+        }
+        let mut problems = Vec::new();
+        for (strukt, field) in &structs {
+            if !shape.contains(&(strukt.clone(), field.clone())) {
+                problems.push(format!("{strukt}.{field}: a field schema.rs does not know"));
+            }
+        }
+        for (strukt, key) in &shape {
+            if !structs.contains(&(strukt.clone(), key.clone())) {
+                problems.push(format!(
+                    "{strukt}.{key}: in schema.rs, not a field of {strukt}"
+                ));
+            }
+        }
+        assert!(structs.len() > 80, "{} fields read", structs.len());
+        assert!(problems.is_empty(), "{}", problems.join("\n"));
+    }
+
     /// The documented config table (docs/configuration.md): key → its default, as written.
     fn readme_defaults() -> HashMap<String, String> {
         let readme = include_str!("../../docs/configuration.md");
@@ -504,18 +568,7 @@ mod tests {
         let mut all = Vec::new();
         keys(FILE, "", "FileConfig", &mut all);
         let readme = readme_defaults();
-        let file = [
-            include_str!("file/mod.rs"),
-            include_str!("file/server.rs"),
-            include_str!("file/metrics.rs"),
-            include_str!("file/cluster.rs"),
-            include_str!("file/upstream/mod.rs"),
-            include_str!("file/upstream/slo.rs"),
-            include_str!("file/upstream/economics.rs"),
-            include_str!("file/upstream/pool.rs"),
-            include_str!("file/route.rs"),
-        ]
-        .concat();
+        let file = sources();
         let file = file.as_str();
         let mut problems = Vec::new();
         for (key, strukt) in &all {
@@ -614,6 +667,38 @@ mod tests {
             ("route[].path_prefix", c.routes[0].path_prefix.clone()),
             ("route[].spill", c.routes[0].spill.to_string()),
         ];
+        // The keys of tables left out above, each given bare.
+        let c = crate::config::Config::parse(
+            "[[upstream]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"\n\
+             [upstream.health]\n\
+             [[upstream]]\nname = \"b\"\nurl = \"http://127.0.0.1:2\"\n\
+             [[route]]\nsplit = { a = 1 }\nmirror = { upstream = \"b\" }\n",
+            "defaults",
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let h = c.upstreams[0]
+            .health
+            .as_ref()
+            .unwrap_or_else(|| unreachable!());
+        let m = &c.routes[0].mirrors[0];
+        let runtime = runtime.into_iter().chain([
+            ("upstream[].health.every_secs", secs(h.every)),
+            ("upstream[].health.timeout_ms", ms(h.timeout)),
+            (
+                "upstream[].health.unhealthy_after",
+                h.unhealthy_after.to_string(),
+            ),
+            (
+                "upstream[].health.healthy_after",
+                h.healthy_after.to_string(),
+            ),
+            ("upstream[].health.path", format!("\"{}\"", h.path)),
+            ("route[].mirror[].percent", m.percent.to_string()),
+            (
+                "route[].mirror[].max_in_flight",
+                m.max_in_flight.to_string(),
+            ),
+        ]);
         for (key, value) in runtime {
             let written = readme.get(key).map_or("", String::as_str);
             if first_word(written) != first_word(&value) {

@@ -170,7 +170,8 @@ impl TokenTap {
         ctx: &mut Ctx,
         upstream: &Upstream,
         endpoint: &Endpoint,
-        (body, operation): (Option<&[u8]>, Option<&'static str>),
+        body: Option<&[u8]>,
+        operation: Option<&'static str>,
     ) {
         let config = &ctx.shared.config;
         let counted = config.model_label || config.semconv;

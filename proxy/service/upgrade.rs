@@ -63,7 +63,7 @@ impl ProxyHttp for TokenTap {
             .map(|h| std::sync::Arc::clone(&h.endpoint))
             .ok_or_else(|| Error::explain(InternalError, "no endpoint chosen"))?;
         if ctx.dialect.is_some() && ctx.stream.is_none() {
-            self.begin_record(ctx, upstream, &endpoint, (None, None));
+            self.begin_record(ctx, upstream, &endpoint, None, None);
         }
         Ok(Box::new((*endpoint.peer()).clone()))
     }

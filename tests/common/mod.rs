@@ -395,4 +395,7 @@ pub fn chunked_sse_response_with(events: Vec<Vec<u8>>, extra: &str) -> Vec<u8> {
     out.extend_from_slice(b"0\r\n\r\n");
     out
 }
+mod backend;
 pub mod process;
+#[allow(unused_imports)]
+pub use backend::{closed_loop, sim, Closed, IntoCurve, SimSpec};

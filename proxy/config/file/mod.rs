@@ -23,6 +23,12 @@ use super::{Config, Listen, Problem, Problems, Route, UpstreamConfig};
 use route::route;
 use upstream::upstream;
 
+/// The default of `server.grace_period_secs`: how long running streams may finish after SIGTERM.
+pub(crate) const GRACE_PERIOD_SECS: u64 = 30;
+
+/// The default of `server.upstream_keepalive_pool_size`: idle upstream connections kept.
+pub(crate) const KEEPALIVE_POOL: usize = 1024;
+
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FileConfig {
@@ -76,8 +82,11 @@ impl FileConfig {
             .server
             .threads
             .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, usize::from));
-        let grace = self.server.grace_period_secs.unwrap_or(30);
-        let keepalive_pool = self.server.upstream_keepalive_pool_size.unwrap_or(1024);
+        let grace = self.server.grace_period_secs.unwrap_or(GRACE_PERIOD_SECS);
+        let keepalive_pool = self
+            .server
+            .upstream_keepalive_pool_size
+            .unwrap_or(KEEPALIVE_POOL);
         let window = Duration::from_secs(self.metrics.window_secs);
         let max_event_bytes = self.metrics.max_event_bytes;
         let compare_window = Duration::from_secs(self.compare.window_secs);

@@ -6,6 +6,12 @@ use serde::Deserialize;
 
 use crate::config::{Mirror, Problems, Route};
 
+/// The default of `mirror.percent`: the share of a route's generation requests copied.
+pub(crate) const MIRROR_PERCENT: f64 = 100.0;
+
+/// The default of `mirror.max_in_flight`: copies in flight at once, at most.
+pub(crate) const MIRROR_MAX_IN_FLIGHT: u64 = 16;
+
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RouteFile {
@@ -182,14 +188,14 @@ pub(super) fn mirror(
         }
         Some(u) => Some(u),
     };
-    let percent = m.percent.unwrap_or(100.0);
+    let percent = m.percent.unwrap_or(MIRROR_PERCENT);
     if !(percent > 0.0 && percent <= 100.0) {
         p.add(
             key("percent"),
             format!("must be above 0 and at most 100, not {percent}"),
         );
     }
-    let max_in_flight = m.max_in_flight.unwrap_or(16);
+    let max_in_flight = m.max_in_flight.unwrap_or(MIRROR_MAX_IN_FLIGHT);
     if max_in_flight == 0 {
         p.add(key("max_in_flight"), "must be at least 1");
     }

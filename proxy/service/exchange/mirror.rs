@@ -125,13 +125,14 @@ fn sampled(m: &Mirror, req: &RequestHead) -> bool {
 
 impl TokenTap {
     /// Sends a copy of a generation request to each of its route's mirrors that samples
-    /// it; what the request keeps of them goes in its context. `read_whole`: its body is
-    /// all in `body` (else the copies are skipped and counted).
+    /// it; what the request keeps of them goes in its context. `body`: the request's
+    /// whole body, when it was read whole (else the copies are skipped and counted).
     pub(super) fn mirror(
         &self,
         ctx: &mut Ctx,
         choice: Choice,
-        (req, body, read_whole): (&RequestHead, &[u8], bool),
+        req: &RequestHead,
+        body: Option<&[u8]>,
     ) {
         let shared = Arc::clone(&ctx.shared);
         let Some(dialect) = ctx.dialect else { return };
@@ -147,10 +148,10 @@ impl TokenTap {
                 continue;
             }
             let shadow = &shared.upstreams[m.upstream].shadow;
-            if !read_whole {
+            let Some(body) = body else {
                 shadow.skipped_body_unread.fetch_add(1, Relaxed);
                 continue;
-            }
+            };
             if shadow.in_flight.fetch_add(1, Relaxed) >= m.max_in_flight {
                 shadow.in_flight.fetch_sub(1, Relaxed);
                 shadow.skipped_max_in_flight.fetch_add(1, Relaxed);
@@ -245,12 +246,7 @@ impl TokenTap {
             &mut wire,
         );
         wire.extend_from_slice(&body);
-        self.begin_record(
-            &mut ctx,
-            upstream,
-            &endpoint,
-            (Some(&body), Some(operation)),
-        );
+        self.begin_record(&mut ctx, upstream, &endpoint, Some(&body), Some(operation));
         drop(body);
 
         let exchange = self.copy_exchange(&mut ctx, choice, wire);
@@ -300,13 +296,7 @@ impl TokenTap {
     async fn copy_exchange(&self, ctx: &mut Ctx, choice: Choice, wire: BytesMut) -> Result<()> {
         let shared = Arc::clone(&ctx.shared);
         let upstream = &shared.upstreams[choice.upstream];
-        let up = self
-            .connect_and_write(
-                (&upstream.pool, upstream.config.queue_timeout),
-                (&mut ctx.endpoint, &mut ctx.stream),
-                wire,
-            )
-            .await?;
+        let up = self.connect_and_write(upstream, ctx, wire).await?;
         let sent = Sent {
             up,
             watch: false,

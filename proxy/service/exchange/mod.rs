@@ -451,7 +451,7 @@ impl TokenTap {
             }
         }
         if !shared.config.routes[choice.route].mirrors.is_empty() {
-            self.mirror(ctx, choice, (&req, &bytes, read_whole));
+            self.mirror(ctx, choice, &req, read_whole.then_some(&bytes[..]));
         }
         let outgoing = Outgoing {
             req,
@@ -522,11 +522,7 @@ impl TokenTap {
         let upstream = &shared.upstreams[choice.upstream];
         let read_whole = matches!(rest, Rest::Done);
         let write_timeout = Some(upstream.config.write_timeout);
-        let send = self.connect_and_write(
-            (&upstream.pool, upstream.config.queue_timeout),
-            (&mut ctx.endpoint, &mut ctx.stream),
-            wire,
-        );
+        let send = self.connect_and_write(upstream, ctx, wire);
         let up = if read_whole {
             watching(client, &mut watch, &mut leftover, send).await?
         } else {

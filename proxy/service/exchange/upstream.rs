@@ -17,8 +17,7 @@ use std::sync::Arc;
 use super::{client_error, ClientSide, Ready};
 use crate::config::Limits;
 use crate::dialect::Dialect;
-use crate::meter::Stream;
-use crate::pool::{Held, Pool, Unplaced};
+use crate::pool::{Held, Unplaced};
 use crate::routing::Choice;
 use crate::service::ctx::Ctx;
 use crate::service::http1::body;
@@ -117,7 +116,7 @@ impl TokenTap {
         }
         let sent_so_far = body.len() as u64;
         if ctx.dialect.is_some() {
-            self.begin_record(ctx, upstream, &endpoint, (Some(&body), operation));
+            self.begin_record(ctx, upstream, &endpoint, Some(&body), operation);
         }
         drop(body);
         Ok(Ready {
@@ -183,10 +182,12 @@ impl TokenTap {
     /// `queue_timeout` for one when all are full), else on the same.
     pub(super) async fn connect_and_write(
         &self,
-        (pool, queue_timeout): (&Pool, Duration),
-        (held, stream): (&mut Option<Held>, &mut Option<Stream>),
+        upstream: &Upstream,
+        ctx: &mut Ctx,
         mut wire: BytesMut,
     ) -> Result<Io> {
+        let (pool, queue_timeout) = (&upstream.pool, upstream.config.queue_timeout);
+        let (held, stream) = (&mut ctx.endpoint, &mut ctx.stream);
         let mut attempt = 0;
         loop {
             attempt += 1;

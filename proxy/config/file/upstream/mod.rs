@@ -20,6 +20,18 @@ use economics::{economics, CapacityFile, ModelFile};
 use pool::{discover, endpoints, health, DiscoverFile, HealthFile};
 use slo::{slo, SloFile};
 
+/// The default of `backend_scrape_ms`: how often a backend's own metrics are read.
+pub(crate) const BACKEND_SCRAPE_MS: u64 = 1000;
+
+/// The default of `eject_secs`: an ejection's first length.
+pub(crate) const EJECT_SECS: u64 = 10;
+
+/// The default of `eject_after`: failures in a row that eject an endpoint.
+pub(crate) const EJECT_AFTER: u32 = 3;
+
+/// The default of `max_queue`: requests waiting for a slot, at most.
+pub(crate) const MAX_QUEUE: usize = 256;
+
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct UpstreamFile {
@@ -243,7 +255,7 @@ pub(super) fn upstream(
                 None
             }
         });
-    let backend_scrape_ms = u.backend_scrape_ms.unwrap_or(1000);
+    let backend_scrape_ms = u.backend_scrape_ms.unwrap_or(BACKEND_SCRAPE_MS);
     if !(100..=60_000).contains(&backend_scrape_ms) {
         p.add(at("backend_scrape_ms"), "must be between 100 and 60000");
     }
@@ -280,7 +292,7 @@ pub(super) fn upstream(
     if u.eject_after == Some(0) {
         p.add(at("eject_after"), "must be at least 1");
     }
-    let eject_secs = u.eject_secs.unwrap_or(10);
+    let eject_secs = u.eject_secs.unwrap_or(EJECT_SECS);
     if !(1..=300).contains(&eject_secs) {
         p.add(at("eject_secs"), "must be between 1 and 300");
     }
@@ -296,7 +308,7 @@ pub(super) fn upstream(
         endpoints,
         discover,
         health,
-        eject_after: u.eject_after.unwrap_or(3).max(1),
+        eject_after: u.eject_after.unwrap_or(EJECT_AFTER).max(1),
         eject: Duration::from_secs(eject_secs),
         balance,
         max_concurrency_total: u.max_concurrency_total,
@@ -306,7 +318,7 @@ pub(super) fn upstream(
         write_timeout: Duration::from_secs(write),
         idle_timeout: Duration::from_secs(idle),
         max_concurrency: u.max_concurrency,
-        max_queue: u.max_queue.unwrap_or(256),
+        max_queue: u.max_queue.unwrap_or(MAX_QUEUE),
         queue_timeout: Duration::from_millis(queue_timeout),
         slo,
         targets,

@@ -8,6 +8,21 @@ use serde::Deserialize;
 use super::UpstreamFile;
 use crate::config::{Discover, EndpointAddr, HealthCheck, Problems};
 
+/// The default of `discover.every_secs`: how often the endpoints are found again.
+pub(crate) const DISCOVER_EVERY_SECS: u64 = 5;
+
+/// The default of `health.every_secs`: how often each endpoint is checked.
+pub(crate) const HEALTH_EVERY_SECS: u64 = 5;
+
+/// The default of `health.timeout_ms`: a check's time to answer.
+pub(crate) const HEALTH_TIMEOUT_MS: u64 = 1000;
+
+/// The default of `health.unhealthy_after`: failed checks in a row that take an endpoint out.
+pub(crate) const UNHEALTHY_AFTER: u32 = 2;
+
+/// The default of `health.healthy_after`: good checks in a row that bring it back.
+pub(crate) const HEALTHY_AFTER: u32 = 1;
+
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DiscoverFile {
@@ -119,7 +134,7 @@ pub(super) fn endpoints(
 
 pub(super) fn discover(i: usize, d: &DiscoverFile, p: &mut Problems) -> Option<Discover> {
     let at = |f: &str| format!("upstream[{i}].discover.{f}");
-    let every = d.every_secs.unwrap_or(5);
+    let every = d.every_secs.unwrap_or(DISCOVER_EVERY_SECS);
     if !(1..=3600).contains(&every) {
         p.add(at("every_secs"), "must be between 1 and 3600");
     }
@@ -187,11 +202,11 @@ pub(super) fn health(i: usize, h: &HealthFile, p: &mut Problems) -> Option<Healt
             format!("must be a path like /health, not `{path}`"),
         );
     }
-    let every = h.every_secs.unwrap_or(5);
+    let every = h.every_secs.unwrap_or(HEALTH_EVERY_SECS);
     if !(1..=3600).contains(&every) {
         p.add(at("every_secs"), "must be between 1 and 3600");
     }
-    let timeout = h.timeout_ms.unwrap_or(1000);
+    let timeout = h.timeout_ms.unwrap_or(HEALTH_TIMEOUT_MS);
     if !(10..=60_000).contains(&timeout) {
         p.add(at("timeout_ms"), "must be between 10 and 60000");
     }
@@ -207,7 +222,7 @@ pub(super) fn health(i: usize, h: &HealthFile, p: &mut Problems) -> Option<Healt
         path,
         every: Duration::from_secs(every),
         timeout: Duration::from_millis(timeout),
-        unhealthy_after: h.unhealthy_after.unwrap_or(2).max(1),
-        healthy_after: h.healthy_after.unwrap_or(1).max(1),
+        unhealthy_after: h.unhealthy_after.unwrap_or(UNHEALTHY_AFTER).max(1),
+        healthy_after: h.healthy_after.unwrap_or(HEALTHY_AFTER).max(1),
     })
 }

@@ -7,6 +7,12 @@ use crate::config::Problems;
 use crate::limit::controller::Slo;
 use crate::meter::Targets;
 
+/// The default of `slo.min_concurrency`: the adaptive cap's floor.
+pub(crate) const MIN_CONCURRENCY: u64 = 1;
+
+/// The default of `slo.max_concurrency`: the adaptive cap's ceiling without a `max_concurrency`.
+pub(crate) const MAX_CONCURRENCY: u64 = 1024;
+
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SloFile {
@@ -83,8 +89,11 @@ pub(super) fn slo(
             format!("must be between 1 and 99.9, not {}", s.percentile),
         );
     }
-    let min = s.min_concurrency.unwrap_or(1);
-    let max = s.max_concurrency.or(max_concurrency).unwrap_or(1024);
+    let min = s.min_concurrency.unwrap_or(MIN_CONCURRENCY);
+    let max = s
+        .max_concurrency
+        .or(max_concurrency)
+        .unwrap_or(MAX_CONCURRENCY);
     if s.tpot_ms.is_none() {
         for (key, given) in [
             ("min_concurrency", s.min_concurrency.is_some()),

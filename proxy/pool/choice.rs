@@ -70,6 +70,11 @@ impl Pool {
         avoid: &[Arc<Endpoint>],
         wait: Duration,
     ) -> Result<Held, Unplaced> {
+        // The common case, with room: no waiting set up.
+        match self.pick(self.clock.now(), slot, key, avoid) {
+            Err(Unplaced::Full) => {}
+            placed => return placed,
+        }
         let deadline = tokio::time::Instant::now() + wait;
         let freed = &self.freed;
         loop {

@@ -128,6 +128,7 @@ pub const FAMILIES: &[(&str, &str, &str)] = &[
     ("tokentap_output_tokens_total", "counter", "Output tokens, counted as they arrive; a stream's exact count (usage) replaces its estimate when it ends."),
     ("tokentap_estimated_output_tokens_total", "counter", "Output tokens of finished requests that rest on the one-per-event estimate (no exact count arrived)."),
     ("tokentap_input_tokens_total", "counter", "Prompt tokens, of the requests whose stream reported them."),
+    ("tokentap_cached_input_tokens_total", "counter", "Of those, the prompt tokens the backend read from its prefix cache, where it reported them (usage.prompt_tokens_details.cached_tokens, Anthropic's cache_read_input_tokens)."),
     ("tokentap_estimate_to_exact_ratio", "gauge", "Σ one-per-event estimate / Σ exact count, over requests that had both."),
     ("tokentap_unparsed_events_total", "counter", "Stream events that could not be metered (broken JSON, over the size bound)."),
     ("tokentap_in_flight_requests", "gauge", "Generation requests in flight at the upstream."),

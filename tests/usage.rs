@@ -68,3 +68,66 @@ async fn injected_usage_is_counted_and_hidden() {
     assert_eq!(u["counts_exact"], true, "{u:#}");
     assert_eq!(u["estimated_output_tokens_total"], 0);
 }
+
+/// Cached prompt tokens, as the backend reports them, per upstream and per endpoint: none
+/// reported, no hit rate (never a guess); reported, the window's hit rate is the cached
+/// share of the prompt tokens of the requests that said.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cached_prompt_tokens_are_metered_as_reported() {
+    let mut with_cache = chat_events(4, false);
+    let done = with_cache.pop().unwrap();
+    with_cache.push(
+        br#"data: {"id":"c1","object":"chat.completion.chunk","choices":[],"usage":{"prompt_tokens":1000,"completion_tokens":4,"prompt_tokens_details":{"cached_tokens":800}}}
+
+"#
+        .to_vec(),
+    );
+    with_cache.push(done);
+    let chunked = |events: Vec<Vec<u8>>| Reply::Chunked {
+        status: 200,
+        content_type: "text/event-stream",
+        pieces: events,
+        gap: std::time::Duration::ZERO,
+        ending: Ending::Clean,
+    };
+    let backend = mock(vec![
+        ("/v1/chat/completions", chunked(with_cache)),
+        ("/v1/completions", chunked(chat_events(4, true))),
+    ])
+    .await;
+    let tap = proxy(&[("b", backend.addr)], "").await;
+    let body = br#"{"model":"m","stream":true,"messages":[]}"#;
+    // Without a reported count: the prompt counted, no hit rate.
+    fetch(proxy_addr(&tap), "POST", "/v1/completions", body).await;
+    let s = stats_when(&tap, |u| u["requests_total"] == 1).await;
+    let u = &s["upstreams"][0];
+    assert_eq!(u["input_tokens_total"], 3, "{u:#}");
+    assert_eq!(u["cached_input_tokens_total"], 0, "{u:#}");
+    assert_eq!(u["cache_hit_rate_pct"], serde_json::Value::Null, "{u:#}");
+    // Three with 800 of 1,000 prompt tokens cached.
+    for _ in 0..3 {
+        fetch(proxy_addr(&tap), "POST", "/v1/chat/completions", body).await;
+    }
+    let s = stats_when(&tap, |u| u["requests_total"] == 4).await;
+    let u = &s["upstreams"][0];
+    assert_eq!(u["input_tokens_total"], 3003, "{u:#}");
+    assert_eq!(u["cached_input_tokens_total"], 2400, "{u:#}");
+    assert_eq!(u["cache_hit_rate_pct"], 80.0, "{u:#}");
+    let e = &u["endpoints"][0];
+    assert_eq!(
+        (&e["input_tokens_total"], &e["cached_input_tokens_total"]),
+        (&3003.into(), &2400.into()),
+        "{e:#}"
+    );
+    let admin = tap.shared().config.listen.admin;
+    let metrics = String::from_utf8(fetch(admin, "GET", "/metrics", b"").await.body).unwrap();
+    assert!(
+        metrics.contains("tokentap_cached_input_tokens_total{upstream=\"b\"} 2400"),
+        "{}",
+        metrics
+            .lines()
+            .filter(|l| l.contains("input_tokens"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}

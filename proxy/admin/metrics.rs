@@ -159,6 +159,11 @@ fn upstream(x: &mut Exposition, report: &UpstreamReport) {
         &up,
         s.input_tokens_total as f64,
     );
+    x.add(
+        "tokentap_cached_input_tokens_total",
+        &up,
+        s.cached_input_tokens_total as f64,
+    );
     x.opt(
         "tokentap_estimate_to_exact_ratio",
         &up,

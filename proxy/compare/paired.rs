@@ -287,9 +287,13 @@ pub fn compare(a: &str, b: &str, pairs: &[Pair], since_secs: u64) -> PairedCompa
             a,
             b,
             &metrics,
-            (matching, extrapolated),
-            (a_conc, b_conc),
-            tpot.len(),
+            &Design {
+                matching,
+                extrapolated,
+                a_concurrency: a_conc,
+                b_concurrency: b_conc,
+                pairs: tpot.len(),
+            },
         ),
     };
     PairedComparison {
@@ -389,14 +393,23 @@ fn diff(a: &str, b: &str, o: &[Obs], matching: Matching, lower: bool) -> MetricD
     }
 }
 
-fn verdict(
-    a: &str,
-    b: &str,
-    m: &PairedMetrics,
-    (matching, extrapolated): (Matching, bool),
-    (ac, bc): (Option<f64>, Option<f64>),
-    n: usize,
-) -> String {
+/// How the pairs were made comparable, for the verdict's words.
+struct Design {
+    matching: Matching,
+    extrapolated: bool,
+    a_concurrency: Option<f64>,
+    b_concurrency: Option<f64>,
+    pairs: usize,
+}
+
+fn verdict(a: &str, b: &str, m: &PairedMetrics, d: &Design) -> String {
+    let Design {
+        matching,
+        extrapolated,
+        a_concurrency: ac,
+        b_concurrency: bc,
+        pairs: n,
+    } = *d;
     // Said as b against a, as the figures are: "b is 10.0% slower", "b is 4.8% faster".
     let say = |what: &str, d: &MetricDiff| match (&d.better, d.diff_pct, d.ci95_pct) {
         (Some(_), Some(pct), Some([lo, hi])) if pct > 0.0 => {

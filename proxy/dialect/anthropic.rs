@@ -44,6 +44,23 @@ struct Usage {
     output_tokens: Option<u64>,
     #[serde(deserialize_with = "super::count")]
     input_tokens: Option<u64>,
+    #[serde(deserialize_with = "super::count")]
+    cache_read_input_tokens: Option<u64>,
+    #[serde(deserialize_with = "super::count")]
+    cache_creation_input_tokens: Option<u64>,
+}
+
+impl Usage {
+    /// The prompt's tokens: Anthropic counts those read from and written to its cache
+    /// apart from `input_tokens`; tokentap counts the prompt whole, as OpenAI does.
+    fn prompt(&self) -> Option<u64> {
+        let parts = [
+            self.cache_read_input_tokens,
+            self.cache_creation_input_tokens,
+        ];
+        self.input_tokens
+            .map(|n| n + parts.iter().flatten().sum::<u64>())
+    }
 }
 
 pub fn event(event: &Event<'_>) -> Facts {
@@ -59,15 +76,17 @@ pub fn event(event: &Event<'_>) -> Facts {
             ),
             ..Facts::default()
         },
-        "message_start" => Facts {
-            input_tokens: ev
-                .message
-                .and_then(|m| m.usage)
-                .and_then(|u| u.input_tokens),
-            ..Facts::default()
-        },
+        "message_start" => {
+            let usage = ev.message.and_then(|m| m.usage);
+            Facts {
+                input_tokens: usage.as_ref().and_then(Usage::prompt),
+                cached_input_tokens: usage.and_then(|u| u.cache_read_input_tokens),
+                ..Facts::default()
+            }
+        }
         "message_delta" => Facts {
-            input_tokens: ev.usage.as_ref().and_then(|u| u.input_tokens),
+            input_tokens: ev.usage.as_ref().and_then(Usage::prompt),
+            cached_input_tokens: ev.usage.as_ref().and_then(|u| u.cache_read_input_tokens),
             exact_total: ev.usage.and_then(|u| u.output_tokens),
             ..Facts::default()
         },
@@ -94,7 +113,8 @@ pub fn body(body: &[u8]) -> Facts {
     }
     match parse::<Whole>(body) {
         Ok(w) => Facts {
-            input_tokens: w.usage.as_ref().and_then(|u| u.input_tokens),
+            input_tokens: w.usage.as_ref().and_then(Usage::prompt),
+            cached_input_tokens: w.usage.as_ref().and_then(|u| u.cache_read_input_tokens),
             exact_total: w.usage.and_then(|u| u.output_tokens),
             finished: true,
             error: w.kind == "error",

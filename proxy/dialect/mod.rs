@@ -34,8 +34,12 @@ pub struct Facts {
     pub usage_only: bool,
     /// Events that could not be understood (broken JSON where JSON was due).
     pub unparsed: u32,
-    /// The prompt's tokens, when the stream or body reports them.
+    /// The prompt's tokens, when the stream or body reports them (cached ones included).
     pub input_tokens: Option<u64>,
+    /// Of those, the tokens read from the backend's prefix cache, when it reports them
+    /// (OpenAI's `usage.prompt_tokens_details.cached_tokens`, Anthropic's
+    /// `cache_read_input_tokens`).
+    pub cached_input_tokens: Option<u64>,
 }
 
 // === impl Facts ===
@@ -46,6 +50,9 @@ impl Facts {
         self.tokens += later.tokens;
         if later.input_tokens.is_some() {
             self.input_tokens = later.input_tokens;
+        }
+        if later.cached_input_tokens.is_some() {
+            self.cached_input_tokens = later.cached_input_tokens;
         }
         if later.exact_total.is_some() {
             self.exact_total = later.exact_total;
@@ -309,6 +316,49 @@ impl<'de> Deserialize<'de> for Count {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The prompt's cached tokens, as each API reports them; the prompt counted whole
+    /// (Anthropic's cache reads and writes are apart from its `input_tokens`).
+    #[test]
+    fn cached_prompt_tokens_as_each_api_reports_them() {
+        let ev = |dialect: Dialect, data: &str| {
+            dialect.event(&Event {
+                name: b"",
+                data: data.as_bytes(),
+            })
+        };
+        let f = ev(
+            Dialect::OpenAi,
+            r#"{"choices":[],"usage":{"prompt_tokens":1200,"completion_tokens":30,"prompt_tokens_details":{"cached_tokens":1024}}}"#,
+        );
+        assert_eq!(
+            (f.input_tokens, f.cached_input_tokens),
+            (Some(1200), Some(1024))
+        );
+        let f = ev(
+            Dialect::OpenAi,
+            r#"{"choices":[],"usage":{"prompt_tokens":12,"completion_tokens":30}}"#,
+        );
+        assert_eq!((f.input_tokens, f.cached_input_tokens), (Some(12), None));
+        let f = ev(
+            Dialect::OpenAi,
+            r#"{"choices":[],"usage":{"prompt_tokens":12,"prompt_tokens_details":null}}"#,
+        );
+        assert_eq!((f.input_tokens, f.cached_input_tokens), (Some(12), None));
+        let f = ev(
+            Dialect::Anthropic,
+            r#"{"type":"message_start","message":{"usage":{"input_tokens":10,"cache_read_input_tokens":1000,"cache_creation_input_tokens":200,"output_tokens":1}}}"#,
+        );
+        assert_eq!(
+            (f.input_tokens, f.cached_input_tokens),
+            (Some(1210), Some(1000))
+        );
+        let f = ev(
+            Dialect::Anthropic,
+            r#"{"type":"message_start","message":{"usage":{"input_tokens":10,"output_tokens":1}}}"#,
+        );
+        assert_eq!((f.input_tokens, f.cached_input_tokens), (Some(10), None));
+    }
 
     #[test]
     fn dialect_from_path() {

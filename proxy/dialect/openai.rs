@@ -327,6 +327,15 @@ struct Usage {
     completion_tokens: Option<u64>,
     #[serde(deserialize_with = "super::count")]
     prompt_tokens: Option<u64>,
+    prompt_tokens_details: Option<PromptDetails>,
+}
+
+/// `usage.prompt_tokens_details` (OpenAI, vLLM, SGLang): the prompt's cached tokens.
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct PromptDetails {
+    #[serde(deserialize_with = "super::count")]
+    cached_tokens: Option<u64>,
 }
 
 impl Chunk {
@@ -343,6 +352,9 @@ impl Chunk {
             error: self.error.is_some(),
             unparsed: 0,
             input_tokens: self.usage.as_ref().and_then(|u| u.prompt_tokens),
+            cached_input_tokens: (self.usage.as_ref())
+                .and_then(|u| u.prompt_tokens_details.as_ref())
+                .and_then(|d| d.cached_tokens),
         }
     }
 }

@@ -28,6 +28,9 @@ pub struct EndpointMeter {
     pub(super) backend_running: AtomicU64,
     backend_reported: AtomicU64,
     tokens: AtomicU64,
+    /// Prompt tokens of its requests that reported them, and of those the cached ones.
+    input_tokens: AtomicU64,
+    cached_input_tokens: AtomicU64,
     recent: Mutex<Recent>,
 }
 
@@ -43,6 +46,8 @@ struct Recent {
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct EndpointFigures {
     pub output_tokens_total: u64,
+    pub input_tokens_total: u64,
+    pub cached_input_tokens_total: u64,
     pub system_tps: Option<f64>,
     pub single_stream_tps: Option<f64>,
     pub tpot_ms: Percentiles,
@@ -58,6 +63,8 @@ impl Default for EndpointMeter {
             backend_running: AtomicU64::new(UNKNOWN),
             backend_reported: AtomicU64::new(UNKNOWN),
             tokens: AtomicU64::new(0),
+            input_tokens: AtomicU64::new(0),
+            cached_input_tokens: AtomicU64::new(0),
             recent: Mutex::default(),
         }
     }
@@ -129,6 +136,16 @@ impl EndpointMeter {
     }
 
     /// Its figures over the `window` before `now`.
+    /// A request on it reported its prompt's tokens (`cached`: how many its backend read
+    /// from its prefix cache, when it said).
+    pub(super) fn prompt(&self, input: u64, cached: Option<u64>) {
+        self.input_tokens.fetch_add(input, Relaxed);
+        if let Some(cached) = cached {
+            self.cached_input_tokens
+                .fetch_add(cached.min(input), Relaxed);
+        }
+    }
+
     pub fn figures(&self, now: Nanos, window: Nanos) -> EndpointFigures {
         let total = self.tokens.load(Relaxed);
         let r = self.lock();
@@ -151,6 +168,8 @@ impl EndpointMeter {
         }
         EndpointFigures {
             output_tokens_total: total,
+            input_tokens_total: self.input_tokens.load(Relaxed),
+            cached_input_tokens_total: self.cached_input_tokens.load(Relaxed),
             system_tps,
             single_stream_tps: (tpot_n > 0 && tpot_sum > 0.0)
                 .then(|| 1000.0 / (tpot_sum / tpot_n as f64)),

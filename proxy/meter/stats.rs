@@ -104,6 +104,12 @@ pub struct MeterStats {
     pub output_tokens_total: u64,
     /// Prompt tokens of the requests whose stream reported them.
     pub input_tokens_total: u64,
+    /// Of those, the tokens the backend said it read from its prefix cache.
+    pub cached_input_tokens_total: u64,
+    /// Cached prompt tokens over the prompt tokens of the requests that finished in the
+    /// window saying how many were cached, percent; `null` when none said (a backend that
+    /// does not report it: no figure is guessed).
+    pub cache_hit_rate_pct: Option<f64>,
     /// Whether every completed generation was counted exactly; `null` before the first.
     pub counts_exact: Option<bool>,
     /// Output tokens that rest on the one-per-event estimate (no exact count arrived).

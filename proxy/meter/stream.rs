@@ -39,6 +39,7 @@ pub struct Stream {
     held_n: u32,
     /// Prompt tokens, when the stream reported them.
     input: Option<u64>,
+    cached: Option<u64>,
     /// The request's model, counted per model at the end (`metrics.model_label`).
     model: Option<Box<str>>,
     /// Its GenAI operation and provider names (`metrics.semconv`).
@@ -92,6 +93,7 @@ impl Stream {
             held: 0,
             held_n: 0,
             input: None,
+            cached: None,
             model: None,
             gen_ai: None,
             unread: false,
@@ -192,6 +194,12 @@ impl Stream {
         self.input = Some(n);
     }
 
+    /// The stream reported how many of its prompt's tokens were read from the backend's
+    /// prefix cache (the last report wins).
+    pub fn cached_input_tokens(&mut self, n: u64) {
+        self.cached = Some(n);
+    }
+
     /// Records its GenAI histograms when it ends (`metrics.semconv`): its operation
     /// (`chat`, `text_completion`) and provider (the API) names.
     pub fn set_gen_ai(&mut self, operation: &'static str, provider: &'static str) {
@@ -262,6 +270,7 @@ impl Stream {
             unread: self.unread,
             exact: self.exact,
             input: self.input,
+            cached: self.cached,
             judged: Judged {
                 outcome,
                 ttft_ms: summary.ttft_ms,
@@ -287,6 +296,9 @@ impl Stream {
             .take()
             .map(|model| self.meter.count_model(&model, total));
         self.endpoint.done(now, summary.ttft_ms, summary.tpot_ms);
+        if let Some(input) = self.input {
+            self.endpoint.prompt(input, self.cached);
+        }
         if let (Some((operation, provider)), Some(telemetry)) =
             (self.gen_ai, self.meter.semconv.load_full())
         {

@@ -41,6 +41,8 @@ struct Totals {
     unparsed_events: u64,
     /// Prompt tokens, of the requests whose stream reported them.
     input_tokens: u64,
+    /// Of those, read from the backend's prefix cache (where it said).
+    cached_input_tokens: u64,
 }
 
 /// The curve bucket of a concurrency: 1, 2, 3–4, 5–8, … as 0, 1, 2, 3, …
@@ -141,6 +143,10 @@ struct BusySlot {
     arrivals: u64,
     finished: u64,
     finished_tokens: u64,
+    /// The prompt tokens of the requests that finished here saying how many were cached,
+    /// and those cached: the window's cache hit rate.
+    cache_reported_input: u64,
+    cached_input: u64,
 }
 
 impl BusySlot {
@@ -150,6 +156,8 @@ impl BusySlot {
         arrivals: 0,
         finished: 0,
         finished_tokens: 0,
+        cache_reported_input: 0,
+        cached_input: 0,
     };
 }
 
@@ -168,6 +176,8 @@ pub(super) struct Ended {
     pub(super) unread: bool,
     pub(super) exact: Option<u64>,
     pub(super) input: Option<u64>,
+    /// Of its prompt's tokens, those its backend said it read from its prefix cache.
+    pub(super) cached: Option<u64>,
     /// Its figures as the client saw them (from the request's start), for goodput…
     pub(super) judged: Judged,
     /// …and as the backend served them (from when it was sent, tokentap's queue left
@@ -307,6 +317,7 @@ impl Windows {
             unread,
             exact,
             input,
+            cached,
             judged,
             at_backend,
             bucket,
@@ -334,11 +345,21 @@ impl Windows {
                 self.verdicts.add(now, bucket, served);
             }
         }
+        // A cached count above the prompt's is the backend's to explain: capped.
+        let cached = input
+            .zip(cached)
+            .map(|(input, cached)| (input, cached.min(input)));
+        if let Some((input, cached)) = cached {
+            let slot = self.slot(now / self.slot_ns);
+            slot.cache_reported_input = slot.cache_reported_input.saturating_add(input);
+            slot.cached_input = slot.cached_input.saturating_add(cached);
+        }
         // Sums saturate: a count is bounded (dialect::MAX_COUNT), its sum over a long life
         // is not.
         let t = &mut self.totals;
         let add = |sum: &mut u64, n: u64| *sum = sum.saturating_add(n);
         add(&mut t.input_tokens, input.unwrap_or(0));
+        add(&mut t.cached_input_tokens, cached.map_or(0, |(_, c)| c));
         match exact {
             Some(total) => {
                 add(&mut t.exact_requests, 1);
@@ -410,6 +431,8 @@ impl Windows {
         let arrivals: u64 = inside().map(|s| s.arrivals).sum();
         let finished: u64 = inside().map(|s| s.finished).sum();
         let finished_tokens: u64 = inside().map(|s| s.finished_tokens).sum();
+        let cache_reported: u64 = inside().map(|s| s.cache_reported_input).sum();
+        let cached: u64 = inside().map(|s| s.cached_input).sum();
         let tpot = &sums.tpot;
         let mean_tpot = (!tpot.is_empty()).then(|| tpot.iter().sum::<f64>() / tpot.len() as f64);
         let metered = self.metered;
@@ -428,6 +451,9 @@ impl Windows {
                 .sum(),
             output_tokens_total: t.output_tokens,
             input_tokens_total: t.input_tokens,
+            cached_input_tokens_total: t.cached_input_tokens,
+            cache_hit_rate_pct: (cache_reported > 0)
+                .then(|| 100.0 * cached as f64 / cache_reported as f64),
             counts_exact: (finished_generations > 0).then_some(t.estimated_requests == 0),
             estimated_output_tokens_total: t.estimated_tokens,
             estimated_tokens_share_pct: (t.output_tokens > 0)

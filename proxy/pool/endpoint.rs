@@ -94,6 +94,10 @@ pub struct EndpointStats {
     pub errors_total: u64,
     pub ejections_total: u64,
     pub output_tokens_total: u64,
+    /// Prompt tokens of its requests that reported them, and of those the ones its
+    /// backend read from its prefix cache.
+    pub input_tokens_total: u64,
+    pub cached_input_tokens_total: u64,
     pub system_tps: Option<f64>,
     pub single_stream_tps: Option<f64>,
     pub tpot_ms: crate::meter::Percentiles,
@@ -221,6 +225,8 @@ impl Endpoint {
             errors_total: self.errors.load(Relaxed),
             ejections_total: self.ejections_total.load(Relaxed),
             output_tokens_total: f.output_tokens_total,
+            input_tokens_total: f.input_tokens_total,
+            cached_input_tokens_total: f.cached_input_tokens_total,
             system_tps: f.system_tps,
             single_stream_tps: f.single_stream_tps,
             tpot_ms: f.tpot_ms,

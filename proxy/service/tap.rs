@@ -91,6 +91,9 @@ impl TokenTap {
             if let Some(n) = facts.input_tokens {
                 stream.input_tokens(n);
             }
+            if let Some(n) = facts.cached_input_tokens {
+                stream.cached_input_tokens(n);
+            }
         }
         ctx.facts.finished |= facts.finished;
         ctx.facts.error |= facts.error;
@@ -128,7 +131,8 @@ impl TokenTap {
         ctx: &mut Ctx,
         status: http::StatusCode,
         content_type: Option<&[u8]>,
-        (content_encoding, transfer_coded): (Option<&[u8]>, bool),
+        content_encoding: Option<&[u8]>,
+        transfer_coded: bool,
     ) {
         ctx.status = status.as_u16();
         let encoded = transfer_coded

@@ -144,7 +144,8 @@ impl TokenTap {
             ctx,
             resp.status,
             first(CONTENT_TYPE),
-            (first(CONTENT_ENCODING), false),
+            first(CONTENT_ENCODING),
+            false,
         );
         Ok(())
     }

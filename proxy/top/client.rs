@@ -121,6 +121,10 @@ pub struct UpstreamView {
     #[serde(default)]
     pub slo: Option<Slo>,
     pub estimated_tokens_share_pct: Option<f64>,
+    /// Prompt tokens the backend read from its prefix cache, percent, over the window
+    /// (`null`: it does not say).
+    #[serde(default)]
+    pub cache_hit_rate_pct: Option<f64>,
     #[serde(default)]
     pub requests_total: u64,
     /// Its pool's endpoints.

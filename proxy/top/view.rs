@@ -300,9 +300,11 @@ fn upstream(frame: &mut Frame<'_>, area: Rect, u: &UpstreamView, board: &Board, 
             f(u.ttft_ms.p90, 0)
         )),
         Line::from(format!(
-            "requests {}   counted exactly {}%",
+            "requests {}   counted exactly {}%   prefix cache {}",
             u.requests_total,
-            f(exact, 0)
+            f(exact, 0),
+            u.cache_hit_rate_pct
+                .map_or_else(|| "not reported".to_owned(), |h| format!("{h:.0}% hit"))
         )),
     ];
     frame.render_widget(Paragraph::new(figures), cols[0]);

@@ -260,6 +260,7 @@ function renderUpstreams(s) {
       ${decisions(u)}
       <div>Output tokens counted exactly: <b data-up="${esc(u.name)}" data-fig="exact_share_pct" data-value="${exact ?? ""}">${fmt(exact)}%</b>, estimated ${fmt(u.estimated_tokens_share_pct)}%
         <div class="share"><div style="width:${exact ?? 0}%"></div></div></div>
+      <div>Prompt tokens from the prefix cache: <b data-up="${esc(u.name)}" data-fig="cache_hit_rate_pct" data-value="${u.cache_hit_rate_pct ?? ""}">${u.cache_hit_rate_pct === null || u.cache_hit_rate_pct === undefined ? "not reported by the backend" : fmt(u.cache_hit_rate_pct) + "%"}</b> (${u.cached_input_tokens_total} of ${u.input_tokens_total} since start)</div>
       ${endpoints(u)}
     </div>`;
   });

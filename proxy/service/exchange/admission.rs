@@ -64,14 +64,15 @@ pub(super) async fn reject(
 
 /// A concurrency slot on `upstream` for a generation request: the local slot, then (with
 /// `[cluster]`) the fleet's, both within the queue's timeout; `Ok(Err(why))` when refused.
-/// A queued client whose body was read whole is watched (`waiting`: whether it still is,
-/// and the bytes it sent past its request), and leaves the queue the moment it goes away
+/// A queued client whose body was read whole is watched (`watch`: whether it still is;
+/// `leftover`: the bytes it sent past its request), and leaves the queue the moment it goes away
 /// (`Err`); one still sending waits unwatched (its body bytes are not read here), bounded
 /// by the queue timeout.
 pub(super) async fn slot(
     upstream: &Upstream,
     client: &mut Io,
-    (watch, leftover): (&mut bool, &mut BytesMut),
+    watch: &mut bool,
+    leftover: &mut BytesMut,
     read_whole: bool,
 ) -> Result<Result<Slot, Rejected>> {
     let limiter = &upstream.limiter;

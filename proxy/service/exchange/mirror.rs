@@ -39,8 +39,22 @@ pub(in crate::service) struct Link {
     cancel: Option<watch::Sender<bool>>,
 }
 
-/// A copy's slot on its mirror upstream, freed however the copy ends.
+/// A copy's slot on its mirror upstream, freed however the copy ends (as pingora-limits'
+/// `Inflight` hands out a guard).
 struct InFlight(Arc<Shadow>);
+
+impl InFlight {
+    /// A slot, if the mirror has fewer than `max` copies in flight (else none, counted).
+    fn take(shadow: &Arc<Shadow>, max: u64) -> Option<InFlight> {
+        let taken = shadow
+            .in_flight
+            .fetch_update(Relaxed, Relaxed, |n| (n < max).then_some(n + 1));
+        if taken.is_err() {
+            shadow.skipped_max_in_flight.fetch_add(1, Relaxed);
+        }
+        taken.ok().map(|_| InFlight(Arc::clone(shadow)))
+    }
+}
 
 impl Drop for InFlight {
     fn drop(&mut self) {
@@ -152,12 +166,9 @@ impl TokenTap {
                 shadow.skipped_body_unread.fetch_add(1, Relaxed);
                 continue;
             };
-            if shadow.in_flight.fetch_add(1, Relaxed) >= m.max_in_flight {
-                shadow.in_flight.fetch_sub(1, Relaxed);
-                shadow.skipped_max_in_flight.fetch_add(1, Relaxed);
+            let Some(slot) = InFlight::take(shadow, m.max_in_flight) else {
                 continue;
-            }
-            let slot = InFlight(Arc::clone(shadow));
+            };
             let meeting = Arc::new(Meeting::new(primary));
             let cancel = m.cancel_with_client.then(|| {
                 link.cancel

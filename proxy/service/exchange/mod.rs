@@ -398,8 +398,8 @@ impl TokenTap {
         let mut watch = true;
         if ctx.dialect.is_some() {
             let queued = std::time::Instant::now();
-            let waiting = (&mut watch, &mut leftover);
-            let granted = admission::slot(upstream, client, waiting, read_whole).await;
+            let granted =
+                admission::slot(upstream, client, &mut watch, &mut leftover, read_whole).await;
             if let Some(seen) = ctx.seen.as_mut() {
                 seen.queue_ms = queued.elapsed().as_secs_f64() * 1e3;
             }
@@ -535,7 +535,8 @@ impl TokenTap {
                 rest,
                 &mut leftover,
                 write_timeout,
-                (sent_so_far, limits),
+                sent_so_far,
+                limits,
             ));
             streamed.await?;
             up

@@ -133,7 +133,7 @@ impl TokenTap {
         let coded = framing == BodyFraming::Chunked && !resp.only_chunked();
         let content_type = resp.fields.get("content-type");
         let content_encoding = resp.fields.get("content-encoding");
-        self.on_response(ctx, resp.status, content_type, (content_encoding, coded));
+        self.on_response(ctx, resp.status, content_type, content_encoding, coded);
         if framing == BodyFraming::Chunked {
             // RFC 9112 §6.3: `Transfer-Encoding` overrides a `Content-Length`, which a proxy
             // removes (as pingora does).

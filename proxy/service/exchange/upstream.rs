@@ -338,7 +338,8 @@ pub(super) async fn send_rest(
     rest: Rest,
     leftover: &mut BytesMut,
     write_timeout: Option<Duration>,
-    (mut sent, limits): (u64, Limits),
+    mut sent: u64,
+    limits: Limits,
 ) -> Result<()> {
     let limit = limits.max_request_body_bytes;
     let mut read = BytesMut::new();

@@ -16,7 +16,7 @@ use std::cell::RefCell;
 use super::{string_end, Facts};
 
 /// Keys whose values the parser or the scan reads: kept literal (but a token text).
-const READ: [&[u8]; 18] = [
+const READ: [&[u8]; 19] = [
     b"choices",
     b"usage",
     b"error",
@@ -30,6 +30,7 @@ const READ: [&[u8]; 18] = [
     b"tool_calls",
     b"completion_tokens",
     b"prompt_tokens",
+    b"cached_tokens",
     b"function",
     b"name",
     b"arguments",

@@ -131,3 +131,57 @@ async fn cached_prompt_tokens_are_metered_as_reported() {
             .join("\n")
     );
 }
+
+/// The simulator's prefix cache through tokentap, in two dialects: one system prompt of
+/// ~1,000 tokens shared by every request; tokentap's cached tokens are the simulator's own
+/// count, its hit rate theirs; a hit's TTFT is a miss's without the prefill.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_simulator_s_prefix_cache_is_metered_as_it_reports_it() {
+    use tokentap::sim::SimDialect;
+    let system = "You are a careful assistant. ".repeat(140); // 4,060 bytes
+    for (dialect, path) in [
+        (SimDialect::Openai, "/v1/chat/completions"),
+        (SimDialect::Anthropic, "/v1/messages"),
+    ] {
+        let backend = sim("1:2")
+            .ttft(1.0)
+            .max_tokens(4)
+            .dialect(dialect)
+            .prefix_cache(100_000, 0.05)
+            .await;
+        let tap = proxy(&[("b", backend.addr)], "").await;
+        let mut ttfts = Vec::new();
+        for i in 0..10 {
+            let body = match dialect {
+                SimDialect::Anthropic => format!(
+                    r#"{{"model":"m","stream":true,"max_tokens":4,"system":"{system}","messages":[{{"role":"user","content":"question {i}"}}]}}"#
+                ),
+                _ => format!(
+                    r#"{{"model":"m","stream":true,"max_tokens":4,"stream_options":{{"include_usage":true}},"messages":[{{"role":"system","content":"{system}"}},{{"role":"user","content":"question {i}"}}]}}"#
+                ),
+            };
+            let start = std::time::Instant::now();
+            let r = fetch(proxy_addr(&tap), "POST", path, body.as_bytes()).await;
+            assert_eq!(r.status, 200);
+            ttfts.push(r.frames.first().map(|f| f.0.duration_since(start.into())));
+        }
+        let s = stats_when(&tap, |u| u["requests_total"] == 10).await;
+        let u = &s["upstreams"][0];
+        let own = backend.engine.stats();
+        assert_eq!(
+            u["input_tokens_total"], own.prompt_tokens,
+            "{dialect:?}: {u:#}"
+        );
+        assert_eq!(
+            u["cached_input_tokens_total"], own.cached_prompt_tokens,
+            "{dialect:?}: {u:#}"
+        );
+        let hit = u["cache_hit_rate_pct"].as_f64().unwrap();
+        let theirs = 100.0 * own.cached_prompt_tokens as f64 / own.prompt_tokens as f64;
+        assert!(
+            (hit - theirs).abs() < 1e-9 && hit > 80.0,
+            "{dialect:?}: {hit} {theirs}"
+        );
+        eprintln!("{dialect:?}: hit rate {hit:.1}%; time to the first bytes {ttfts:?}");
+    }
+}

@@ -15,6 +15,8 @@ use super::{Curve, SimArgs};
 pub struct Job {
     pub max_tokens: u64,
     pub prompt_tokens: u64,
+    /// Of those, held in the prefix cache: not prefilled again.
+    pub cached_tokens: u64,
     /// Where the engine sends each event's tokens; dropped receiver = client gone.
     pub out: mpsc::UnboundedSender<Emit>,
 }
@@ -39,6 +41,9 @@ pub struct SimStats {
     /// Requests whose client went away before the end.
     pub aborted: u64,
     pub tokens: u64,
+    /// Prompt tokens of the requests admitted, and of those the ones the prefix cache held.
+    pub prompt_tokens: u64,
+    pub cached_prompt_tokens: u64,
 }
 
 #[derive(Default)]
@@ -50,6 +55,8 @@ struct Counters {
     completed: AtomicU64,
     aborted: AtomicU64,
     tokens: AtomicU64,
+    prompt_tokens: AtomicU64,
+    cached_prompt_tokens: AtomicU64,
 }
 
 pub struct Engine {
@@ -59,6 +66,8 @@ pub struct Engine {
     jobs: mpsc::UnboundedSender<Job>,
     counters: Counters,
     stop: Notify,
+    /// `--prefix-cache-tokens`.
+    cache: Option<std::sync::Mutex<super::cache::PrefixCache>>,
 }
 
 struct Active {
@@ -66,11 +75,20 @@ struct Active {
     produced: u64,
 }
 
+/// The prefix cache `--prefix-cache-tokens` asks for.
+fn args_cache(args: &SimArgs) -> Option<std::sync::Mutex<super::cache::PrefixCache>> {
+    let tokens = args.prefix_cache_tokens?;
+    Some(std::sync::Mutex::new(super::cache::PrefixCache::new(
+        tokens,
+    )))
+}
+
 // === impl Engine ===
 
 impl Engine {
     /// Starts the engine task on the current runtime.
     pub fn start(args: SimArgs) -> Arc<Engine> {
+        let cache = args_cache(&args);
         let (tx, rx) = mpsc::unbounded_channel();
         let engine = Arc::new(Engine {
             curve: std::sync::Mutex::new(args.tpot_curve.clone()),
@@ -78,6 +96,7 @@ impl Engine {
             jobs: tx,
             counters: Counters::default(),
             stop: Notify::new(),
+            cache,
         });
         let e = Arc::clone(&engine);
         tokio::spawn(async move {
@@ -110,7 +129,20 @@ impl Engine {
 
     /// Queues a request; `false` if the engine has stopped.
     pub fn submit(&self, job: Job) -> bool {
+        let c = &self.counters;
+        c.prompt_tokens.fetch_add(job.prompt_tokens, Relaxed);
+        c.cached_prompt_tokens.fetch_add(job.cached_tokens, Relaxed);
         self.jobs.send(job).is_ok()
+    }
+
+    /// With a prefix cache, the tokens of `prompt` it holds (and now keeps); `None`
+    /// without one.
+    pub fn cached(&self, prompt: &[u8]) -> Option<u64> {
+        let cache = self.cache.as_ref()?;
+        let mut c = cache
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        Some(c.admit(prompt))
     }
 
     /// Starts the peak batch again from the batch now (`POST /sim/peak/reset`).
@@ -130,12 +162,24 @@ impl Engine {
             completed: c.completed.load(Relaxed),
             aborted: c.aborted.load(Relaxed),
             tokens: c.tokens.load(Relaxed),
+            prompt_tokens: c.prompt_tokens.load(Relaxed),
+            cached_prompt_tokens: c.cached_prompt_tokens.load(Relaxed),
         }
     }
 
-    fn prefill_time(&self, job: &Job) -> Duration {
-        let ms = self.args.ttft_ms + self.args.prefill_ms_per_token * job.prompt_tokens as f64;
-        Duration::from_secs_f64(ms.max(0.0) / 1e3)
+    /// When `job`, starting its prefill at `now`, has its first token. Without a prefix
+    /// cache every prompt token costs `prefill_ms_per_token`, prefills running side by
+    /// side; with one only the uncached tokens do, on the one prefill unit (`unit`: when it
+    /// is free next), so misses queue behind each other.
+    fn prefill_done(&self, job: &Job, now: Instant, unit: &mut Instant) -> Instant {
+        let ms = |x: f64| Duration::from_secs_f64(x.max(0.0) / 1e3);
+        let per_token = self.args.prefill_ms_per_token;
+        if self.cache.is_none() {
+            return now + ms(self.args.ttft_ms + per_token * job.prompt_tokens as f64);
+        }
+        let uncached = job.prompt_tokens.saturating_sub(job.cached_tokens);
+        *unit = (*unit).max(now) + ms(per_token * uncached as f64);
+        (*unit).max(now + ms(self.args.ttft_ms))
     }
 
     async fn run(&self, mut rx: mpsc::UnboundedReceiver<Job>) {
@@ -144,6 +188,7 @@ impl Engine {
         let mut prefilling: Vec<(Instant, Job)> = Vec::new();
         let mut decoding: Vec<Active> = Vec::new();
         let mut step_start = Instant::now();
+        let mut prefill_unit = Instant::now();
         loop {
             while let Ok(job) = rx.try_recv() {
                 waiting.push_back(job);
@@ -157,7 +202,8 @@ impl Engine {
                     self.counters.aborted.fetch_add(1, Relaxed);
                     continue;
                 }
-                prefilling.push((now + self.prefill_time(&job), job));
+                let done = self.prefill_done(&job, now, &mut prefill_unit);
+                prefilling.push((done, job));
             }
             // Prefill ends with the first token, then the request joins the decode batch.
             let mut i = 0;

@@ -110,6 +110,9 @@ pub struct Writer {
     pub model: String,
     pub created: u64,
     pub prompt_tokens: u64,
+    /// Of those, held in the prefix cache (`--prefix-cache-tokens`; `None`: no cache, and
+    /// usage says nothing of it).
+    pub cached_tokens: Option<u64>,
     /// Report usage (or the dialect's exact count) at the end.
     pub usage: bool,
     /// OpenAI only: usage on every chunk too (vLLM's `continuous_usage_stats`).
@@ -142,6 +145,7 @@ impl Writer {
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
             prompt_tokens,
+            cached_tokens: None,
             usage,
             continuous: mode == UsageMode::Continuous,
             limited: asked.max_tokens.is_some(),
@@ -228,7 +232,7 @@ impl Writer {
             }
             Api::Messages => {
                 let m = json!({"id": id, "type": "message", "role": "assistant", "content": [], "model": model, "stop_reason": null,
-                    "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 1}});
+                    "usage": self.anthropic_usage(1)});
                 let mut s = self.sse(Some("message_start"), &json!({"type": "message_start", "message": m}));
                 s += &self.sse(Some("content_block_start"), &json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}));
                 s + &self.sse(Some("ping"), &json!({"type": "ping"}))
@@ -382,7 +386,7 @@ impl Writer {
             Api::Messages => {
                 let stop = self.ended("max_tokens", "end_turn");
                 json!({"id": id, "type": "message", "role": "assistant", "model": model, "content": [{"type": "text", "text": text}],
-                "stop_reason": stop, "stop_sequence": null, "usage": {"input_tokens": p, "output_tokens": produced}})
+                "stop_reason": stop, "stop_sequence": null, "usage": self.anthropic_usage(produced)})
             }
             Api::TgiStream | Api::TgiWhole => {
                 let reason = self.ended("length", "eos_token");
@@ -405,11 +409,25 @@ impl Writer {
     }
 
     fn openai_usage(&self, produced: u64) -> Value {
-        json!({"prompt_tokens": self.prompt_tokens, "completion_tokens": produced, "total_tokens": self.prompt_tokens + produced})
+        let mut u = json!({"prompt_tokens": self.prompt_tokens, "completion_tokens": produced, "total_tokens": self.prompt_tokens + produced});
+        if let Some(cached) = self.cached_tokens {
+            u["prompt_tokens_details"] = json!({"cached_tokens": cached});
+        }
+        u
+    }
+
+    /// Anthropic's: `input_tokens` without the tokens read from the cache, which it counts
+    /// apart.
+    fn anthropic_usage(&self, produced: u64) -> Value {
+        match self.cached_tokens {
+            Some(cached) => json!({"input_tokens": self.prompt_tokens - cached,
+                "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0, "output_tokens": produced}),
+            None => json!({"input_tokens": self.prompt_tokens, "output_tokens": produced}),
+        }
     }
 
     fn usage_io(&self, produced: u64) -> Value {
-        json!({"input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+        json!({"input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": self.cached_tokens.unwrap_or(0)},
             "output_tokens": produced, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": self.prompt_tokens + produced})
     }

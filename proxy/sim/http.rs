@@ -183,10 +183,14 @@ async fn generate(engine: Arc<Engine>, req: Request<Incoming>, api: Api) -> Resp
     let asked = api.asked(&v);
     let max_tokens = asked.max_tokens.unwrap_or(args.max_tokens).max(1);
     let prompt_tokens = (body.len() as u64 / 4).max(1);
+    let cached = engine
+        .cached(&super::cache::prompt_text(&v))
+        .map(|c| c.min(prompt_tokens));
     let (tx, mut rx) = mpsc::unbounded_channel();
     if !engine.submit(Job {
         max_tokens,
         prompt_tokens,
+        cached_tokens: cached.unwrap_or(0),
         out: tx,
     }) {
         return error(
@@ -203,6 +207,7 @@ async fn generate(engine: Arc<Engine>, req: Request<Incoming>, api: Api) -> Resp
         args.usage,
         &asked,
     );
+    w.cached_tokens = cached;
     if !asked.stream {
         let mut produced = 0;
         while let Some(Emit { tokens, last }) = rx.recv().await {

@@ -9,6 +9,7 @@
 //!
 //! It stands apart from the proxy, like a real backend: it shares only plain helpers.
 
+mod cache;
 mod curve;
 mod engine;
 mod format;
@@ -50,6 +51,14 @@ pub struct SimArgs {
     /// Extra prefill time per prompt token (estimated as 4 bytes of prompt each), ms.
     #[arg(long, default_value_t = 0.0)]
     pub prefill_ms_per_token: f64,
+    /// A prefix cache of this many tokens (blocks of 16, least recently used out, as vLLM's
+    /// automatic prefix caching): a prompt's leading blocks held are not prefilled again,
+    /// and usage reports them (`prompt_tokens_details.cached_tokens`, Anthropic's
+    /// `cache_read_input_tokens`). With it, prefill runs on one serial unit: each uncached
+    /// token costs `--prefill-ms-per-token` there, so a miss costs TTFT and capacity.
+    /// Default: none.
+    #[arg(long)]
+    pub prefix_cache_tokens: Option<u64>,
     /// Requests beyond this many (prefilling or decoding) wait in a queue. Default: no limit.
     #[arg(long)]
     pub max_batch: Option<usize>,
@@ -86,6 +95,7 @@ impl SimArgs {
             tpot_curve: Curve::reference(),
             ttft_ms: 50.0,
             prefill_ms_per_token: 0.0,
+            prefix_cache_tokens: None,
             max_batch: None,
             max_tokens: 128,
             tokens_per_chunk: 1,

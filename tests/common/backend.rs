@@ -77,6 +77,13 @@ impl SimSpec {
         self.0.tokens_per_chunk = k;
         self
     }
+    /// A prefix cache of `tokens` tokens, each uncached prompt token costing `ms` on the
+    /// one prefill unit.
+    pub fn prefix_cache(mut self, tokens: u64, ms: f64) -> Self {
+        self.0.prefix_cache_tokens = Some(tokens);
+        self.0.prefill_ms_per_token = ms;
+        self
+    }
     /// On `addr` rather than a free port.
     pub fn on(mut self, addr: SocketAddr) -> Self {
         self.0.listen = addr;

@@ -60,6 +60,7 @@ pub mod logs;
 pub mod meter;
 pub mod ndjson;
 pub mod pool;
+pub mod prefix;
 pub mod routing;
 pub mod server;
 pub mod service;

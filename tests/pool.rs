@@ -952,3 +952,112 @@ async fn a_failover_never_passes_a_survivors_cap() {
         assert_eq!(e["in_flight"], 0, "{e:#}");
     }
 }
+
+/// One run of `clients` closed-loop streaming chat clients through `proxy` for `secs`, each
+/// request's system prompt drawn from `prompts` by `pick`: each request's client-side
+/// TTFT (ms).
+async fn prompted_loop(
+    proxy: SocketAddr,
+    clients: usize,
+    secs: f64,
+    prompts: Arc<Vec<String>>,
+) -> Vec<f64> {
+    let end = Instant::now() + Duration::from_secs_f64(secs);
+    let mut tasks = Vec::new();
+    for c in 0..clients {
+        let prompts = Arc::clone(&prompts);
+        tasks.push(tokio::spawn(async move {
+            let mut ttfts = Vec::new();
+            let mut i = c * 7919;
+            while Instant::now() < end {
+                i = i.wrapping_mul(1_103_515_245).wrapping_add(12_345);
+                let system = &prompts[(i >> 8) % prompts.len()];
+                let body = format!(
+                    r#"{{"model":"m","stream":true,"max_tokens":8,"messages":[{{"role":"system","content":"{system}"}},{{"role":"user","content":"question {i}"}}]}}"#
+                );
+                let start = Instant::now();
+                if let Ok(r) = send(proxy, "POST", CHAT, body.as_bytes(), &[]).await {
+                    // The first token's event (the role-only chunk comes at once).
+                    let token = |f: &[u8]| {
+                        memchr::memmem::find(f, br#""content":""#)
+                            .is_some_and(|at| f.get(at + 11) != Some(&b'"'))
+                    };
+                    if let Some((at, _)) = r.frames.iter().find(|(_, f)| token(f)) {
+                        ttfts.push(at.duration_since(start).as_secs_f64() * 1e3);
+                    }
+                }
+            }
+            ttfts
+        }));
+    }
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await.unwrap());
+    }
+    all
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Sixteen shared system prompts of ~1,200 words, four replicas whose prefix caches each
+/// hold about a quarter of them, a miss costing prefill on the replica's one prefill unit,
+/// 24 clients: `prefix` keeps each prompt on a replica that holds it, so the replicas hit
+/// their caches (≥ 80%) and the TTFT p50 is at most half of `least_loaded`'s, which sends
+/// every prompt everywhere; tokentap's hit rate from usage is the replicas' own count;
+/// no replica's batch passes its cap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefix_affinity_keeps_prompts_where_they_are_cached() {
+    let words = |p: usize| -> String {
+        (0..1200)
+            .map(|w| format!("w{}x{}", p, w % 97))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let prompts: Arc<Vec<String>> = Arc::new((0..16).map(words).collect());
+    let prompt_tokens = prompts[0].len() as u64 / 4;
+    let mut figures = Vec::new();
+    for balance in ["least_loaded", "prefix"] {
+        let sims = [
+            sim("1:5").prefix_cache(5 * prompt_tokens, 0.05).await,
+            sim("1:5").prefix_cache(5 * prompt_tokens, 0.05).await,
+            sim("1:5").prefix_cache(5 * prompt_tokens, 0.05).await,
+            sim("1:5").prefix_cache(5 * prompt_tokens, 0.05).await,
+        ];
+        let addrs: Vec<SocketAddr> = sims.iter().map(|s| s.addr).collect();
+        let extra = format!(
+            "balance = \"{balance}\"\nmax_concurrency = 12\nmax_queue = 1000\ninject_usage = true\n"
+        );
+        let tap = proxy(&[], &pool_config(&addrs, &extra)).await;
+        let ttfts = prompted_loop(proxy_addr(&tap), 24, 6.0, Arc::clone(&prompts)).await;
+        let s = stats_when(&tap, |u| u["in_flight"] == 0).await;
+        let (prompt, cached) = sims.iter().fold((0, 0), |(p, c), s| {
+            let st = s.engine.stats();
+            (p + st.prompt_tokens, c + st.cached_prompt_tokens)
+        });
+        let theirs = 100.0 * cached as f64 / prompt as f64;
+        let u = &s["upstreams"][0];
+        let ours = 100.0 * u["cached_input_tokens_total"].as_f64().unwrap()
+            / u["input_tokens_total"].as_f64().unwrap();
+        let peaks: Vec<u64> = sims.iter().map(|s| s.engine.stats().peak_batch).collect();
+        let p50 = median(ttfts.clone());
+        eprintln!(
+            "{balance}: {} requests, TTFT p50 {p50:.0} ms, hit rate {theirs:.1}% (tokentap's {ours:.1}%), peaks {peaks:?}",
+            ttfts.len()
+        );
+        assert!(
+            (ours - theirs).abs() <= 3.0,
+            "{balance}: {ours} against {theirs}"
+        );
+        assert!(peaks.iter().all(|&p| p <= 12), "{balance}: {peaks:?}");
+        figures.push((p50, theirs));
+    }
+    let ((ll_p50, _), (px_p50, px_hit)) = (figures[0], figures[1]);
+    assert!(px_hit >= 80.0, "prefix hit rate {px_hit:.1}%");
+    assert!(
+        px_p50 <= 0.5 * ll_p50,
+        "TTFT p50: prefix {px_p50:.0} ms, least_loaded {ll_p50:.0} ms"
+    );
+}

@@ -242,6 +242,7 @@ fn report(shared: &Shared, i: usize, u: &Upstream, now: crate::meter::Nanos) -> 
             crate::config::Balance::LeastLoaded => "least_loaded".into(),
             crate::config::Balance::RoundRobin => "round_robin".into(),
             crate::config::Balance::ConsistentHash(h) => format!("consistent_hash:header:{h}"),
+            crate::config::Balance::Prefix => "prefix".into(),
         },
         endpoints,
     }

@@ -340,6 +340,8 @@ pub enum Balance {
     RoundRobin,
     /// The same header value to the same endpoint while it is healthy and has room.
     ConsistentHash(HeaderName),
+    /// The endpoint most likely to hold the prompt's prefix in its KV cache, by load bound.
+    Prefix,
 }
 
 impl Balance {
@@ -347,12 +349,13 @@ impl Balance {
         match text {
             "least_loaded" => Ok(Balance::LeastLoaded),
             "round_robin" => Ok(Balance::RoundRobin),
+            "prefix" => Ok(Balance::Prefix),
             _ => match text.strip_prefix("consistent_hash:header:") {
                 Some(name) => HeaderName::from_bytes(name.as_bytes())
                     .map(Balance::ConsistentHash)
                     .map_err(|_| format!("`{name}` is not a header name")),
                 None => Err(format!(
-                    "must be \"least_loaded\", \"round_robin\" or \"consistent_hash:header:NAME\", not `{text}`"
+                    "must be \"least_loaded\", \"round_robin\", \"prefix\" or \"consistent_hash:header:NAME\", not `{text}`"
                 )),
             },
         }
@@ -934,7 +937,7 @@ split = { "a" = 0 }
             "upstream[0].url: give one of url, endpoints and discover",
             "upstream[1].endpoints[1]: 127.0.0.1:3 is listed twice",
             "upstream[1].endpoints[2]: scheme `ftp` is not http or https",
-            "upstream[1].balance: must be \"least_loaded\", \"round_robin\" or \"consistent_hash:header:NAME\", not `random`",
+            "upstream[1].balance: must be \"least_loaded\", \"round_robin\", \"prefix\" or \"consistent_hash:header:NAME\", not `random`",
             "upstream[1].eject_secs: must be between 1 and 300",
             "upstream[2].discover.port: is required with dns",
             "upstream[2].discover.nameserver: must be an ip:port, not `dns`",

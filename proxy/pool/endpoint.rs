@@ -13,6 +13,7 @@ use crate::backend::{Backend, BackendStats};
 use crate::config::EndpointAddr;
 use crate::limit::fleet::{Fleet, FleetLink, Lease};
 use crate::meter::{EndpointMeter, Nanos};
+use crate::prefix::BlockLru;
 
 /// The backend's load is not known.
 pub(super) const UNKNOWN: u64 = u64::MAX;
@@ -46,7 +47,14 @@ pub struct Endpoint {
     fleet: std::sync::OnceLock<Arc<Fleet>>,
     /// Its pool's requests waiting for a slot on some endpoint, woken when one frees.
     freed: Arc<Freed>,
+    /// With `balance = "prefix"`: the prompt blocks it was sent lately, as its prefix
+    /// cache would hold them (bounded, the oldest out first).
+    pub(super) prefixes: Mutex<BlockLru>,
 }
+
+/// Prompt blocks remembered per endpoint: 8,192 of 256 bytes, about half a million tokens
+/// of prompt (more than one replica's KV cache holds), some 600 KiB.
+const PREFIX_INDEX_BLOCKS: usize = 8192;
 
 #[derive(Debug, Default)]
 pub(super) struct Checks {
@@ -93,6 +101,9 @@ pub struct EndpointStats {
     pub requests_total: u64,
     pub errors_total: u64,
     pub ejections_total: u64,
+    /// Prompt blocks (256 bytes) tokentap believes it holds in its prefix cache
+    /// (`balance = "prefix"`; 0 otherwise).
+    pub prefix_index_blocks: usize,
     pub output_tokens_total: u64,
     /// Prompt tokens of its requests that reported them, and of those the ones its
     /// backend read from its prefix cache.
@@ -128,6 +139,7 @@ impl Endpoint {
             last_error: Mutex::new(None),
             fleet: std::sync::OnceLock::new(),
             freed: Arc::clone(freed),
+            prefixes: Mutex::new(BlockLru::new(PREFIX_INDEX_BLOCKS)),
         })
     }
 
@@ -224,6 +236,11 @@ impl Endpoint {
             requests_total: self.requests.load(Relaxed),
             errors_total: self.errors.load(Relaxed),
             ejections_total: self.ejections_total.load(Relaxed),
+            prefix_index_blocks: self
+                .prefixes
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .len(),
             output_tokens_total: f.output_tokens_total,
             input_tokens_total: f.input_tokens_total,
             cached_input_tokens_total: f.cached_input_tokens_total,

@@ -106,6 +106,15 @@ struct Due {
     failing: bool,
 }
 
+/// What of a request picks its endpoint ([`Pool::keyed_by`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Keyed {
+    Header(http::HeaderName),
+    /// The prompt: the request body from where the prompt starts.
+    Prompt,
+    Nothing,
+}
+
 /// Why a request has no endpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Unplaced {

@@ -5,10 +5,9 @@
 //! blocks held. Blocks are kept least-recently-used first out, up to the cache's size in
 //! tokens. A miss costs prefill time on the simulator's one prefill unit.
 
-use std::collections::{BTreeMap, HashMap};
-use std::hash::{BuildHasher, Hasher};
-
 use serde_json::Value;
+
+use crate::prefix::{blocks, BlockLru};
 
 /// Tokens a block holds (vLLM's default block size).
 pub const BLOCK_TOKENS: u64 = 16;
@@ -16,56 +15,21 @@ pub const BLOCK_TOKENS: u64 = 16;
 const BLOCK_BYTES: usize = 4 * BLOCK_TOKENS as usize;
 
 /// Blocks held, least recently used first out.
-pub struct PrefixCache {
-    capacity: usize,
-    /// Block hash → when it was last used, and the reverse, oldest first.
-    used: HashMap<u64, u64>,
-    by_age: BTreeMap<u64, u64>,
-    clock: u64,
-}
+pub struct PrefixCache(BlockLru);
 
 impl PrefixCache {
     /// A cache of `tokens` tokens (whole blocks).
     pub fn new(tokens: u64) -> PrefixCache {
-        PrefixCache {
-            capacity: usize::try_from(tokens / BLOCK_TOKENS).unwrap_or(usize::MAX),
-            used: HashMap::new(),
-            by_age: BTreeMap::new(),
-            clock: 0,
-        }
+        PrefixCache(BlockLru::new(
+            usize::try_from(tokens / BLOCK_TOKENS).unwrap_or(usize::MAX),
+        ))
     }
 
     /// Looks `prompt` up and keeps its blocks: the tokens of its leading blocks that were
     /// held (a partial last block is never cached, as vLLM's).
     pub fn admit(&mut self, prompt: &[u8]) -> u64 {
-        let mut hash = 0x7369_6d5f_6361_6368_u64;
-        let mut hits = 0;
-        let mut leading = true;
-        for block in prompt.chunks_exact(BLOCK_BYTES) {
-            let mut h = foldhash::fast::FixedState::with_seed(hash).build_hasher();
-            h.write(block);
-            hash = h.finish();
-            leading &= self.used.contains_key(&hash);
-            if leading {
-                hits += 1;
-            }
-            self.touch(hash);
-        }
-        hits * BLOCK_TOKENS
-    }
-
-    fn touch(&mut self, hash: u64) {
-        self.clock += 1;
-        if let Some(old) = self.used.insert(hash, self.clock) {
-            self.by_age.remove(&old);
-        }
-        self.by_age.insert(self.clock, hash);
-        while self.used.len() > self.capacity {
-            let Some((_, oldest)) = self.by_age.pop_first() else {
-                break;
-            };
-            self.used.remove(&oldest);
-        }
+        let hits = self.0.admit(blocks(prompt, BLOCK_BYTES, usize::MAX));
+        hits as u64 * BLOCK_TOKENS
     }
 }
 
@@ -120,7 +84,7 @@ mod tests {
 
     /// A shared prefix is a hit up to its last whole block; what follows a changed block
     /// is a miss even where equal (a block stands for all before it); the oldest blocks
-    /// leave first.
+    /// leave first, a chain's tail before its head.
     #[test]
     fn leading_blocks_hit_and_the_oldest_leave() {
         let mut c = PrefixCache::new(4 * BLOCK_TOKENS);
@@ -137,8 +101,9 @@ mod tests {
         let mut other = vec![b'b'; BLOCK_BYTES];
         other.extend_from_slice(&system[BLOCK_BYTES..]);
         assert_eq!(c.admit(&other), 0);
-        // Capacity 4 blocks: `one`'s are gone by now.
-        assert_eq!(c.admit(&one), 0);
+        // Capacity 4 blocks: tails went first, so `one` keeps the shared head, not its own
+        // last block.
+        assert_eq!(c.admit(&one), 2 * BLOCK_TOKENS);
     }
 
     #[test]

@@ -45,7 +45,7 @@ use crate::dialect::Dialect;
 use crate::estimate::Estimate;
 use crate::limit::Rejected;
 use crate::meter::{Nanos, Outcome};
-use crate::pool::Unplaced;
+use crate::pool::{Keyed, Unplaced};
 use crate::routing::Choice;
 use admission::{reject, route};
 use relay::{health_after_body, Relay};
@@ -426,7 +426,11 @@ impl TokenTap {
             }
         }
 
-        let key = pool.hash_header().and_then(|h| req.fields.get(h.as_str()));
+        let key = match pool.keyed_by() {
+            Keyed::Header(h) => req.fields.get(h.as_str()),
+            Keyed::Prompt if ctx.dialect.is_some() => crate::prefix::prompt_start(&bytes),
+            Keyed::Prompt | Keyed::Nothing => None,
+        };
         let wait = upstream.config.queue_timeout;
         match pool
             .pick_within(ctx.dialect.is_some(), key, &[], wait)

@@ -685,6 +685,51 @@ mod tests {
         assert_eq!(s[1].ejections_total, 1);
     }
 
+    /// Prefix affinity: a prompt keeps to the endpoint it was placed on, the prompts spread
+    /// evenly, and an endpoint that leaves moves only its own prompts (read from which
+    /// endpoint's index holds each).
+    #[test]
+    fn a_leaving_endpoint_moves_only_its_prefixes() {
+        let (p, _) = pool("balance = \"prefix\"\n", 4);
+        let prompt = |k: usize| {
+            format!(
+                r#""messages":[{{"role":"system","content":"{}"}}]"#,
+                format!("p{k} ").repeat(300)
+            )
+        };
+        let place = |p: &Pool| -> Vec<String> {
+            (0..64)
+                .map(|k| {
+                    let h = p
+                        .pick(p.clock.now(), true, Some(prompt(k).as_bytes()), &[])
+                        .unwrap();
+                    h.endpoint.at.url.clone()
+                })
+                .collect()
+        };
+        let before = place(&p);
+        assert_eq!(before, place(&p), "each prompt keeps its endpoint");
+        let mut per: std::collections::HashMap<&str, usize> = Default::default();
+        for u in &before {
+            *per.entry(u.as_str()).or_default() += 1;
+        }
+        let (lo, hi) = (per.values().min().copied(), per.values().max().copied());
+        assert!(
+            per.len() == 4 && lo >= Some(12) && hi <= Some(20),
+            "spread {per:?}"
+        );
+        let gone = at(&p, 1).at.url.clone();
+        at(&p, 1).healthy.store(false, Relaxed);
+        let after = place(&p);
+        for (b, a) in before.iter().zip(&after) {
+            if *b == gone {
+                assert_ne!(*a, gone);
+            } else {
+                assert_eq!(a, b, "a prompt that was not on the one that left moved");
+            }
+        }
+    }
+
     /// Consistent hashing: a key keeps its endpoint; an endpoint that leaves moves its own
     /// keys only.
     #[test]

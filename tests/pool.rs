@@ -1061,3 +1061,45 @@ async fn prefix_affinity_keeps_prompts_where_they_are_cached() {
         "TTFT p50: prefix {px_p50:.0} ms, least_loaded {ll_p50:.0} ms"
     );
 }
+
+/// Bad input under `balance = "prefix"`: a 30 MB prompt, a body that is not JSON and an
+/// empty messages list are forwarded as they would be under any balance (the backend's
+/// answer, whatever it is), chosen by load; none is lost and no slot is left behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn odd_prompts_under_prefix_are_forwarded_and_chosen_by_load() {
+    let sims = [sim("1:2").model("a").await, sim("1:2").model("b").await];
+    let addrs: Vec<SocketAddr> = sims.iter().map(|s| s.addr).collect();
+    let tap = proxy(&[], &pool_config(&addrs, "balance = \"prefix\"\n")).await;
+    let p = proxy_addr(&tap);
+    let huge = format!(
+        r#"{{"model":"m","stream":true,"max_tokens":4,"messages":[{{"role":"user","content":"{}"}}]}}"#,
+        "z".repeat(30_000_000)
+    );
+    let r = send(p, "POST", CHAT, huge.as_bytes(), &[]).await.unwrap();
+    assert_eq!(r.status, 200);
+    assert!(String::from_utf8_lossy(&r.body).contains("[DONE]"));
+    let direct = send(sims[0].addr, "POST", CHAT, b"not json", &[])
+        .await
+        .unwrap();
+    let via = send(p, "POST", CHAT, b"not json", &[]).await.unwrap();
+    assert_eq!(
+        (via.status, via.body.len()),
+        (direct.status, direct.body.len())
+    );
+    let empty = br#"{"model":"m","stream":true,"max_tokens":4,"messages":[]}"#;
+    for _ in 0..4 {
+        let r = send(p, "POST", CHAT, empty, &[]).await.unwrap();
+        assert_eq!(r.status, 200);
+    }
+    let s = stats_when(&tap, |u| u["in_flight"] == 0).await;
+    let served: u64 = s["upstreams"][0]["endpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            assert_eq!(e["in_flight"], 0, "{e:#}");
+            e["requests_total"].as_u64().unwrap()
+        })
+        .sum();
+    assert_eq!(served, 6);
+}

@@ -1021,10 +1021,10 @@ async fn prefix_affinity_keeps_prompts_where_they_are_cached() {
     let mut figures = Vec::new();
     for balance in ["least_loaded", "prefix"] {
         let sims = [
-            sim("1:5").prefix_cache(5 * prompt_tokens, 0.05).await,
-            sim("1:5").prefix_cache(5 * prompt_tokens, 0.05).await,
-            sim("1:5").prefix_cache(5 * prompt_tokens, 0.05).await,
-            sim("1:5").prefix_cache(5 * prompt_tokens, 0.05).await,
+            sim("1:5").prefix_cache(5 * prompt_tokens, 0.02).await,
+            sim("1:5").prefix_cache(5 * prompt_tokens, 0.02).await,
+            sim("1:5").prefix_cache(5 * prompt_tokens, 0.02).await,
+            sim("1:5").prefix_cache(5 * prompt_tokens, 0.02).await,
         ];
         let addrs: Vec<SocketAddr> = sims.iter().map(|s| s.addr).collect();
         let extra = format!(
@@ -1042,6 +1042,19 @@ async fn prefix_affinity_keeps_prompts_where_they_are_cached() {
         let ours = 100.0 * u["cached_input_tokens_total"].as_f64().unwrap()
             / u["input_tokens_total"].as_f64().unwrap();
         let peaks: Vec<u64> = sims.iter().map(|s| s.engine.stats().peak_batch).collect();
+        let each: Vec<String> = (sims.iter())
+            .zip(u["endpoints"].as_array().unwrap())
+            .map(|(s, e)| {
+                let st = s.engine.stats();
+                format!(
+                    "{:.0}% of {} (index {})",
+                    100.0 * st.cached_prompt_tokens as f64 / st.prompt_tokens.max(1) as f64,
+                    st.prompt_tokens / prompt_tokens,
+                    e["prefix_index_blocks"]
+                )
+            })
+            .collect();
+        eprintln!("{balance}: each replica {each:?}");
         let p50 = median(ttfts.clone());
         eprintln!(
             "{balance}: {} requests, TTFT p50 {p50:.0} ms, hit rate {theirs:.1}% (tokentap's {ours:.1}%), peaks {peaks:?}",

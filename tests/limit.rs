@@ -20,11 +20,7 @@ async fn the_backend_never_sees_more_than_the_cap() {
         "max_concurrency = 16\nmax_queue = 1000\n",
     )
     .await;
-    let load = Closed {
-        clients: 64,
-        secs: 2.0,
-        ..Closed::default()
-    };
+    let load = Closed::of(64, 2.0);
     let phase = tokio::spawn(closed_loop(proxy_addr(&tap), load));
     // Read the backend's peak while the load still runs: when the phase ends, its clients
     // all leave at once, and the backend only notices each abort at its next decode step

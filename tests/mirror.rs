@@ -81,16 +81,7 @@ async fn the_paired_verdict_names_the_faster_on_the_same_prompts() {
         &config(a.addr, b.addr, "percent = 20, max_in_flight = 64"),
     )
     .await;
-    let r = closed_loop(
-        proxy_addr(&tap),
-        Closed {
-            clients: 32,
-            secs: 12.0,
-            max_tokens: 30,
-            usage: true,
-        },
-    )
-    .await;
+    let r = closed_loop(proxy_addr(&tap), Closed::of(32, 12.0).with_usage()).await;
     assert!(r.errors.is_empty(), "{:?}", r.errors);
     let admin = tap.shared().config.listen.admin;
     let c = fetch(admin, "GET", "/compare?a=a&b=b", b"").await;
@@ -182,16 +173,7 @@ async fn the_primary_neither_sees_nor_waits_on_its_mirror() {
     ];
     for (what, b) in cases {
         let tap = proxy(&[], &config(a.addr, b, "max_in_flight = 4")).await;
-        let busy = closed_loop(
-            proxy_addr(&tap),
-            Closed {
-                clients: 8,
-                secs: 2.0,
-                max_tokens: 30,
-                usage: true,
-            },
-        )
-        .await;
+        let busy = closed_loop(proxy_addr(&tap), Closed::of(8, 2.0).with_usage()).await;
         assert!(busy.errors.is_empty(), "{what}: {:?}", busy.errors);
         let r = closed_loop(
             proxy_addr(&tap),
@@ -247,16 +229,7 @@ async fn the_mirror_s_cap_holds_and_its_figures_are_its_own() {
         sim("1:5").ttft(20.0).model("b").await,
     );
     let tap = proxy(&[], &config(a.addr, b.addr, "max_in_flight = 3")).await;
-    let r = closed_loop(
-        proxy_addr(&tap),
-        Closed {
-            clients: 16,
-            secs: 3.0,
-            max_tokens: 30,
-            usage: true,
-        },
-    )
-    .await;
+    let r = closed_loop(proxy_addr(&tap), Closed::of(16, 3.0).with_usage()).await;
     assert!(r.errors.is_empty(), "{:?}", r.errors);
     let s = stats_where(&tap, |s| upstream(s, "b")["shadow"]["in_flight"] == 0).await;
     assert!(
@@ -399,16 +372,7 @@ async fn a_copy_is_metered_and_judged_as_a_primary_is() {
         a.addr, closes.addr, good.addr
     );
     let tap = proxy(&[], &text).await;
-    let r = closed_loop(
-        proxy_addr(&tap),
-        Closed {
-            clients: 2,
-            secs: 1.5,
-            max_tokens: 30,
-            usage: true,
-        },
-    )
-    .await;
+    let r = closed_loop(proxy_addr(&tap), Closed::of(2, 1.5).with_usage()).await;
     assert!(r.errors.is_empty(), "{:?}", r.errors);
     let s = stats_where(&tap, |s| upstream(s, "b")["shadow"]["in_flight"] == 0).await;
     let ub = upstream(&s, "b");

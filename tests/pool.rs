@@ -468,14 +468,7 @@ async fn the_cap_holds_on_each_endpoint() {
         &pool_config(&addrs, "max_concurrency = 8\nmax_queue = 1000\n"),
     )
     .await;
-    let run = common::closed_loop(
-        proxy_addr(&tap),
-        Closed {
-            clients: 48,
-            secs: 2.0,
-            ..Closed::default()
-        },
-    );
+    let run = common::closed_loop(proxy_addr(&tap), Closed::of(48, 2.0));
     let peaks = async {
         tokio::time::sleep(Duration::from_millis(1500)).await;
         let s = stats(&tap).await;
@@ -517,15 +510,7 @@ async fn least_loaded_spares_a_slow_replica() {
             &pool_config(&addrs, &format!("balance = \"{balance}\"\n")),
         )
         .await;
-        let r = common::closed_loop(
-            proxy_addr(&tap),
-            Closed {
-                clients: 24,
-                secs: 3.0,
-                ..Closed::default()
-            },
-        )
-        .await;
+        let r = common::closed_loop(proxy_addr(&tap), Closed::of(24, 3.0)).await;
         assert!(r.errors.is_empty(), "{:?}", r.errors);
         let requests: Vec<u64> = sims.iter().map(|s| s.engine.stats().completed).collect();
         let total: u64 = requests.iter().sum();
@@ -744,15 +729,7 @@ async fn each_endpoints_backend_is_scraped() {
     })
     .await;
     assert_eq!(s["upstreams"][0]["concurrency_source"], "backend", "{s:#}");
-    let r = common::closed_loop(
-        proxy_addr(&tap),
-        Closed {
-            clients: 4,
-            secs: 1.0,
-            ..Closed::default()
-        },
-    )
-    .await;
+    let r = common::closed_loop(proxy_addr(&tap), Closed::of(4, 1.0)).await;
     assert!(r.errors.is_empty(), "{:?}", r.errors);
     let s = stats(&tap).await;
     let curve = s["upstreams"][0]["curve"].as_array().unwrap();

@@ -120,6 +120,25 @@ impl Default for Closed {
     }
 }
 
+impl Closed {
+    /// `clients` for `secs`, 30 tokens a reply.
+    pub fn of(clients: usize, secs: f64) -> Closed {
+        Closed {
+            clients,
+            secs,
+            ..Closed::default()
+        }
+    }
+
+    /// Asking for the stream's usage.
+    pub fn with_usage(self) -> Closed {
+        Closed {
+            usage: true,
+            ..self
+        }
+    }
+}
+
 /// `load`'s clients through `proxy` for its time, measured from the start.
 pub async fn closed_loop(proxy: SocketAddr, load: Closed) -> PhaseReport {
     let target = LoadArgs {

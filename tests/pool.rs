@@ -939,6 +939,18 @@ async fn prompted_loop(
     secs: f64,
     prompts: Arc<Vec<String>>,
 ) -> Vec<f64> {
+    drawn_loop(proxy, clients, secs, prompts, false).await
+}
+
+/// [`prompted_loop`]; `hot`: half the requests carry the first prompt, the rest drawn
+/// uniformly.
+async fn drawn_loop(
+    proxy: SocketAddr,
+    clients: usize,
+    secs: f64,
+    prompts: Arc<Vec<String>>,
+    hot: bool,
+) -> Vec<f64> {
     let end = Instant::now() + Duration::from_secs_f64(secs);
     let mut tasks = Vec::new();
     for c in 0..clients {
@@ -948,7 +960,12 @@ async fn prompted_loop(
             let mut i = c * 7919;
             while Instant::now() < end {
                 i = i.wrapping_mul(1_103_515_245).wrapping_add(12_345);
-                let system = &prompts[(i >> 8) % prompts.len()];
+                let k = if hot && (i >> 20) % 2 == 0 {
+                    0
+                } else {
+                    (i >> 8) % prompts.len()
+                };
+                let system = &prompts[k];
                 let body = format!(
                     r#"{{"model":"m","stream":true,"max_tokens":8,"messages":[{{"role":"system","content":"{system}"}},{{"role":"user","content":"question {i}"}}]}}"#
                 );
@@ -1092,4 +1109,43 @@ async fn odd_prompts_under_prefix_are_forwarded_and_chosen_by_load() {
         })
         .sum();
     assert_eq!(served, 6);
+}
+
+/// One prompt taking half the traffic, the other 15 sharing the rest: the hot prefix
+/// spills past its replica's load bound rather than waiting on it, no replica passes its
+/// cap, and the TTFT p90 is reported (docs/pools.md).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hot_prefix_spreads_and_no_replica_passes_its_cap() {
+    let words = |p: usize| -> String {
+        (0..1200)
+            .map(|w| format!("w{}x{}", p, w % 97))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let prompts: Arc<Vec<String>> = Arc::new((0..16).map(words).collect());
+    let prompt_tokens = prompts[0].len() as u64 / 4;
+    let mut sims = Vec::new();
+    for _ in 0..4 {
+        sims.push(sim("1:5").prefix_cache(5 * prompt_tokens, 0.02).await);
+    }
+    let addrs: Vec<SocketAddr> = sims.iter().map(|s| s.addr).collect();
+    let extra =
+        "balance = \"prefix\"\nmax_concurrency = 12\nmax_queue = 1000\ninject_usage = true\n";
+    let tap = proxy(&[], &pool_config(&addrs, extra)).await;
+    let mut ttfts = drawn_loop(proxy_addr(&tap), 24, 6.0, Arc::clone(&prompts), true).await;
+    let s = stats_when(&tap, |u| u["in_flight"] == 0).await;
+    let peaks: Vec<u64> = sims.iter().map(|s| s.engine.stats().peak_batch).collect();
+    ttfts.sort_by(f64::total_cmp);
+    let p90 = ttfts[ttfts.len() * 9 / 10];
+    let u = &s["upstreams"][0];
+    eprintln!(
+        "hot prefix: {} requests, TTFT p50 {:.0} ms p90 {p90:.0} ms, hit rate {:.1}%, peaks {peaks:?}",
+        ttfts.len(),
+        median(ttfts.clone()),
+        u["cache_hit_rate_pct"].as_f64().unwrap_or(0.0)
+    );
+    // Half of 24 clients on one prompt is 12 in flight on its replica on average, its
+    // cap: only by spilling past the load bound do they all get served.
+    assert!(peaks.iter().all(|&p| p <= 12), "{peaks:?}");
+    assert!(ttfts.len() > 500, "{}", ttfts.len());
 }

@@ -154,16 +154,11 @@ async fn the_primary_neither_sees_nor_waits_on_its_mirror() {
                                     // steps make TTFT take a few values, and its median can land on either.
     let alone = proxy(&[("a", a.addr)], "").await;
     // Short answers (6 tokens, ~70 ms), so that each median is of some 40 requests.
-    let base = closed_loop(
-        proxy_addr(&alone),
-        Closed {
-            clients: 1,
-            secs: 3.0,
-            max_tokens: 6,
-            usage: true,
-        },
-    )
-    .await;
+    let one_client = Closed {
+        max_tokens: 6,
+        ..Closed::of(1, 3.0).with_usage()
+    };
+    let base = closed_loop(proxy_addr(&alone), one_client.clone()).await;
     assert!(base.errors.is_empty(), "{:?}", base.errors);
     let cases = [
         ("healthy", healthy.addr),
@@ -175,16 +170,7 @@ async fn the_primary_neither_sees_nor_waits_on_its_mirror() {
         let tap = proxy(&[], &config(a.addr, b, "max_in_flight = 4")).await;
         let busy = closed_loop(proxy_addr(&tap), Closed::of(8, 2.0).with_usage()).await;
         assert!(busy.errors.is_empty(), "{what}: {:?}", busy.errors);
-        let r = closed_loop(
-            proxy_addr(&tap),
-            Closed {
-                clients: 1,
-                secs: 3.0,
-                max_tokens: 6,
-                usage: true,
-            },
-        )
-        .await;
+        let r = closed_loop(proxy_addr(&tap), one_client.clone()).await;
         assert!(r.errors.is_empty(), "{what}: {:?}", r.errors);
         for (name, x, y) in [
             ("TTFT p50", base.ttft_ms.p50, r.ttft_ms.p50),

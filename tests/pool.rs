@@ -991,6 +991,32 @@ async fn drawn_loop(
     all
 }
 
+/// Sixteen system prompts of 1,200 words each.
+fn shared_prompts() -> Arc<Vec<String>> {
+    let words = |p: usize| -> String {
+        (0..1200)
+            .map(|w| format!("w{}x{}", p, w % 97))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    Arc::new((0..16).map(words).collect())
+}
+
+/// The tokens of one of `prompts`, as the simulator counts them (4 bytes a token).
+fn tokens_of(prompts: &[String]) -> u64 {
+    prompts[0].len() as u64 / 4
+}
+
+/// Four replicas whose prefix caches each hold five of `prompts`, a miss prefilled at
+/// 0.02 ms a token on one serial unit.
+async fn caching_replicas(prompts: &[String]) -> Vec<Sim> {
+    let mut sims = Vec::new();
+    for _ in 0..4 {
+        sims.push(sim("1:5").prefix_cache(5 * tokens_of(prompts), 0.02).await);
+    }
+    sims
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -1004,22 +1030,10 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// no replica's batch passes its cap.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefix_affinity_keeps_prompts_where_they_are_cached() {
-    let words = |p: usize| -> String {
-        (0..1200)
-            .map(|w| format!("w{}x{}", p, w % 97))
-            .collect::<Vec<_>>()
-            .join(" ")
-    };
-    let prompts: Arc<Vec<String>> = Arc::new((0..16).map(words).collect());
-    let prompt_tokens = prompts[0].len() as u64 / 4;
+    let prompts = shared_prompts();
     let mut figures = Vec::new();
     for balance in ["least_loaded", "prefix"] {
-        let sims = [
-            sim("1:5").prefix_cache(5 * prompt_tokens, 0.02).await,
-            sim("1:5").prefix_cache(5 * prompt_tokens, 0.02).await,
-            sim("1:5").prefix_cache(5 * prompt_tokens, 0.02).await,
-            sim("1:5").prefix_cache(5 * prompt_tokens, 0.02).await,
-        ];
+        let sims = caching_replicas(&prompts).await;
         let addrs: Vec<SocketAddr> = sims.iter().map(|s| s.addr).collect();
         let extra = format!(
             "balance = \"{balance}\"\nmax_concurrency = 12\nmax_queue = 1000\ninject_usage = true\n"
@@ -1043,7 +1057,7 @@ async fn prefix_affinity_keeps_prompts_where_they_are_cached() {
                 format!(
                     "{:.0}% of {} (index {})",
                     100.0 * st.cached_prompt_tokens as f64 / st.prompt_tokens.max(1) as f64,
-                    st.prompt_tokens / prompt_tokens,
+                    st.prompt_tokens / tokens_of(&prompts),
                     e["prefix_index_blocks"]
                 )
             })
@@ -1116,18 +1130,8 @@ async fn odd_prompts_under_prefix_are_forwarded_and_chosen_by_load() {
 /// cap, and the TTFT p90 is reported (docs/pools.md).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hot_prefix_spreads_and_no_replica_passes_its_cap() {
-    let words = |p: usize| -> String {
-        (0..1200)
-            .map(|w| format!("w{}x{}", p, w % 97))
-            .collect::<Vec<_>>()
-            .join(" ")
-    };
-    let prompts: Arc<Vec<String>> = Arc::new((0..16).map(words).collect());
-    let prompt_tokens = prompts[0].len() as u64 / 4;
-    let mut sims = Vec::new();
-    for _ in 0..4 {
-        sims.push(sim("1:5").prefix_cache(5 * prompt_tokens, 0.02).await);
-    }
+    let prompts = shared_prompts();
+    let sims = caching_replicas(&prompts).await;
     let addrs: Vec<SocketAddr> = sims.iter().map(|s| s.addr).collect();
     let extra =
         "balance = \"prefix\"\nmax_concurrency = 12\nmax_queue = 1000\ninject_usage = true\n";

@@ -328,6 +328,15 @@ fn least_squares(points: impl Iterator<Item = (f64, f64)> + Clone) -> (f64, f64,
     (alpha, beta, rss / (n - 2.0).max(1.0), sxx, mx)
 }
 
+/// The mean of `values` and its standard error.
+fn mean_and_se(values: impl Iterator<Item = f64>) -> (f64, f64) {
+    let v: Vec<f64> = values.collect();
+    let n = v.len() as f64;
+    let m = v.iter().sum::<f64>() / n;
+    let var = v.iter().map(|x| (x - m).powi(2)).sum::<f64>() / (n - 1.0);
+    (m, (var / n).sqrt())
+}
+
 /// One metric's paired difference, (b − a)/a percent, at matched concurrency as
 /// `matching` says, with a normal 95% CI.
 fn diff(a: &str, b: &str, o: &[Obs], matching: Matching, lower: bool) -> MetricDiff {
@@ -337,14 +346,8 @@ fn diff(a: &str, b: &str, o: &[Obs], matching: Matching, lower: bool) -> MetricD
         return none;
     }
     let nf = n as f64;
-    let mean_and_se = |v: &mut dyn Iterator<Item = f64>| {
-        let v: Vec<f64> = v.collect();
-        let m = v.iter().sum::<f64>() / nf;
-        let var = v.iter().map(|x| (x - m).powi(2)).sum::<f64>() / (nf - 1.0);
-        (m, (var / nf).sqrt())
-    };
     let (est, se) = match matching {
-        Matching::Matched => mean_and_se(&mut o.iter().map(|p| p.log_ratio)),
+        Matching::Matched => mean_and_se(o.iter().map(|p| p.log_ratio)),
         Matching::Regression => {
             // The intercept: the ratio at a difference of 0, and its standard error.
             let (alpha, _, s2, sxx, mx) = least_squares(o.iter().map(|p| (p.dc, p.log_ratio)));
@@ -359,7 +362,7 @@ fn diff(a: &str, b: &str, o: &[Obs], matching: Matching, lower: bool) -> MetricD
             if sxx <= 0.0 {
                 return none;
             }
-            let (m, se_moved) = mean_and_se(&mut o.iter().map(|p| p.log_ratio - slope * p.dc));
+            let (m, se_moved) = mean_and_se(o.iter().map(|p| p.log_ratio - slope * p.dc));
             let step = o.iter().map(|p| p.dc).sum::<f64>() / nf;
             let var_slope = s2 / sxx;
             (m, (se_moved.powi(2) + step * step * var_slope).sqrt())
@@ -367,7 +370,7 @@ fn diff(a: &str, b: &str, o: &[Obs], matching: Matching, lower: bool) -> MetricD
         Matching::None => {
             // As it ran, with no interval: the difference in load cannot be told apart
             // from the difference in backend.
-            let (m, _) = mean_and_se(&mut o.iter().map(|p| p.log_ratio));
+            let (m, _) = mean_and_se(o.iter().map(|p| p.log_ratio));
             return MetricDiff {
                 diff_pct: m.is_finite().then(|| 100.0 * (m.exp() - 1.0)),
                 ..none

@@ -16,14 +16,9 @@ const MAX_EJECTION: Duration = Duration::from_secs(300);
 // === impl Pool ===
 
 impl Pool {
-    /// A connect to `e` failed (nothing was sent).
-    pub fn connect_failed(&self, e: &Endpoint, cause: &str) {
-        e.set_error(cause);
-        self.eject(e, cause);
-    }
-
-    /// `e` closed or reset the connection before any response byte.
-    pub fn reset_before_response(&self, e: &Endpoint, cause: &str) {
+    /// `e` could not be reached (a connect that failed: nothing was sent) or closed or
+    /// reset the connection before any response byte: ejected at once.
+    pub fn unreachable(&self, e: &Endpoint, cause: &str) {
         e.set_error(cause);
         self.eject(e, cause);
     }

@@ -527,12 +527,12 @@ mod tests {
         assert_eq!(limiter.limit(), Some(8));
         let (a, b) = (at(&p, 0), at(&p, 1));
         let now = p.clock.now();
-        p.connect_failed(&a, "connect: refused");
+        p.unreachable(&a, "connect: refused");
         let first = a.ejected_until.load(Relaxed) - now;
         assert!((2_000_000_000..2_500_000_000).contains(&first), "{first}");
         assert_eq!(limiter.limit(), Some(4));
         // b is the last one taking requests: failing, it stays.
-        p.connect_failed(&b, "connect: refused");
+        p.unreachable(&b, "connect: refused");
         assert!(b.eligible(p.clock.now()));
         // Every request goes to b now.
         for _ in 0..4 {
@@ -544,7 +544,7 @@ mod tests {
         p.refresh(p.clock.now());
         assert_eq!(limiter.limit(), Some(8));
         let now = p.clock.now();
-        p.connect_failed(&a, "connect: refused");
+        p.unreachable(&a, "connect: refused");
         let second = a.ejected_until.load(Relaxed) - now;
         assert!((4_000_000_000..4_500_000_000).contains(&second), "{second}");
         // 5xx: eject_after (3) in a row eject; a good answer ends the run.

@@ -39,43 +39,46 @@ impl PrefixCache {
 /// so the same conversation is the same prompt whatever else the request says.
 pub fn prompt_text(v: &Value) -> Vec<u8> {
     let mut out = Vec::new();
-    let mut text = |v: &Value| match v {
-        Value::String(s) => out.extend_from_slice(s.as_bytes()),
-        Value::Array(parts) => {
-            for p in parts {
-                match p {
-                    Value::String(s) => out.extend_from_slice(s.as_bytes()),
-                    _ => {
-                        if let Some(Value::String(s)) = p.get("text") {
-                            out.extend_from_slice(s.as_bytes());
-                        }
-                    }
-                }
-            }
-        }
-        _ => {}
-    };
     for key in ["system", "instructions"] {
         if let Some(s) = v.get(key) {
-            text(s);
+            text(s, &mut out);
         }
     }
     if let Some(Value::Array(messages)) = v.get("messages") {
         for m in messages {
             if let Some(Value::String(role)) = m.get("role") {
-                text(&Value::String(format!("<{role}>")));
+                out.extend_from_slice(format!("<{role}>").as_bytes());
             }
             if let Some(c) = m.get("content") {
-                text(c);
+                text(c, &mut out);
             }
         }
     }
     for key in ["prompt", "input", "inputs"] {
         if let Some(p) = v.get(key) {
-            text(p);
+            text(p, &mut out);
         }
     }
     out
+}
+
+/// Appends the text of `v`: a string, or the strings and `text` parts of a list.
+fn text(v: &Value, out: &mut Vec<u8>) {
+    let parts = match v {
+        Value::Array(parts) => parts.as_slice(),
+        Value::String(_) => std::slice::from_ref(v),
+        _ => return,
+    };
+    for p in parts {
+        match p {
+            Value::String(s) => out.extend_from_slice(s.as_bytes()),
+            _ => {
+                if let Some(Value::String(s)) = p.get("text") {
+                    out.extend_from_slice(s.as_bytes());
+                }
+            }
+        }
+    }
 }
 
 #[cfg(test)]

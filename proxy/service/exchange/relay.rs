@@ -220,65 +220,58 @@ impl TokenTap {
         tokio::pin!(timer);
         let mut flushing = false;
         poll_fn(|cx| loop {
-            let Some(client) = client.as_deref_mut() else {
-                // No client (a mirror's copy): read, metered and let go.
-                out.clear();
-                if relay.done {
-                    return Poll::Ready(Ok(()));
-                }
-                let read = poll_read_with(up, cx, |data, _| {
-                    relay.fragment(self, ctx, self.now(), data, out, None)
-                });
-                match read {
-                    Poll::Ready(Ok(Ok(()))) => {
+            match client.as_deref_mut() {
+                // No client (a mirror's copy): what it would get goes nowhere.
+                None => {
+                    out.clear();
+                    if std::mem::take(&mut flushing) {
                         last = Instant::now();
-                        continue;
-                    }
-                    Poll::Ready(Ok(Err(e))) => return Poll::Ready(Err(e.into_up())),
-                    Poll::Ready(Err(e)) => return Poll::Ready(Err(up_io(ReadError, e))),
-                    Poll::Pending => {}
-                }
-                return silence(cx, timer.as_mut(), last, read_timeout);
-            };
-            while !out.is_empty() {
-                match Pin::new(&mut *client).poll_write(cx, out) {
-                    Poll::Ready(Ok(0)) => {
-                        return Poll::Ready(Err(down(WriteError, "client took 0 bytes")))
-                    }
-                    Poll::Ready(Ok(n)) if n == out.len() => {
-                        ctx.bytes_out += n as u64;
-                        *out = BytesMut::new(); // its memory too
-                    }
-                    Poll::Ready(Ok(n)) => {
-                        ctx.bytes_out += n as u64;
-                        out.advance(n);
-                    }
-                    Poll::Ready(Err(e)) => return Poll::Ready(Err(down_io(WriteError, e))),
-                    Poll::Pending => {
-                        return stall(cx, timer.as_mut(), &mut stalled, stall_limit);
                     }
                 }
-                stalled = None;
-                flushing = true;
-            }
-            if flushing {
-                match Pin::new(&mut *client).poll_flush(cx) {
-                    Poll::Ready(Ok(())) => flushing = false,
-                    Poll::Ready(Err(e)) => return Poll::Ready(Err(down_io(WriteError, e))),
-                    Poll::Pending => {
-                        return stall(cx, timer.as_mut(), &mut stalled, stall_limit);
+                Some(client) => {
+                    while !out.is_empty() {
+                        match Pin::new(&mut *client).poll_write(cx, out) {
+                            Poll::Ready(Ok(0)) => {
+                                return Poll::Ready(Err(down(WriteError, "client took 0 bytes")))
+                            }
+                            Poll::Ready(Ok(n)) if n == out.len() => {
+                                ctx.bytes_out += n as u64;
+                                *out = BytesMut::new(); // its memory too
+                            }
+                            Poll::Ready(Ok(n)) => {
+                                ctx.bytes_out += n as u64;
+                                out.advance(n);
+                            }
+                            Poll::Ready(Err(e)) => return Poll::Ready(Err(down_io(WriteError, e))),
+                            Poll::Pending => {
+                                return stall(cx, timer.as_mut(), &mut stalled, stall_limit);
+                            }
+                        }
+                        stalled = None;
+                        flushing = true;
+                    }
+                    if flushing {
+                        match Pin::new(&mut *client).poll_flush(cx) {
+                            Poll::Ready(Ok(())) => flushing = false,
+                            Poll::Ready(Err(e)) => return Poll::Ready(Err(down_io(WriteError, e))),
+                            Poll::Pending => {
+                                return stall(cx, timer.as_mut(), &mut stalled, stall_limit);
+                            }
+                        }
+                        stalled = None;
+                        // After the write: time spent on a slow client is not upstream
+                        // silence.
+                        last = Instant::now();
                     }
                 }
-                stalled = None;
-                // After the write: time spent on a slow client is not upstream silence.
-                last = Instant::now();
             }
             if relay.done {
                 return Poll::Ready(Ok(()));
             }
             let read = poll_read_with(up, cx, |data, cx| {
                 let now = self.now();
-                relay.fragment(self, ctx, now, data, out, Some((&mut *client, cx)))
+                let to = client.as_deref_mut().map(|c| (c, cx));
+                relay.fragment(self, ctx, now, data, out, to)
             });
             match read {
                 Poll::Ready(Ok(Ok(()))) => {
@@ -289,8 +282,10 @@ impl TokenTap {
                 Poll::Ready(Err(e)) => return Poll::Ready(Err(up_io(ReadError, e))),
                 Poll::Pending => {}
             }
-            if let Some(gone) = poll_client_gone(client, cx, watch, leftover) {
-                return Poll::Ready(Err(gone));
+            if let Some(client) = client.as_deref_mut() {
+                if let Some(gone) = poll_client_gone(client, cx, watch, leftover) {
+                    return Poll::Ready(Err(gone));
+                }
             }
             return silence(cx, timer.as_mut(), last, read_timeout);
         })
@@ -337,7 +332,7 @@ pub(super) fn health_after_head<T>(
         Err(e) => match e.etype() {
             ConnectionClosed | ReadError => {
                 let cause = e.etype().as_str();
-                pool.reset_before_response(endpoint, &format!("before its response head: {cause}"));
+                pool.unreachable(endpoint, &format!("before its response head: {cause}"));
             }
             ReadTimedout => pool.failed(
                 endpoint,

@@ -206,7 +206,7 @@ impl TokenTap {
                 Err(e) => e,
             };
             e.retry.decide_reuse(false);
-            pool.connect_failed(&endpoint, &connect_cause(&e));
+            pool.unreachable(&endpoint, &connect_cause(&e));
             if !e.retry() || attempt >= ATTEMPTS {
                 return Err(e.into_up());
             }

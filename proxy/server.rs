@@ -238,7 +238,8 @@ impl BackgroundService for SloControl {
                 .upstreams
                 .iter()
                 .filter_map(|u| {
-                    let adaptive = u.slo.clone()?;
+                    // Under `slo_headroom` each endpoint's cap is its own (`pool::headroom`).
+                    let adaptive = u.slo.clone().filter(|_| !u.pool.caps_each_endpoint())?;
                     Some((
                         Arc::clone(&u.meter),
                         Arc::clone(&u.limiter),

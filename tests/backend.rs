@@ -50,10 +50,8 @@ async fn three_replicas_each_draw_the_backend_s_batch() {
     let mut loops = Vec::new();
     for r in &replicas {
         let load = Closed {
-            clients: 16,
-            secs: 5.0,
             max_tokens: 400,
-            usage: false,
+            ..Closed::of(16, 5.0)
         };
         loops.push(tokio::spawn(closed_loop(proxy_addr(r), load)));
     }

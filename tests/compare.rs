@@ -22,10 +22,8 @@ async fn compare_names_the_faster_backend() {
     .await;
     let admin = tap.shared().config.listen.admin;
     let load = Closed {
-        clients: 32,
-        secs: 8.0,
         max_tokens: 24,
-        usage: true,
+        ..Closed::of(32, 8.0).with_usage()
     };
     let r = closed_loop(proxy_addr(&tap), load).await;
     assert!(r.errors.is_empty(), "{:?}", r.errors);

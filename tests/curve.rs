@@ -24,10 +24,8 @@ async fn no_point_is_faster_than_the_backend_can_run() {
     .unwrap();
     let tap = proxy(&[("sim", sim.addr)], "").await;
     let load = Closed {
-        clients: 24,
-        secs: 4.0,
         max_tokens: 150,
-        usage: true,
+        ..Closed::of(24, 4.0).with_usage()
     };
     let report = closed_loop(proxy_addr(&tap), load).await;
     assert!(report.errors.is_empty(), "{:?}", report.errors);

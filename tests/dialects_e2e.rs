@@ -96,7 +96,8 @@ async fn every_dialect_through_the_proxy() {
             .unwrap();
         let target = a.target().unwrap();
         for _ in 0..3 {
-            let resp = fetch(proxy_addr(&tap), "POST", &target.path, &target.body).await;
+            let (body, _) = target.workload.next(None);
+            let resp = fetch(proxy_addr(&tap), "POST", &target.path, &body).await;
             assert_eq!(resp.status, 200, "{dialect:?}");
         }
         let s = stats_when(&tap, |u| {

@@ -534,6 +534,74 @@ async fn least_loaded_spares_a_slow_replica() {
     );
 }
 
+/// Three replicas, one of them 2× slower per token and over the 30 ms TPOT SLO even alone
+/// (40 ms): `slo_headroom` sends it nothing while the others have room, so the pool's
+/// client-side TPOT p90 holds the SLO, where `least_loaded` (uncapped) sends it a third of
+/// the requests and breaks it; at ≥ 0.8× `least_loaded`'s system T/s. Each endpoint's own
+/// cap shows in `/stats`, the slow one's at its floor.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slo_headroom_holds_the_tpot_slo_where_least_loaded_breaks_it() {
+    let mut figures = Vec::new();
+    for balance in ["least_loaded", "slo_headroom"] {
+        let sims = [
+            sim("1:20,32:28").model("fast-1").await,
+            sim("1:20,32:28").model("fast-2").await,
+            sim("1:40,32:56").model("slow").await,
+        ];
+        let addrs: Vec<SocketAddr> = sims.iter().map(|s| s.addr).collect();
+        let extra = match balance {
+            "least_loaded" => String::new(),
+            _ => {
+                format!("balance = \"{balance}\"\nmax_queue = 1000\n[upstream.slo]\ntpot_ms = 30\n")
+            }
+        };
+        let tap = proxy(&[], &pool_config(&addrs, &extra)).await;
+        // Warmed up: the caps rise from 4 a replica by at most a quarter a second.
+        let r = common::closed_loop(proxy_addr(&tap), Closed::of(24, 6.0).after(9.0)).await;
+        assert!(r.errors.is_empty(), "{balance}: {:?}", r.errors);
+        let requests: Vec<u64> = sims.iter().map(|s| s.engine.stats().completed).collect();
+        let slow_share = requests[2] as f64 / requests.iter().sum::<u64>() as f64;
+        let (p90, tps) = (r.tpot_ms.p90.unwrap(), r.system_tps.unwrap());
+        let s = stats(&tap).await;
+        let caps: Vec<String> = (s["upstreams"][0]["endpoints"].as_array().unwrap().iter())
+            .map(|e| format!("{} {}", e["limit"], e["slo_headroom"]))
+            .collect();
+        eprintln!(
+            "{balance}: requests {requests:?} (slow {:.1}%), TPOT p90 {p90:.1} ms, {tps:.0} T/s, TTFT p50 {:.0} ms; endpoints {caps:?}",
+            100.0 * slow_share,
+            r.ttft_ms.p50.unwrap()
+        );
+        figures.push((slow_share, p90, tps, s));
+    }
+    let (ll, sh) = (&figures[0], &figures[1]);
+    assert!(ll.1 > 30.0, "least_loaded's TPOT p90 {:.1} ms", ll.1);
+    assert!(sh.1 <= 30.0, "slo_headroom's TPOT p90 {:.1} ms", sh.1);
+    assert!(
+        sh.0 < 0.05,
+        "slo_headroom sent the slow replica {:.3}",
+        sh.0
+    );
+    assert!(
+        sh.2 >= 0.8 * ll.2,
+        "system T/s: slo_headroom {:.0}, least_loaded {:.0}",
+        sh.2,
+        ll.2
+    );
+    let u = &sh.3["upstreams"][0];
+    assert_eq!(u["balance"], "slo_headroom");
+    assert_eq!(u["slo"]["controller"], "per_endpoint");
+    let limits: Vec<u64> = (u["endpoints"].as_array().unwrap().iter())
+        .map(|e| e["limit"].as_u64().unwrap())
+        .collect();
+    assert!(limits[2] < limits[0].min(limits[1]), "caps {limits:?}");
+    assert!(
+        u["endpoints"][2]["slo_headroom"]["next_tpot_ms"]
+            .as_f64()
+            .unwrap()
+            > 30.0
+    );
+}
+
 /// `consistent_hash:header:x-session`: every request of a session goes to one replica while
 /// it takes requests; when one replica dies, only its sessions move.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -198,7 +198,11 @@ fn report(shared: &Shared, i: usize, u: &Upstream, now: crate::meter::Nanos) -> 
                 current_tpot_ms: current,
                 slo_bounded_system_tps: bound.map(|b| b.system_tps),
                 slo_bounded_concurrency: bound.map(|b| b.concurrency),
-                controller: u.slo.as_ref().map(|a| a.role().label()),
+                // Under `slo_headroom` each endpoint's own controller moves its cap.
+                controller: u.slo.as_ref().map(|a| match u.pool.caps_each_endpoint() {
+                    true => "per_endpoint",
+                    false => a.role().label(),
+                }),
             }
         }),
         cost: economics
@@ -243,6 +247,7 @@ fn report(shared: &Shared, i: usize, u: &Upstream, now: crate::meter::Nanos) -> 
             crate::config::Balance::RoundRobin => "round_robin".into(),
             crate::config::Balance::ConsistentHash(h) => format!("consistent_hash:header:{h}"),
             crate::config::Balance::Prefix => "prefix".into(),
+            crate::config::Balance::SloHeadroom => "slo_headroom".into(),
         },
         endpoints,
     }

@@ -342,6 +342,9 @@ pub enum Balance {
     ConsistentHash(HeaderName),
     /// The endpoint most likely to hold the prompt's prefix in its KV cache, by load bound.
     Prefix,
+    /// The endpoint whose own curve predicts the most room under the upstream's SLO with
+    /// one more request; with `slo.tpot_ms`, each endpoint's cap from its own curve.
+    SloHeadroom,
 }
 
 impl Balance {
@@ -350,12 +353,13 @@ impl Balance {
             "least_loaded" => Ok(Balance::LeastLoaded),
             "round_robin" => Ok(Balance::RoundRobin),
             "prefix" => Ok(Balance::Prefix),
+            "slo_headroom" => Ok(Balance::SloHeadroom),
             _ => match text.strip_prefix("consistent_hash:header:") {
                 Some(name) => HeaderName::from_bytes(name.as_bytes())
                     .map(Balance::ConsistentHash)
                     .map_err(|_| format!("`{name}` is not a header name")),
                 None => Err(format!(
-                    "must be \"least_loaded\", \"round_robin\", \"prefix\" or \"consistent_hash:header:NAME\", not `{text}`"
+                    "must be \"least_loaded\", \"round_robin\", \"prefix\", \"slo_headroom\" or \"consistent_hash:header:NAME\", not `{text}`"
                 )),
             },
         }
@@ -930,14 +934,14 @@ split = { "a" = 0 }
             "[[upstream]]\nname = \"c\"\ndiscover = { dns = \"vllm.svc\", nameserver = \"dns\" }\n",
             "health = { path = \"health\", timeout_ms = 1, unhealthy_after = 0 }\n",
             "[[upstream]]\nname = \"d\"\ndiscover = { file = \"e.txt\", port = 80 }\nbackend_metrics_path = \"metrics\"\n",
-            "[[upstream]]\nname = \"e\"\nendpoints = []\n",
+            "[[upstream]]\nname = \"e\"\nendpoints = []\nbalance = \"slo_headroom\"\n",
             "[[route]]\nsplit = { a = 1 }\n",
         ));
         let want = [
             "upstream[0].url: give one of url, endpoints and discover",
             "upstream[1].endpoints[1]: 127.0.0.1:3 is listed twice",
             "upstream[1].endpoints[2]: scheme `ftp` is not http or https",
-            "upstream[1].balance: must be \"least_loaded\", \"round_robin\", \"prefix\" or \"consistent_hash:header:NAME\", not `random`",
+            "upstream[1].balance: must be \"least_loaded\", \"round_robin\", \"prefix\", \"slo_headroom\" or \"consistent_hash:header:NAME\", not `random`",
             "upstream[1].eject_secs: must be between 1 and 300",
             "upstream[2].discover.port: is required with dns",
             "upstream[2].discover.nameserver: must be an ip:port, not `dns`",
@@ -947,6 +951,7 @@ split = { "a" = 0 }
             "upstream[3].discover.port: applies with dns only",
             "upstream[3].backend_metrics_path: must be a path like /metrics, not `metrics`",
             "upstream[4].endpoints: is empty",
+            "upstream[4].balance: \"slo_headroom\" routes on the SLO: give slo.tpot_ms or slo.ttft_ms",
         ];
         for w in want {
             assert!(p.iter().any(|p| p.starts_with(w)), "missing {w}: {p:#?}");

@@ -57,6 +57,9 @@ pub struct Limiter {
     members: AtomicU64,
     /// The pool's own cap (`u64::MAX`: none).
     total: AtomicU64,
+    /// The sum of its endpoints' own caps, when each has one (`balance = "slo_headroom"`;
+    /// `u64::MAX`: each endpoint's is `limit`).
+    sum: AtomicU64,
     state: Mutex<State>,
     rejected: [AtomicU64; 2],
     /// A request had to queue (or was refused) for the limit, not a share, since the
@@ -100,6 +103,7 @@ impl Limiter {
             limit: AtomicU64::new(config.initial.unwrap_or(u64::MAX)),
             members: AtomicU64::new(1),
             total: AtomicU64::new(config.total.unwrap_or(u64::MAX)),
+            sum: AtomicU64::new(u64::MAX),
             state: Mutex::new(State {
                 in_flight: 0,
                 queue: VecDeque::new(),
@@ -114,11 +118,24 @@ impl Limiter {
         })
     }
 
-    /// The pool's limit: each endpoint's times the endpoints, under the total.
+    /// The pool's limit: each endpoint's times the endpoints (or the sum of their own
+    /// caps), under the total.
     fn pool_limit(&self) -> u64 {
-        let each = self.limit.load(Relaxed);
-        each.saturating_mul(self.members.load(Relaxed))
-            .min(self.total.load(Relaxed))
+        let endpoints = match self.sum.load(Relaxed) {
+            u64::MAX => (self.limit.load(Relaxed)).saturating_mul(self.members.load(Relaxed)),
+            sum => sum,
+        };
+        endpoints.min(self.total.load(Relaxed))
+    }
+
+    /// The endpoints that take requests have caps of their own, `sum` together (`None`:
+    /// each has the limiter's); waiting requests are let in at once when it grows.
+    pub fn set_sum(&self, sum: Option<u64>) {
+        let v = sum.unwrap_or(u64::MAX);
+        if self.sum.swap(v, Relaxed) != v {
+            let mut st = self.lock();
+            self.grant_waiting(&mut st);
+        }
     }
 
     /// The limit admitted against here: the pool's, or this replica's share of it.

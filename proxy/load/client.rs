@@ -32,7 +32,8 @@ pub struct Target {
     pub path: String,
     pub dialect: SimDialect,
     pub headers: Vec<(String, String)>,
-    pub body: Bytes,
+    /// What each request asks.
+    pub workload: super::workload::Workload,
 }
 
 type Sender = SendRequest<Full<Bytes>>;
@@ -241,6 +242,8 @@ fn progress_bar(show: bool, total: Duration, mode: Mode) -> ProgressBar {
 /// A closed-loop worker: one keep-alive connection, one request after another.
 async fn worker(target: Arc<Target>, phase: Arc<Phase>) {
     let mut sender: Option<Sender> = None;
+    // Its own conversation, with a shared-prefix workload.
+    let mut conversation = super::workload::Conversation::default();
     while Instant::now() < phase.window_end {
         let s = match sender.as_mut() {
             Some(s) => s,
@@ -254,7 +257,8 @@ async fn worker(target: Arc<Target>, phase: Arc<Phase>) {
                 }
             },
         };
-        match one(s, &target, &phase).await {
+        let asked = target.workload.next(Some(&mut conversation));
+        match one(s, &target, asked, &phase).await {
             Ok(()) => {}
             Err(kind) => {
                 phase.error(kind);
@@ -274,7 +278,8 @@ async fn arrivals(target: Arc<Target>, phase: Arc<Phase>, rate: f64) {
         inflight.spawn(async move {
             match connect(t.addr).await {
                 Ok(mut s) => {
-                    if let Err(kind) = one(&mut s, &t, &p).await {
+                    let asked = t.workload.next(None);
+                    if let Err(kind) = one(&mut s, &t, asked, &p).await {
                         p.error(kind);
                     }
                 }
@@ -299,7 +304,12 @@ async fn connect(addr: SocketAddr) -> Result<Sender, &'static str> {
 }
 
 /// One streamed request; `Err` names the kind of failure.
-async fn one(sender: &mut Sender, target: &Target, phase: &Phase) -> Result<(), String> {
+async fn one(
+    sender: &mut Sender,
+    target: &Target,
+    (body, conversation): (Bytes, Option<u64>),
+    phase: &Phase,
+) -> Result<(), String> {
     let mut req = Request::post(target.path.as_str())
         .header(hyper::header::HOST, target.host.as_str())
         .header(hyper::header::CONTENT_TYPE, "application/json")
@@ -307,8 +317,11 @@ async fn one(sender: &mut Sender, target: &Target, phase: &Phase) -> Result<(), 
     for (k, v) in &target.headers {
         req = req.header(k.as_str(), v.as_str());
     }
+    if let Some(id) = conversation {
+        req = req.header("x-conversation-id", format!("{id:016x}"));
+    }
     let req = req
-        .body(Full::new(target.body.clone()))
+        .body(Full::new(body))
         .map_err(|_| "bad_header".to_owned())?;
     sender
         .ready()
@@ -423,54 +436,6 @@ pub fn default_path(dialect: SimDialect) -> &'static str {
         SimDialect::Tgi => "/generate_stream",
         SimDialect::Ollama => "/api/chat",
         SimDialect::Llamacpp => "/completion",
-    }
-}
-
-/// A streaming request in the dialect's own shape.
-pub fn request_body(
-    dialect: SimDialect,
-    path: &str,
-    model: &str,
-    prompt: &str,
-    max_tokens: u64,
-    include_usage: bool,
-) -> serde_json::Value {
-    use serde_json::json;
-    let messages = json!([{"role": "user", "content": prompt}]);
-    match dialect {
-        SimDialect::Openai
-            if path.ends_with("/completions") && !path.ends_with("/chat/completions") =>
-        {
-            let mut b =
-                json!({"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": true});
-            if include_usage {
-                b["stream_options"] = json!({"include_usage": true});
-            }
-            b
-        }
-        SimDialect::Openai => {
-            let mut b = json!({"model": model, "messages": messages, "max_tokens": max_tokens, "stream": true});
-            if include_usage {
-                b["stream_options"] = json!({"include_usage": true});
-            }
-            b
-        }
-        SimDialect::Responses => {
-            json!({"model": model, "input": prompt, "max_output_tokens": max_tokens, "stream": true})
-        }
-        SimDialect::Anthropic => {
-            json!({"model": model, "messages": messages, "max_tokens": max_tokens, "stream": true})
-        }
-        SimDialect::Tgi => {
-            json!({"inputs": prompt, "parameters": {"max_new_tokens": max_tokens, "details": true}})
-        }
-        SimDialect::Ollama if path.ends_with("/generate") => {
-            json!({"model": model, "prompt": prompt, "stream": true, "options": {"num_predict": max_tokens}})
-        }
-        SimDialect::Ollama => {
-            json!({"model": model, "messages": messages, "stream": true, "options": {"num_predict": max_tokens}})
-        }
-        SimDialect::Llamacpp => json!({"prompt": prompt, "n_predict": max_tokens, "stream": true}),
     }
 }
 

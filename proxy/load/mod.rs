@@ -12,6 +12,7 @@
 mod client;
 mod plot;
 mod report;
+pub mod workload;
 
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::Arc;
@@ -69,6 +70,26 @@ pub struct LoadArgs {
         default_value = "Tell me a long story about a lighthouse keeper."
     )]
     pub prompt: String,
+    /// A shared-prefix workload instead of one prompt: N system prompts, each opening
+    /// conversations (`--turns`), drawn by `--popularity`.
+    #[arg(long, value_name = "N")]
+    pub shared_prefixes: Option<usize>,
+    /// Words of each shared system prompt (about 1.3 tokens each).
+    #[arg(
+        long,
+        value_name = "W",
+        default_value_t = 1200,
+        requires = "shared_prefixes"
+    )]
+    pub prefix_words: usize,
+    /// How the system prompts are drawn: uniform, zipf (1 / k) or zipf:S (1 / k^S).
+    #[arg(long, default_value = "uniform", requires = "shared_prefixes")]
+    pub popularity: workload::Popularity,
+    /// Requests of each conversation: each sends the history so far back with its next
+    /// question (closed loop: one conversation a client; open loop: arrivals go on with
+    /// 256 conversations).
+    #[arg(long, default_value_t = 1, requires = "shared_prefixes")]
+    pub turns: u32,
     /// One JSON object per phase on stdout instead of the table.
     #[arg(long)]
     pub json: bool,
@@ -109,6 +130,10 @@ impl LoadArgs {
             headers: vec![],
             model: "tokentap-sim".into(),
             prompt: "Tell me a long story about a lighthouse keeper.".into(),
+            shared_prefixes: None,
+            prefix_words: 1200,
+            popularity: workload::Popularity::Uniform,
+            turns: 1,
             json: false,
             slo: None,
             records: None,
@@ -144,14 +169,37 @@ impl LoadArgs {
             .path
             .clone()
             .unwrap_or_else(|| client::default_path(self.dialect).to_owned());
-        let body = client::request_body(
-            self.dialect,
-            &path,
-            &self.model,
-            &self.prompt,
-            self.max_tokens,
-            self.include_usage,
-        );
+        let shape = workload::Shape {
+            dialect: self.dialect,
+            path: path.clone(),
+            model: self.model.clone(),
+            max_tokens: self.max_tokens,
+            include_usage: self.include_usage,
+        };
+        let workload = match self.shared_prefixes {
+            Some(0) => bail!("--shared-prefixes must be at least 1"),
+            Some(n) if n > 100_000 => bail!("--shared-prefixes must be at most 100000"),
+            Some(_) if self.prefix_words == 0 || self.prefix_words > 100_000 => {
+                bail!("--prefix-words must be between 1 and 100000")
+            }
+            Some(_) if self.turns == 0 || self.turns > 1000 => {
+                bail!("--turns must be between 1 and 1000")
+            }
+            Some(n) => workload::Workload::Shared(workload::Shared::new(
+                shape,
+                n,
+                self.prefix_words,
+                self.popularity,
+                self.turns,
+            )),
+            None => {
+                let one = [workload::Message {
+                    role: "user",
+                    text: self.prompt.clone(),
+                }];
+                workload::Workload::One(Bytes::from(workload::body(&shape, &one).to_string()))
+            }
+        };
         Ok(Arc::new(Target {
             addr,
             host: match uri.port_u16() {
@@ -161,7 +209,7 @@ impl LoadArgs {
             path,
             dialect: self.dialect,
             headers,
-            body: Bytes::from(body.to_string()),
+            workload,
         }))
     }
 }

@@ -36,10 +36,25 @@ pub struct EndpointMeter {
 
 #[derive(Debug, Default)]
 struct Recent {
-    /// Finished requests: when, TTFT ms, TPOT ms (with ≥ 2 tokens).
-    done: VecDeque<(Nanos, Option<f64>, Option<f64>)>,
+    /// Finished requests, oldest first.
+    done: VecDeque<Finished>,
     /// The token total, sampled about once a second.
     tokens_at: VecDeque<(Nanos, u64)>,
+}
+
+/// A finished request, as its endpoint's window figures and its own curve
+/// (`balance = "slo_headroom"`) read it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Finished {
+    pub at: Nanos,
+    /// From the client's request (a wait in tokentap's queue included), ms.
+    pub ttft_ms: Option<f64>,
+    /// With ≥ 2 tokens, ms.
+    pub tpot_ms: Option<f64>,
+    /// From when it was sent to this endpoint, ms.
+    pub sent_ttft_ms: Option<f64>,
+    /// The batch it ran in: the curve's concurrency, the mean over its token events.
+    pub batch: u64,
 }
 
 /// What `/stats` shows of an endpoint's metering, over the live window.
@@ -104,13 +119,30 @@ impl EndpointMeter {
         self.tokens.fetch_add(n, Relaxed);
     }
 
-    /// A request on it finished at `now`.
-    pub(super) fn done(&self, now: Nanos, ttft_ms: Option<f64>, tpot_ms: Option<f64>) {
+    /// A request on it finished.
+    pub(super) fn done(&self, finished: Finished) {
         let mut r = self.lock();
         if r.done.len() >= MAX_DONE {
             r.done.pop_front();
         }
-        r.done.push_back((now, ttft_ms, tpot_ms));
+        r.done.push_back(finished);
+    }
+
+    /// Each request finished on it at or after `since`, the latest first, while `f` asks
+    /// for more (returns true).
+    pub fn finished_since(&self, since: Nanos, mut f: impl FnMut(&Finished) -> bool) {
+        let r = self.lock();
+        for d in r.done.iter().rev().take_while(|d| d.at >= since) {
+            if !f(d) {
+                return;
+            }
+        }
+    }
+
+    /// The count the curve buckets its tokens by now, with `own` of tokentap's requests on
+    /// it: the backend's batch while known.
+    pub fn batch_now(&self, own: u64) -> u64 {
+        self.batch(own)
     }
 
     /// Takes the token total's sample for the window's rate (called about once a second),
@@ -130,7 +162,7 @@ impl EndpointMeter {
         while r.tokens_at.len() > 1 && r.tokens_at[1].0 <= horizon {
             r.tokens_at.pop_front();
         }
-        while r.done.front().is_some_and(|&(at, ..)| at < horizon) {
+        while r.done.front().is_some_and(|d| d.at < horizon) {
             r.done.pop_front();
         }
     }
@@ -156,7 +188,8 @@ impl EndpointMeter {
         });
         let (mut ttft, mut tpot) = (histogram(), histogram());
         let (mut tpot_sum, mut tpot_n) = (0.0, 0u64);
-        for &(_, t, p) in r.done.iter().filter(|(at, ..)| *at >= horizon) {
+        for d in r.done.iter().filter(|d| d.at >= horizon) {
+            let (t, p) = (d.ttft_ms, d.tpot_ms);
             if let Some(t) = t {
                 let _ = ttft.record(us(t));
             }
@@ -199,9 +232,16 @@ mod tests {
         assert_eq!(m.figures(0, 10 * S).system_tps, None);
         m.sample(0, 10 * S);
         m.add_tokens(500);
-        m.done(S, Some(100.0), Some(20.0));
-        m.done(2 * S, Some(300.0), Some(30.0));
-        m.done(2 * S, Some(50.0), None);
+        let done = |at, ttft_ms, tpot_ms| Finished {
+            at,
+            ttft_ms,
+            tpot_ms,
+            sent_ttft_ms: ttft_ms,
+            batch: 1,
+        };
+        m.done(done(S, Some(100.0), Some(20.0)));
+        m.done(done(2 * S, Some(300.0), Some(30.0)));
+        m.done(done(2 * S, Some(50.0), None));
         m.sample(2 * S, 10 * S);
         m.add_tokens(500);
         let f = m.figures(5 * S, 10 * S);

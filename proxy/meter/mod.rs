@@ -30,7 +30,7 @@ use std::time::Duration;
 
 pub use clock::{Clock, Nanos, Outcome};
 pub use curve::{Bound, CurveTotals, SloBound};
-pub use endpoint::{EndpointFigures, EndpointMeter};
+pub use endpoint::{EndpointFigures, EndpointMeter, Finished};
 pub use goodput::{Targets, Verdict};
 pub use samples::{ControlSample, Gaps};
 use shard::Shard;

@@ -295,7 +295,13 @@ impl Stream {
             .model
             .take()
             .map(|model| self.meter.count_model(&model, total));
-        self.endpoint.done(now, summary.ttft_ms, summary.tpot_ms);
+        self.endpoint.done(super::Finished {
+            at: now,
+            ttft_ms: summary.ttft_ms,
+            tpot_ms: summary.tpot_ms,
+            sent_ttft_ms: self.first.map(|f| f.saturating_sub(self.sent) as f64 / 1e6),
+            batch,
+        });
         if let Some(input) = self.input {
             self.endpoint.prompt(input, self.cached);
         }

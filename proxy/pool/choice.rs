@@ -24,7 +24,7 @@ impl Pool {
         match &self.settings.load().balance {
             Balance::ConsistentHash(name) => Keyed::Header(name.clone()),
             Balance::Prefix => Keyed::Prompt,
-            Balance::LeastLoaded | Balance::RoundRobin => Keyed::Nothing,
+            Balance::LeastLoaded | Balance::RoundRobin | Balance::SloHeadroom => Keyed::Nothing,
         }
     }
 
@@ -56,7 +56,7 @@ impl Pool {
         if !members.iter().any(|e| takes(e)) {
             return Err(Unplaced::NoEndpoint);
         }
-        match self.choose(&members, each, key, &takes, &room) {
+        match self.choose(&members, (now, each), key, &takes, &room) {
             Some(e) => Ok(Held::new(Arc::clone(e), slot)),
             None => Err(Unplaced::Full),
         }
@@ -116,7 +116,8 @@ impl Pool {
         let mut tried = Vec::new();
         loop {
             let fleet = held.endpoint.fleet(cluster, &self.name);
-            match fleet.try_lease(each).await {
+            let cap = held.endpoint.cap(Some(each)).unwrap_or(each);
+            match fleet.try_lease(cap).await {
                 Leased::Held(lease) => {
                     held.lease = Some(lease);
                     return held;
@@ -140,7 +141,7 @@ impl Pool {
     fn choose<'a>(
         &self,
         members: &'a [Arc<Endpoint>],
-        each: Option<u64>,
+        (now, each): (Nanos, Option<u64>),
         key: Option<&[u8]>,
         takes: &dyn Fn(&Endpoint) -> bool,
         room: &dyn Fn(&Endpoint) -> bool,
@@ -181,6 +182,10 @@ impl Pool {
                     .find(|e| e.in_flight() < bound && room(e))
             }
             (Balance::Prefix, Some(prompt)) => self.by_prefix(members, each, prompt, takes, room),
+            (Balance::SloHeadroom, _) => match &settings.headroom {
+                Some(h) => self.by_headroom(h, members, now, takes, room),
+                None => None,
+            },
             (Balance::LeastLoaded | Balance::ConsistentHash(_) | Balance::Prefix, _) => {
                 let first = if n == 1 {
                     nth(0)

@@ -50,7 +50,14 @@ pub struct Endpoint {
     /// With `balance = "prefix"`: the prompt blocks it was sent lately, as its prefix
     /// cache would hold them (bounded, the oldest out first).
     pub(super) prefixes: Mutex<BlockLru>,
+    /// Its own cap under `slo_headroom` with a TPOT SLO ([`POOLED`]: the pool's cap for
+    /// each endpoint), and its curve and controller there.
+    pub(super) cap: AtomicU64,
+    pub(super) steering: Mutex<super::headroom::Steering>,
 }
+
+/// An endpoint's `cap` when it is the pool's per-endpoint one.
+pub(super) const POOLED: u64 = u64::MAX;
 
 /// Prompt blocks remembered per endpoint: 8,192 of 256 bytes, about half a million tokens
 /// of prompt (more than one replica's KV cache holds), some 600 KiB.
@@ -104,6 +111,8 @@ pub struct EndpointStats {
     /// Prompt blocks (256 bytes) tokentap believes it holds in its prefix cache
     /// (`balance = "prefix"`; 0 otherwise).
     pub prefix_index_blocks: usize,
+    /// Its own curve's predictions (`balance = "slo_headroom"`; `null` otherwise).
+    pub slo_headroom: Option<super::headroom::HeadroomStats>,
     pub output_tokens_total: u64,
     /// Prompt tokens of its requests that reported them, and of those the ones its
     /// backend read from its prefix cache.
@@ -140,6 +149,8 @@ impl Endpoint {
             fleet: std::sync::OnceLock::new(),
             freed: Arc::clone(freed),
             prefixes: Mutex::new(BlockLru::new(PREFIX_INDEX_BLOCKS)),
+            cap: AtomicU64::new(POOLED),
+            steering: Mutex::default(),
         })
     }
 
@@ -173,9 +184,18 @@ impl Endpoint {
         self.slots.load(Relaxed)
     }
 
+    /// Its cap: its own (`slo_headroom`), else the pool's for each endpoint, `each`.
+    pub(super) fn cap(&self, each: Option<u64>) -> Option<u64> {
+        match self.cap.load(Relaxed) {
+            POOLED => each,
+            own => Some(own),
+        }
+    }
+
     /// Its load for `least_loaded`: the backend's running + waiting while known, else its
     /// requests here over its cap (or their number, uncapped).
     pub(super) fn load(&self, each: Option<u64>) -> f64 {
+        let each = self.cap(each);
         match self.backend_load.load(Relaxed) {
             UNKNOWN => {
                 let n = self.slots.load(Relaxed) as f64;
@@ -185,9 +205,10 @@ impl Endpoint {
         }
     }
 
-    /// Takes a slot if it has room under `each` (none: always).
+    /// Takes a slot if it has room under its cap (`each`, the pool's, unless it has its
+    /// own; none: always).
     pub(super) fn take_slot(&self, each: Option<u64>) -> bool {
-        match each {
+        match self.cap(each) {
             None => {
                 self.slots.fetch_add(1, Relaxed);
                 true
@@ -208,12 +229,13 @@ impl Endpoint {
             .unwrap_or_else(PoisonError::into_inner) = Some(cause.into());
     }
 
-    /// What `/stats` shows of it, its window figures over the `window` before `now`.
-    pub fn stats(
+    /// What `/stats` shows of it, its window figures over the `window` before `now`
+    /// (`steering`: under `slo_headroom`).
+    pub(super) fn stats(
         &self,
         now: Nanos,
         window: Nanos,
-        each: Option<u64>,
+        (each, steering): (Option<u64>, bool),
         clock_unix: f64,
     ) -> EndpointStats {
         let f = self.meter.figures(now, window);
@@ -232,7 +254,7 @@ impl Endpoint {
                 .as_deref()
                 .map(str::to_owned),
             in_flight: self.in_flight(),
-            limit: each,
+            limit: self.cap(each),
             requests_total: self.requests.load(Relaxed),
             errors_total: self.errors.load(Relaxed),
             ejections_total: self.ejections_total.load(Relaxed),
@@ -241,6 +263,7 @@ impl Endpoint {
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
                 .len(),
+            slo_headroom: self.headroom(steering),
             output_tokens_total: f.output_tokens_total,
             input_tokens_total: f.input_tokens_total,
             cached_input_tokens_total: f.cached_input_tokens_total,

@@ -30,6 +30,7 @@ mod choice;
 mod discover;
 mod eject;
 mod endpoint;
+mod headroom;
 mod health;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
@@ -46,6 +47,7 @@ use crate::limit::Limiter;
 use crate::meter::{Clock, Nanos};
 
 pub use endpoint::{Endpoint, EndpointStats, Held};
+pub use headroom::HeadroomStats;
 
 use endpoint::Freed;
 
@@ -77,6 +79,8 @@ pub struct Pool {
 /// What the pool takes from its upstream's config.
 struct Settings {
     balance: Balance,
+    /// What `slo_headroom` routes on (`None` under another balance).
+    headroom: Option<headroom::Headroom>,
     eject_after: u32,
     eject: Duration,
     health: Option<HealthCheck>,
@@ -275,9 +279,10 @@ impl Pool {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0.0, |d| d.as_secs_f64());
         let each = self.limiter.each();
+        let steering = self.settings.load().headroom.is_some();
         let window = window.as_nanos() as u64;
         (self.members.load().iter())
-            .map(|e| e.stats(now, window, each, unix))
+            .map(|e| e.stats(now, window, (each, steering), unix))
             .collect()
     }
 
@@ -345,6 +350,7 @@ impl Pool {
             for e in self.members.load().iter() {
                 e.meter.sample(now, w);
             }
+            self.steer(now);
         }
         let settings = self.settings.load_full();
         if let Some(d) = &settings.discover {
@@ -451,6 +457,11 @@ impl Settings {
     fn of(u: &UpstreamConfig) -> Settings {
         Settings {
             balance: u.balance.clone(),
+            headroom: (u.balance == Balance::SloHeadroom).then_some(headroom::Headroom {
+                tpot_ms: u.targets.tpot_ms,
+                ttft_ms: u.targets.ttft_ms,
+                cap: u.slo,
+            }),
             eject_after: u.eject_after,
             eject: u.eject,
             health: u.health.clone(),
@@ -580,6 +591,36 @@ mod tests {
             p.pick(p.clock.now(), true, None, &[]).err(),
             Some(Unplaced::NoEndpoint)
         );
+    }
+
+    /// `slo_headroom`'s order: an endpoint without a curve is tried once, alone and idle,
+    /// while another meets the SLO; then those that meet it, the most room first, until
+    /// their caps; then those without a curve; the one that misses the SLO even alone last.
+    #[test]
+    fn slo_headroom_explores_then_fills_by_room_and_spares_the_one_over_the_slo() {
+        let (p, _) = pool(
+            "max_concurrency = 3\nbalance = \"slo_headroom\"\n[upstream.slo]\ntpot_ms = 30\n",
+            4,
+        );
+        at(&p, 0).set_curve(Some((20.0, 1.0)));
+        at(&p, 1).set_curve(None);
+        at(&p, 2).set_curve(Some((40.0, 1.0)));
+        at(&p, 3).set_curve(Some((10.0, 1.0)));
+        let now = p.clock.now();
+        let mut held = Vec::new();
+        let mut order = Vec::new();
+        while let Ok(h) = p.pick(now, true, None, &[]) {
+            order.push(p.members().iter().position(|e| Arc::ptr_eq(e, &h.endpoint)).unwrap());
+            held.push(h);
+        }
+        // 3 has the most room (10 + 1·batch: 13 ms at its cap, against 0's 21 ms idle)
+        // while 0 and 3 both meet the SLO; 1 is explored first, then waits its turn after
+        // them.
+        assert_eq!(order, [1, 3, 3, 3, 0, 0, 0, 1, 1, 2, 2, 2]);
+        // No second exploration within a second, nor while one is in flight.
+        held.clear();
+        let h = p.pick(now, true, None, &[]).unwrap();
+        assert!(Arc::ptr_eq(&h.endpoint, &at(&p, 3)));
     }
 
     /// Caps: a generation request takes a slot under its endpoint's cap; others go without.

@@ -107,6 +107,8 @@ pub struct Closed {
     pub max_tokens: u64,
     /// Asks for the stream's usage (`stream_options.include_usage`).
     pub usage: bool,
+    /// Seconds run before the measured `secs`.
+    pub warmup: f64,
 }
 
 impl Default for Closed {
@@ -116,6 +118,7 @@ impl Default for Closed {
             secs: 1.0,
             max_tokens: 30,
             usage: false,
+            warmup: 0.0,
         }
     }
 }
@@ -134,6 +137,14 @@ impl Closed {
     pub fn with_usage(self) -> Closed {
         Closed {
             usage: true,
+            ..self
+        }
+    }
+
+    /// Measured after `secs` of warm-up.
+    pub fn after(self, secs: f64) -> Closed {
+        Closed {
+            warmup: secs,
             ..self
         }
     }
@@ -157,7 +168,7 @@ pub async fn closed_loop(proxy: SocketAddr, load: Closed) -> PhaseReport {
         Mode::Closed {
             concurrency: load.clients,
         },
-        Duration::ZERO,
+        Duration::from_secs_f64(load.warmup),
         Duration::from_secs_f64(load.secs),
         false,
     )

@@ -289,6 +289,12 @@ pub(super) fn upstream(
             Balance::default()
         }
     };
+    if balance == Balance::SloHeadroom && targets.tpot_ms.is_none() && targets.ttft_ms.is_none() {
+        p.add(
+            at("balance"),
+            "\"slo_headroom\" routes on the SLO: give slo.tpot_ms or slo.ttft_ms",
+        );
+    }
     if u.eject_after == Some(0) {
         p.add(at("eject_after"), "must be at least 1");
     }

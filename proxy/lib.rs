@@ -68,5 +68,6 @@ pub mod sim;
 pub mod sse;
 pub mod state;
 pub mod telemetry;
+pub mod tenant;
 pub mod top;
 pub mod usage;

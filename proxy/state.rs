@@ -25,6 +25,9 @@ use crate::meter::{Clock, UpstreamMeter};
 use crate::pool::Pool;
 use crate::routing::Router;
 use crate::telemetry::Telemetry;
+use crate::tenant::book::Book;
+use crate::tenant::budget::Budgets;
+use crate::tenant::Tenants;
 
 /// What the proxy, the admin API and the background tasks share: one generation of the
 /// running state.
@@ -37,6 +40,11 @@ pub struct Shared {
     pub telemetry: Arc<Telemetry>,
     /// The fleet's Redis, with `[cluster]`.
     pub cluster: Option<Arc<FleetLink>>,
+    /// Who a request belongs to (`[tenants]`), and per tenant its budget's bucket and its
+    /// figures (both kept across reloads).
+    pub tenants: Tenants,
+    pub budgets: Arc<Budgets>,
+    pub book: Arc<Book>,
 }
 
 /// Everything tokentap keeps for one upstream.
@@ -86,6 +94,7 @@ impl Shared {
             Clock::new(),
             Arc::new(Telemetry::new()),
             cluster,
+            (Arc::default(), Arc::default()),
             |_| None,
         )
     }
@@ -95,6 +104,7 @@ impl Shared {
         clock: Clock,
         telemetry: Arc<Telemetry>,
         cluster: Option<Arc<FleetLink>>,
+        (budgets, book): (Arc<Budgets>, Arc<Book>),
         kept: impl Fn(&str) -> Option<&'a Upstream>,
     ) -> Arc<Shared> {
         let upstreams = config
@@ -111,6 +121,9 @@ impl Shared {
             clock,
             telemetry,
             cluster,
+            tenants: Tenants::new(config.tenants.clone()),
+            budgets,
+            book,
             config,
         })
     }
@@ -157,6 +170,7 @@ impl Shared {
             self.clock,
             Arc::clone(&self.telemetry),
             cluster,
+            (Arc::clone(&self.budgets), Arc::clone(&self.book)),
             |name| self.upstream(name).map(|(_, u)| u),
         );
         (next, notes)
@@ -206,7 +220,7 @@ impl Upstream {
         meter.set_slo_targets(u.targets);
         let slo = u.slo.map(|slo| Arc::new(Adaptive::new(slo)));
         let limiter = Limiter::new(
-            limit_config(u, slo.as_deref()),
+            limit_config(u, config, slo.as_deref()),
             telemetry.queue_wait(&u.name),
         );
         Upstream {
@@ -252,7 +266,8 @@ impl Upstream {
             (None, _) => None,
         };
         // An adaptive cap kept goes on from the limit it is at.
-        self.limiter.reconfigure(limit_config(u, slo.as_deref()));
+        self.limiter
+            .reconfigure(limit_config(u, config, slo.as_deref()));
         // The same endpoint keeps its readings; a new one starts afresh, and none puts the
         // curve back on tokentap's own count.
         let backend = match (&u.backend_metrics, &self.backend) {
@@ -303,12 +318,17 @@ fn backend(u: &config::UpstreamConfig) -> Option<Arc<Backend>> {
         .map(|url| Backend::new(url, u.backend_scrape))
 }
 
-fn limit_config(u: &config::UpstreamConfig, slo: Option<&Adaptive>) -> LimitConfig {
+fn limit_config(
+    u: &config::UpstreamConfig,
+    config: &Config,
+    slo: Option<&Adaptive>,
+) -> LimitConfig {
     LimitConfig {
         initial: slo.map_or(u.max_concurrency, |s| Some(s.limit())),
         total: u.max_concurrency_total,
         max_queue: u.max_queue,
         queue_timeout: u.queue_timeout,
+        ageing: config.tenants.ageing,
     }
 }
 

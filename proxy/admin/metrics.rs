@@ -34,7 +34,7 @@ pub fn render(
     connections: &ConnectionStats,
     meters: &[MeterParts<'_>],
     process: &Process,
-    endpoint_labels: usize,
+    (endpoint_labels, tenants): (usize, Option<&[crate::tenant::book::TenantStats]>),
 ) -> String {
     let mut text = telemetry.scrape(|| {});
     let mut x = Exposition::default();
@@ -90,6 +90,9 @@ pub fn render(
     for report in stats {
         upstream(&mut x, report);
         endpoints(&mut x, report, endpoint_labels);
+    }
+    for t in tenants.unwrap_or_default() {
+        tenant(&mut x, t);
     }
     for m in meters {
         let up = [("upstream", m.name)];
@@ -181,7 +184,7 @@ fn upstream(x: &mut Exposition, report: &UpstreamReport) {
         &up,
         report.limit.map(|l| l as f64),
     );
-    for reason in ["queue_full", "queue_timeout"] {
+    for reason in crate::limit::Rejected::ALL.map(crate::limit::Rejected::label) {
         let n = report.rejected_by_reason.get(reason).copied().unwrap_or(0);
         x.add(
             "tokentap_rejected_requests_total",
@@ -401,6 +404,34 @@ fn endpoints(x: &mut Exposition, report: &UpstreamReport, labels: usize) {
             &l,
             e.single_stream_tps,
         );
+    }
+}
+
+/// One tenant's series (`metrics.tenant_labels` of them by name, the rest as `other`).
+fn tenant(x: &mut Exposition, t: &crate::tenant::book::TenantStats) {
+    let l = [("tenant", t.tenant.as_str())];
+    x.add(
+        "tokentap_tenant_requests_total",
+        &l,
+        t.requests_total as f64,
+    );
+    x.add(
+        "tokentap_tenant_input_tokens_total",
+        &l,
+        t.input_tokens_total as f64,
+    );
+    x.add(
+        "tokentap_tenant_output_tokens_total",
+        &l,
+        t.output_tokens_total as f64,
+    );
+    x.add("tokentap_tenant_output_tokens_per_second", &l, t.output_tps);
+    x.opt("tokentap_tenant_ttft_p50_ms", &l, t.ttft_ms.p50);
+    x.opt("tokentap_tenant_tpot_p50_ms", &l, t.tpot_ms.p50);
+    x.add("tokentap_tenant_queue_wait_mean_ms", &l, t.queue_wait_ms);
+    for (cause, n) in &t.refused_by_cause {
+        let l = [("tenant", t.tenant.as_str()), ("reason", cause)];
+        x.add("tokentap_tenant_rejected_total", &l, *n as f64);
     }
 }
 

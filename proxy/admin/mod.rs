@@ -365,13 +365,18 @@ impl Admin {
                         },
                     })
                     .collect();
+                // Labelled tenants: those with the most output tokens, the rest `other`.
+                let tenants = shared.tenants.config().any().then(|| {
+                    let labels = shared.config.tenant_labels;
+                    (shared.book).stats(std::time::Instant::now(), shared.config.window, labels)
+                });
                 let text = metrics::render(
                     &shared.telemetry,
                     &stats.upstreams,
                     &stats.connections,
                     &meters,
                     &self.live.process(),
-                    shared.config.endpoint_labels,
+                    (shared.config.endpoint_labels, tenants.as_deref()),
                 );
                 respond(
                     StatusCode::OK,

@@ -16,7 +16,25 @@ pub struct Stats {
     pub window_secs: u64,
     pub connections: ConnectionStats,
     pub upstreams: Vec<UpstreamReport>,
+    /// Per tenant, with `[tenants]`; `null` without.
+    pub tenants: Option<TenantsReport>,
 }
+
+/// `/stats` `tenants`: the tenants with the most output tokens, the rest as `other`.
+#[derive(Debug, Clone, Serialize)]
+pub struct TenantsReport {
+    /// Tenants kept apart now (at most 1,024; the rest folded into `other`).
+    pub tracked: usize,
+    /// Requests whose priority header was not high, normal or low (served as their
+    /// tenant's, else normal).
+    pub invalid_priority_total: u64,
+    /// Budget buckets kept now.
+    pub budgets: usize,
+    pub top: Vec<crate::tenant::book::TenantStats>,
+}
+
+/// Tenants shown by name in `/stats`.
+const TENANTS_SHOWN: usize = 50;
 
 /// One upstream in `/stats`: what its meter knows, with its limiter's and routes' parts.
 #[derive(Debug, Clone, Serialize)]
@@ -135,6 +153,19 @@ pub fn stats(shared: &Shared, transport: &Transport) -> Stats {
             .enumerate()
             .map(|(i, u)| report(shared, i, u, now))
             .collect(),
+        tenants: shared.tenants.config().any().then(|| TenantsReport {
+            tracked: shared.book.len(),
+            invalid_priority_total: shared
+                .tenants
+                .bad_priority
+                .load(std::sync::atomic::Ordering::Relaxed),
+            budgets: shared.budgets.len(),
+            top: shared.book.stats(
+                std::time::Instant::now(),
+                shared.config.window,
+                TENANTS_SHOWN,
+            ),
+        }),
     }
 }
 
@@ -169,10 +200,13 @@ fn report(shared: &Shared, i: usize, u: &Upstream, now: crate::meter::Nanos) -> 
     UpstreamReport {
         queued: l.queued,
         limit: l.limit,
-        rejected_total: l.rejected_queue_full + l.rejected_queue_timeout,
+        rejected_total: l.rejected_queue_full
+            + l.rejected_queue_timeout
+            + l.rejected_predicted_wait,
         rejected_by_reason: [
             ("queue_full", l.rejected_queue_full),
             ("queue_timeout", l.rejected_queue_timeout),
+            ("predicted_wait", l.rejected_predicted_wait),
         ]
         .into_iter()
         .filter(|(_, n)| *n > 0)

@@ -36,8 +36,12 @@ pub struct Config {
     pub curve_window: Duration,
     /// Pools of at most this many endpoints get per-endpoint series (`metrics.endpoint_labels`).
     pub endpoint_labels: usize,
+    /// Tenants with a label of their own on `/metrics` (`metrics.tenant_labels`).
+    pub tenant_labels: usize,
     /// The OpenTelemetry GenAI histograms too (`metrics.semconv`).
     pub semconv: bool,
+    /// Who a request belongs to, its priority and budget (`[tenants]`).
+    pub tenants: crate::tenant::TenantsConfig,
     /// Caps shared by every replica through Redis (`[cluster]`).
     pub cluster: Option<Cluster>,
     /// Worker threads of the proxy service.

@@ -55,6 +55,7 @@ const FILE: &[Field] = &[
             ("model_label", Kind::Bool),
             ("curve_window_secs", SECS),
             ("endpoint_labels", COUNT),
+            ("tenant_labels", COUNT),
             ("semconv", Kind::Bool),
         ]),
     ),
@@ -80,6 +81,25 @@ const FILE: &[Field] = &[
     (
         "cluster",
         Kind::Table(&[("redis_url", Kind::Text), ("lease_secs", SECS)]),
+    ),
+    (
+        "tenants",
+        Kind::Table(&[
+            ("key", Kind::Text),
+            ("priority", Kind::Text),
+            ("weight", Kind::Number("a number")),
+            ("output_tokens_per_minute", COUNT),
+            ("ageing_ms", MS),
+            (
+                "override",
+                Kind::Tables(&[
+                    ("tenant", Kind::Text),
+                    ("weight", Kind::Number("a number")),
+                    ("priority", Kind::Text),
+                    ("output_tokens_per_minute", COUNT),
+                ]),
+            ),
+        ]),
     ),
     (
         "admin",
@@ -485,6 +505,7 @@ mod tests {
             include_str!("file/server.rs"),
             include_str!("file/metrics.rs"),
             include_str!("file/cluster.rs"),
+            include_str!("file/tenants.rs"),
             include_str!("file/upstream/mod.rs"),
             include_str!("file/upstream/slo.rs"),
             include_str!("file/upstream/economics.rs"),
@@ -521,6 +542,7 @@ mod tests {
             for line in body.lines().map(str::trim) {
                 if let Some((field, _)) = line.strip_prefix("pub ").and_then(|l| l.split_once(':'))
                 {
+                    let field = field.trim_start_matches("r#");
                     structs.push((name.to_owned(), field.to_owned()));
                 }
             }
@@ -602,6 +624,9 @@ mod tests {
             ("metrics.curve_window_secs", secs(c.curve_window)),
             ("metrics.model_label", c.model_label.to_string()),
             ("metrics.endpoint_labels", c.endpoint_labels.to_string()),
+            ("metrics.tenant_labels", c.tenant_labels.to_string()),
+            ("tenants.weight", c.tenants.default.weight.to_string()),
+            ("tenants.ageing_ms", ms(c.tenants.ageing)),
             ("metrics.semconv", c.semconv.to_string()),
             ("upstream[].eject_after", u.eject_after.to_string()),
             ("upstream[].eject_secs", secs(u.eject)),

@@ -151,6 +151,11 @@ impl Slot {
             _permit: permit,
         }
     }
+
+    /// Its request ended with `tokens` output tokens (its tenant's charge made exact).
+    pub fn settle(&self, tokens: u64) {
+        self._permit.settle(tokens);
+    }
 }
 
 impl Drop for Slot {
@@ -592,8 +597,9 @@ impl Fleet {
         id: u64,
         deadline: Instant,
     ) -> Result<Slot, Rejected> {
+        let who = permit.who().clone();
         drop(permit);
-        match tokio::time::timeout_at(deadline.into(), limiter.acquire()).await {
+        match tokio::time::timeout_at(deadline.into(), limiter.acquire(&who)).await {
             Ok(permit) => Ok(self.held(id, permit?)),
             Err(_) => Err(Rejected::QueueTimeout),
         }
@@ -672,10 +678,13 @@ mod tests {
                 initial: Some(16),
                 max_queue: 10,
                 queue_timeout: Duration::from_secs(30),
+                ageing: Duration::from_secs(5),
             },
             metrics::Histogram::noop(),
         );
-        let mut permits: Vec<Permit> = (0..3).map(|_| limiter.try_acquire().unwrap()).collect();
+        let mut permits: Vec<Permit> = (0..3)
+            .map(|_| limiter.try_acquire(&crate::tenant::Who::default()).unwrap())
+            .collect();
         let deadline = Instant::now() + Duration::from_secs(30);
         let slot = |permit: Permit| {
             let (fleet, limiter) = (Arc::clone(&fleet), Arc::clone(&limiter));

@@ -1,20 +1,27 @@
-//! Concurrency caps: a per-upstream limit, a bounded FIFO queue for requests over it, and
-//! the adaptive controller that moves the limit to hold a TPOT SLO ([`controller`]).
+//! Concurrency caps: a per-upstream limit, a bounded queue for requests over it (fair
+//! between tenants, strict between priorities: [`fair`]), and the adaptive controller that
+//! moves the limit to hold a TPOT SLO ([`controller`]).
 //!
 //! A slot is a [`Permit`] kept in the request's ctx: however the request ends (done, client
 //! gone, upstream error, a panic in a filter), dropping the permit frees the slot and hands
-//! it straight to the head of the queue, so waiting requests are served in arrival order.
+//! it straight to the request the queue serves next. A request that would not get a slot
+//! within the queue's timeout — predicted from its place in the queue and the rate slots
+//! have been freeing — is refused at once, not after waiting it out.
 
 pub mod controller;
+mod fair;
 pub mod fleet;
 pub mod slo;
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
+
+use crate::tenant::Who;
+use fair::{Fair, Waiter};
 
 /// Why a request was refused a slot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -23,16 +30,23 @@ pub enum Rejected {
     QueueFull,
     /// The request waited `queue_timeout` without getting a slot.
     QueueTimeout,
+    /// Its predicted wait for a slot was past `queue_timeout`: refused at once.
+    PredictedWait,
 }
 
 impl Rejected {
-    pub const ALL: [Rejected; 2] = [Rejected::QueueFull, Rejected::QueueTimeout];
+    pub const ALL: [Rejected; 3] = [
+        Rejected::QueueFull,
+        Rejected::QueueTimeout,
+        Rejected::PredictedWait,
+    ];
 
-    /// The `reason` label, and the `code` of the 429 body (prefixed `tokentap_`).
+    /// The `reason` label, and the `code` of the 429 body.
     pub fn label(self) -> &'static str {
         match self {
             Rejected::QueueFull => "queue_full",
             Rejected::QueueTimeout => "queue_timeout",
+            Rejected::PredictedWait => "predicted_wait",
         }
     }
 }
@@ -46,6 +60,8 @@ pub struct LimitConfig {
     pub total: Option<u64>,
     pub max_queue: usize,
     pub queue_timeout: Duration,
+    /// A `normal` or `low` request that has waited this long goes first (`tenants.ageing_ms`).
+    pub ageing: Duration,
 }
 
 /// The concurrency limit of one upstream: of each endpoint of its pool times the endpoints
@@ -61,7 +77,7 @@ pub struct Limiter {
     /// `u64::MAX`: each endpoint's is `limit`).
     sum: AtomicU64,
     state: Mutex<State>,
-    rejected: [AtomicU64; 2],
+    rejected: [AtomicU64; 3],
     /// A request had to queue (or was refused) for the limit, not a share, since the
     /// controller last looked.
     binding: AtomicBool,
@@ -73,17 +89,21 @@ pub struct Limiter {
 
 struct State {
     in_flight: u64,
-    queue: VecDeque<Waiter>,
+    queue: Fair,
     next_id: u64,
     max_queue: usize,
     queue_timeout: Duration,
+    ageing: Duration,
+    /// When the last slots were freed (at most [`FREED_KEPT`], within [`FREED_WINDOW`]):
+    /// the rate a queue's wait is predicted by.
+    freed: VecDeque<Instant>,
 }
 
-struct Waiter {
-    id: u64,
-    /// Sent whether the slot was granted under a share.
-    grant: oneshot::Sender<bool>,
-}
+/// Slot releases kept for the freeing rate, and how far back they count.
+const FREED_KEPT: usize = 64;
+const FREED_WINDOW: Duration = Duration::from_secs(10);
+/// Releases needed before a wait is predicted (fewer: the request queues).
+const FREED_MIN: usize = 4;
 
 /// What `/stats` shows of a limiter.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -93,6 +113,9 @@ pub struct LimitStats {
     pub queued: u64,
     pub rejected_queue_full: u64,
     pub rejected_queue_timeout: u64,
+    pub rejected_predicted_wait: u64,
+    /// Waiting by band: high, normal, low.
+    pub queued_by_priority: [u64; 3],
 }
 
 // === impl Limiter ===
@@ -106,12 +129,14 @@ impl Limiter {
             sum: AtomicU64::new(u64::MAX),
             state: Mutex::new(State {
                 in_flight: 0,
-                queue: VecDeque::new(),
+                queue: Fair::default(),
                 next_id: 0,
                 max_queue: config.max_queue,
                 queue_timeout: config.queue_timeout,
+                ageing: config.ageing,
+                freed: VecDeque::with_capacity(FREED_KEPT),
             }),
-            rejected: [AtomicU64::new(0), AtomicU64::new(0)],
+            rejected: [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)],
             binding: AtomicBool::new(false),
             waits,
             share: AtomicU64::new(u64::MAX),
@@ -205,24 +230,27 @@ impl Limiter {
         st.queue.is_empty() && st.in_flight < self.effective()
     }
 
-    /// A slot now, if one is free and nobody waits.
-    pub fn try_acquire(self: &Arc<Self>) -> Option<Permit> {
+    /// A slot now for `who`, if one is free and nobody waits.
+    pub fn try_acquire(self: &Arc<Self>, who: &Who) -> Option<Permit> {
         let mut st = self.lock();
         if st.queue.is_empty() && st.in_flight < self.effective() {
             st.in_flight += 1;
-            return Some(self.permit(self.share().is_some()));
+            st.queue.charge(who);
+            return Some(self.permit(self.share().is_some(), who));
         }
         None
     }
 
-    /// A slot now, or after waiting in line; `Err` when the queue is full or the wait runs
-    /// out. Dropping the future (the client went away) leaves the queue at once.
-    pub async fn acquire(self: &Arc<Self>) -> Result<Permit, Rejected> {
+    /// A slot for `who` now, or after waiting its turn; `Err` when the queue is full, when
+    /// its wait is predicted past the queue's timeout, or when the wait runs out. Dropping
+    /// the future (the client went away) leaves the queue at once.
+    pub async fn acquire(self: &Arc<Self>, who: &Who) -> Result<Permit, Rejected> {
         let (id, rx, queue_timeout) = {
             let mut st = self.lock();
             if st.queue.is_empty() && st.in_flight < self.effective() {
                 st.in_flight += 1;
-                return Ok(self.permit(self.share().is_some()));
+                st.queue.charge(who);
+                return Ok(self.permit(self.share().is_some(), who));
             }
             // The limit binds, not a share under it: a replica rejoining its fleet still
             // queues on its share for a period, which says nothing about the fleet's limit.
@@ -233,35 +261,81 @@ impl Limiter {
                 self.reject(Rejected::QueueFull);
                 return Err(Rejected::QueueFull);
             }
+            if self
+                .predicted(&st, who, Instant::now())
+                .is_some_and(|w| w > st.queue_timeout)
+            {
+                self.reject(Rejected::PredictedWait);
+                return Err(Rejected::PredictedWait);
+            }
             let (tx, rx) = oneshot::channel();
             let id = st.next_id;
             st.next_id += 1;
-            st.queue.push_back(Waiter { id, grant: tx });
+            let waiter = Waiter {
+                id,
+                since: Instant::now(),
+                grant: tx,
+            };
+            st.queue.push(who, waiter);
             (id, rx, st.queue_timeout)
         };
         let started = std::time::Instant::now();
         let mut guard = QueueGuard {
             limiter: self,
             id,
+            who,
             done: false,
         };
         let granted = tokio::time::timeout(queue_timeout, rx).await;
         guard.done = true;
         self.waits.record(started.elapsed().as_secs_f64());
         if let Ok(Ok(shared)) = granted {
-            return Ok(self.permit(shared));
+            return Ok(self.permit(shared, who));
         }
         let mut st = self.lock();
-        match st.queue.iter().position(|w| w.id == id) {
-            Some(i) => {
-                st.queue.remove(i);
-                drop(st);
-                self.reject(Rejected::QueueTimeout);
-                Err(Rejected::QueueTimeout)
-            }
+        if st.queue.remove(id) {
+            drop(st);
+            self.reject(Rejected::QueueTimeout);
+            Err(Rejected::QueueTimeout)
+        } else {
             // Granted in the same instant the wait ran out: the slot is ours.
-            None => Ok(self.permit(self.share().is_some())),
+            Ok(self.permit(self.share().is_some(), who))
         }
+    }
+
+    /// How long `who` would wait for a slot, predicted at `now` from the requests served
+    /// before it and the rate slots freed over the last [`FREED_WINDOW`]; `None`: no slot
+    /// is awaited, or too few were freed lately to say. Below `high`, no longer than the
+    /// ageing bound.
+    fn predicted(&self, st: &State, who: &Who, now: Instant) -> Option<Duration> {
+        let recent = (st.freed.iter())
+            .filter(|&&t| now.saturating_duration_since(t) <= FREED_WINDOW)
+            .count();
+        if recent < FREED_MIN {
+            return None;
+        }
+        let oldest = st.freed[st.freed.len() - recent];
+        let span = now
+            .saturating_duration_since(oldest)
+            .as_secs_f64()
+            .max(1e-3);
+        let rate = recent as f64 / span;
+        // Slots it needs freed: one for each request ahead, one for itself, less those free.
+        let free = self.effective().saturating_sub(st.in_flight) as usize;
+        let needed = (st.queue.ahead(who) + 1).saturating_sub(free);
+        let wait = Duration::from_secs_f64(needed as f64 / rate);
+        Some(match who.priority {
+            crate::tenant::Priority::High => wait,
+            _ => wait.min(st.ageing),
+        })
+    }
+
+    /// What a refused request of `who` is told to wait before it tries again (`Retry-After`):
+    /// its predicted wait now, at least a second.
+    pub fn retry_after(&self, who: &Who) -> Duration {
+        let st = self.lock();
+        let wait = self.predicted(&st, who, Instant::now());
+        wait.unwrap_or(Duration::ZERO).max(Duration::from_secs(1))
     }
 
     /// Sets each endpoint's limit; a higher one lets waiting requests in at once.
@@ -279,6 +353,7 @@ impl Limiter {
         let mut st = self.lock();
         st.max_queue = config.max_queue;
         st.queue_timeout = config.queue_timeout;
+        st.ageing = config.ageing;
         self.limit
             .store(config.initial.map_or(u64::MAX, |l| l.max(1)), Relaxed);
         self.total
@@ -299,6 +374,8 @@ impl Limiter {
             queued: st.queue.len() as u64,
             rejected_queue_full: self.rejected[0].load(Relaxed),
             rejected_queue_timeout: self.rejected[1].load(Relaxed),
+            rejected_predicted_wait: self.rejected[2].load(Relaxed),
+            queued_by_priority: st.queue.by_band().map(|n| n as u64),
         }
     }
 
@@ -306,27 +383,38 @@ impl Limiter {
         self.rejected[why as usize].fetch_add(1, Relaxed);
     }
 
-    fn release(&self) {
+    /// A slot of `who`'s comes back.
+    fn release(&self, who: &Who) {
         let mut st = self.lock();
         st.in_flight = st.in_flight.saturating_sub(1);
+        st.queue.ended(who);
+        if st.freed.len() == FREED_KEPT {
+            st.freed.pop_front();
+        }
+        st.freed.push_back(Instant::now());
         self.grant_waiting(&mut st);
     }
 
-    /// Hands free slots to the head of the queue, skipping waiters already gone.
+    /// Hands free slots to the requests the queue serves next, skipping waiters gone.
     fn grant_waiting(&self, st: &mut State) {
         let limit = self.effective();
+        let now = Instant::now();
         while st.in_flight < limit {
-            let Some(w) = st.queue.pop_front() else { break };
+            let ageing = st.ageing;
+            let Some(w) = st.queue.pop(now, ageing) else {
+                break;
+            };
             if w.grant.send(self.share().is_some()).is_ok() {
                 st.in_flight += 1;
             }
         }
     }
 
-    fn permit(self: &Arc<Self>, shared: bool) -> Permit {
+    fn permit(self: &Arc<Self>, shared: bool, who: &Who) -> Permit {
         Permit {
             limiter: Arc::clone(self),
             shared,
+            who: who.clone(),
         }
     }
 
@@ -340,6 +428,7 @@ impl Limiter {
 struct QueueGuard<'a> {
     limiter: &'a Limiter,
     id: u64,
+    who: &'a Who,
     done: bool,
 }
 
@@ -349,14 +438,9 @@ impl Drop for QueueGuard<'_> {
             return;
         }
         let mut st = self.limiter.lock();
-        match st.queue.iter().position(|w| w.id == self.id) {
-            Some(i) => {
-                st.queue.remove(i);
-            }
-            None => {
-                drop(st);
-                self.limiter.release();
-            }
+        if !st.queue.remove(self.id) {
+            drop(st);
+            self.limiter.release(self.who);
         }
     }
 }
@@ -366,6 +450,8 @@ pub struct Permit {
     limiter: Arc<Limiter>,
     /// Granted while a share was in force (else under the whole limit).
     shared: bool,
+    /// Whose request holds it.
+    who: Who,
 }
 
 impl Permit {
@@ -373,11 +459,21 @@ impl Permit {
     pub fn under_share(&self) -> bool {
         self.shared
     }
+
+    /// Whose request holds it.
+    pub fn who(&self) -> &Who {
+        &self.who
+    }
+
+    /// Its request ended with `tokens` output tokens: its tenant's charge made exact.
+    pub fn settle(&self, tokens: u64) {
+        self.limiter.lock().queue.settle(&self.who, tokens);
+    }
 }
 
 impl Drop for Permit {
     fn drop(&mut self) {
-        self.limiter.release();
+        self.limiter.release(&self.who);
     }
 }
 
@@ -392,6 +488,7 @@ mod tests {
                 total: None,
                 max_queue,
                 queue_timeout: Duration::from_millis(timeout_ms),
+                ageing: Duration::from_secs(5),
             },
             metrics::Histogram::noop(),
         )
@@ -400,21 +497,24 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn waiters_are_served_in_order_and_the_queue_is_bounded() {
         let l = limiter(2, 3, 60_000);
-        let a = l.acquire().await.unwrap();
-        let _b = l.acquire().await.unwrap();
+        let a = l.acquire(&Who::default()).await.unwrap();
+        let _b = l.acquire(&Who::default()).await.unwrap();
         let order = Arc::new(Mutex::new(Vec::new()));
         let mut tasks = Vec::new();
         for i in 0..3 {
             let (l, order) = (Arc::clone(&l), Arc::clone(&order));
             tasks.push(tokio::spawn(async move {
-                let p = l.acquire().await.unwrap();
+                let p = l.acquire(&Who::default()).await.unwrap();
                 order.lock().unwrap().push(i);
                 p
             }));
             tokio::task::yield_now().await;
         }
         assert_eq!(l.stats().queued, 3);
-        assert_eq!(l.acquire().await.err(), Some(Rejected::QueueFull));
+        assert_eq!(
+            l.acquire(&Who::default()).await.err(),
+            Some(Rejected::QueueFull)
+        );
         drop(a);
         let first = tasks.remove(0).await.unwrap();
         assert_eq!(*order.lock().unwrap(), vec![0]);
@@ -436,12 +536,20 @@ mod tests {
     async fn queueing_on_a_share_does_not_say_the_limit_binds() {
         let l = limiter(4, 10, 100);
         l.set_share(Some(1));
-        let a = l.acquire().await.unwrap();
-        assert_eq!(l.acquire().await.err(), Some(Rejected::QueueTimeout));
+        let a = l.acquire(&Who::default()).await.unwrap();
+        assert_eq!(
+            l.acquire(&Who::default()).await.err(),
+            Some(Rejected::QueueTimeout)
+        );
         assert!(!l.take_binding());
         l.set_share(None);
-        let _more: Vec<Permit> = [(); 3].map(|_| l.try_acquire().unwrap()).into();
-        assert_eq!(l.acquire().await.err(), Some(Rejected::QueueTimeout));
+        let _more: Vec<Permit> = [(); 3]
+            .map(|_| l.try_acquire(&Who::default()).unwrap())
+            .into();
+        assert_eq!(
+            l.acquire(&Who::default()).await.err(),
+            Some(Rejected::QueueTimeout)
+        );
         assert!(l.take_binding());
         drop(a);
     }
@@ -451,13 +559,14 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_permit_knows_whether_a_share_admitted_it() {
         let l = limiter(4, 10, 60_000);
-        let whole = l.try_acquire().unwrap();
+        let whole = l.try_acquire(&Who::default()).unwrap();
         assert!(!whole.under_share());
         l.set_share(Some(2));
-        let shared = l.acquire().await.unwrap();
+        let shared = l.acquire(&Who::default()).await.unwrap();
         assert!(shared.under_share());
         let l2 = Arc::clone(&l);
-        let waiter = tokio::spawn(async move { l2.acquire().await.unwrap().under_share() });
+        let waiter =
+            tokio::spawn(async move { l2.acquire(&Who::default()).await.unwrap().under_share() });
         tokio::task::yield_now().await;
         assert_eq!(l.stats().queued, 1);
         drop(whole);
@@ -468,8 +577,11 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_wait_runs_out() {
         let l = limiter(1, 10, 500);
-        let _a = l.acquire().await.unwrap();
-        assert_eq!(l.acquire().await.err(), Some(Rejected::QueueTimeout));
+        let _a = l.acquire(&Who::default()).await.unwrap();
+        assert_eq!(
+            l.acquire(&Who::default()).await.err(),
+            Some(Rejected::QueueTimeout)
+        );
         let s = l.stats();
         assert_eq!((s.queued, s.in_flight, s.rejected_queue_timeout), (0, 1, 1));
     }
@@ -477,9 +589,9 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_dropped_waiter_leaves_the_queue_at_once_and_leaks_nothing() {
         let l = limiter(1, 10, 60_000);
-        let a = l.acquire().await.unwrap();
+        let a = l.acquire(&Who::default()).await.unwrap();
         let l2 = Arc::clone(&l);
-        let waiter = tokio::spawn(async move { l2.acquire().await.map(|_| ()) });
+        let waiter = tokio::spawn(async move { l2.acquire(&Who::default()).await.map(|_| ()) });
         tokio::task::yield_now().await;
         assert_eq!(l.stats().queued, 1);
         waiter.abort();
@@ -488,9 +600,9 @@ mod tests {
         drop(a);
         assert_eq!(l.stats().in_flight, 0);
         // Granted but never taken: the slot comes back.
-        let a = l.acquire().await.unwrap();
+        let a = l.acquire(&Who::default()).await.unwrap();
         let l3 = Arc::clone(&l);
-        let mut w = Box::pin(async move { l3.acquire().await.map(|_| ()) });
+        let mut w = Box::pin(async move { l3.acquire(&Who::default()).await.map(|_| ()) });
         assert!(futures_poll_once(&mut w).await.is_none());
         drop(a); // grants the waiter, which is dropped before it runs
         drop(w);
@@ -500,14 +612,15 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn raising_the_limit_admits_waiters_and_lowering_it_drains() {
         let l = limiter(1, 10, 60_000);
-        let a = l.acquire().await.unwrap();
+        let a = l.acquire(&Who::default()).await.unwrap();
         let l2 = Arc::clone(&l);
-        let w = tokio::spawn(async move { l2.acquire().await.map(|_| ()) });
+        let w = tokio::spawn(async move { l2.acquire(&Who::default()).await.map(|_| ()) });
         tokio::task::yield_now().await;
         l.set_limit(2);
         assert!(w.await.unwrap().is_ok());
         l.set_limit(1);
-        let b = l.acquire();
+        let anyone = Who::default();
+        let b = l.acquire(&anyone);
         drop(a);
         assert!(tokio::time::timeout(Duration::from_secs(1), b)
             .await
@@ -521,10 +634,12 @@ mod tests {
         let l = limiter(2, 10, 60_000);
         l.set_members(3);
         assert_eq!((l.limit(), l.each()), (Some(6), Some(2)));
-        let held: Vec<Permit> = (0..6).map(|_| l.try_acquire().unwrap()).collect();
-        assert!(l.try_acquire().is_none());
+        let held: Vec<Permit> = (0..6)
+            .map(|_| l.try_acquire(&Who::default()).unwrap())
+            .collect();
+        assert!(l.try_acquire(&Who::default()).is_none());
         let l2 = Arc::clone(&l);
-        let w = tokio::spawn(async move { l2.acquire().await.map(|_| ()) });
+        let w = tokio::spawn(async move { l2.acquire(&Who::default()).await.map(|_| ()) });
         tokio::task::yield_now().await;
         l.set_members(4);
         assert!(w.await.unwrap().is_ok());
@@ -533,6 +648,7 @@ mod tests {
             total: Some(5),
             max_queue: 10,
             queue_timeout: Duration::from_secs(60),
+            ageing: Duration::from_secs(5),
         });
         assert_eq!(l.limit(), Some(5));
         l.set_members(0);

@@ -31,7 +31,7 @@ use std::time::Duration;
 pub use clock::{Clock, Nanos, Outcome};
 pub use curve::{Bound, CurveTotals, SloBound};
 pub use endpoint::{EndpointFigures, EndpointMeter, Finished};
-pub use goodput::{Targets, Verdict};
+pub use goodput::{Judged, Targets, Verdict};
 pub use samples::{ControlSample, Gaps};
 use shard::Shard;
 pub use stats::{CurvePoint, Goodput, MeterStats, Percentiles, TokensPerEvent};

@@ -16,6 +16,23 @@ const MAX_EJECTION: Duration = Duration::from_secs(300);
 // === impl Pool ===
 
 impl Pool {
+    /// What a request refused for want of an endpoint is told to wait (`Retry-After`): until
+    /// the first ejection ends, or the next active check, at least a second.
+    pub fn retry_after(&self, now: crate::meter::Nanos) -> Duration {
+        let members = self.members.load();
+        let ejection = (members.iter())
+            .map(|e| e.ejected_until.load(Relaxed))
+            .filter(|&until| until > now)
+            .min()
+            .map(|until| Duration::from_nanos(until - now));
+        let check = (self.settings.load().health.as_ref()).map(|h| h.every);
+        let wait = match (ejection, check) {
+            (Some(a), Some(b)) => a.min(b),
+            (a, b) => a.or(b).unwrap_or(Duration::ZERO),
+        };
+        Duration::from_secs(wait.as_secs_f64().ceil().max(1.0) as u64)
+    }
+
     /// `e` could not be reached (a connect that failed: nothing was sent) or closed or
     /// reset the connection before any response byte: ejected at once.
     pub fn unreachable(&self, e: &Endpoint, cause: &str) {

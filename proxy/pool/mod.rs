@@ -517,6 +517,7 @@ mod tests {
                 total: u.max_concurrency_total,
                 max_queue: 10,
                 queue_timeout: Duration::from_secs(1),
+                ageing: Duration::from_secs(5),
             },
             metrics::Histogram::noop(),
         );
@@ -610,7 +611,12 @@ mod tests {
         let mut held = Vec::new();
         let mut order = Vec::new();
         while let Ok(h) = p.pick(now, true, None, &[]) {
-            order.push(p.members().iter().position(|e| Arc::ptr_eq(e, &h.endpoint)).unwrap());
+            order.push(
+                p.members()
+                    .iter()
+                    .position(|e| Arc::ptr_eq(e, &h.endpoint))
+                    .unwrap(),
+            );
             held.push(h);
         }
         // 3 has the most room (10 + 1·batch: 13 ms at its cap, against 0's 21 ms idle)

@@ -48,6 +48,16 @@ pub struct Ctx {
     pub(super) seen: Option<Box<Seen>>,
     /// Its copies to mirrors (shadow traffic), when the route sent any.
     pub(super) mirror: Option<Box<super::exchange::MirrorLink>>,
+    /// Who it is, with `[tenants]`, and its reservation of its tenant's budget.
+    pub(super) who: Option<Box<Tenancy>>,
+}
+
+/// A request's tenant, with `[tenants]`.
+pub(super) struct Tenancy {
+    pub(super) who: crate::tenant::Who,
+    pub(super) reservation: Option<crate::tenant::budget::Reservation>,
+    /// Its wait for a slot, ms.
+    pub(super) queue_ms: f64,
 }
 
 /// How the response body is read for metering.
@@ -84,6 +94,7 @@ impl Ctx {
             outcome: None,
             seen: None,
             mirror: None,
+            who: None,
         }
     }
 

@@ -20,9 +20,10 @@ use super::record::model_of;
 use super::TokenTap;
 use crate::dialect::{tokens_carried, Facts, Framing};
 use crate::estimate;
-use crate::meter::{Nanos, Outcome};
+use crate::meter::{Nanos, Outcome, Summary};
 use crate::ndjson::NdjsonParser;
 use crate::pool::Endpoint;
+use crate::routing::Choice;
 use crate::sse::SseParser;
 use crate::state::Upstream;
 
@@ -257,6 +258,9 @@ impl TokenTap {
                 if let Some(seen) = ctx.seen.as_mut() {
                     seen.summary = Some(stream.summary());
                 }
+                if ctx.who.is_some() {
+                    self.settle(ctx, choice, outcome, stream.summary());
+                }
                 let summary = mirrored.as_ref().map(|_| stream.summary());
                 stream.finish(self.now(), outcome);
                 if let Some(link) = mirrored {
@@ -277,5 +281,39 @@ impl TokenTap {
             ));
         }
         ctx.permit = None;
+    }
+
+    /// A metered request ended: its tenant's fair-queue charge and budget reservation made
+    /// exact, and its figures booked to its tenant (with `[tenants]`).
+    fn settle(&self, ctx: &mut Ctx, choice: Choice, outcome: Outcome, s: Summary) {
+        if let Some(slot) = ctx.permit.as_ref() {
+            slot.settle(s.output_tokens);
+        }
+        let Some(mut t) = ctx.who.take() else {
+            return;
+        };
+        if let Some(r) = t.reservation.take() {
+            r.settle(s.output_tokens);
+        }
+        let shared = &ctx.shared;
+        let targets = &shared.upstreams[choice.upstream].config.targets;
+        let judged = targets.any().then(|| {
+            targets.judge(&crate::meter::Judged {
+                outcome,
+                ttft_ms: s.ttft_ms,
+                tpot_ms: s.tpot_ms,
+                e2e_ms: self.now().saturating_sub(ctx.t0) as f64 / 1e6,
+            })
+        });
+        let served = crate::tenant::book::Served {
+            input_tokens: ctx.facts.input_tokens.unwrap_or(0),
+            output_tokens: s.output_tokens,
+            ttft_ms: s.ttft_ms,
+            tpot_ms: s.tpot_ms,
+            queue_ms: t.queue_ms,
+            good: judged.flatten().map(|v| v == crate::meter::Verdict::Good),
+        };
+        let now = std::time::Instant::now();
+        (shared.book).served(&t.who.tenant, now, shared.config.window, served);
     }
 }

@@ -21,6 +21,9 @@ pub struct MetricsFile {
     /// Per-endpoint series on `/metrics` (an `endpoint` label) for pools of at most this
     /// many endpoints; a larger pool gets its pool series only. 0: none. Default 64.
     pub endpoint_labels: usize,
+    /// Tenants with a `tenant` label of their own on `/metrics` (those with the most output
+    /// tokens); the others are summed as `other`. Default 20.
+    pub tenant_labels: usize,
     /// The OpenTelemetry GenAI histograms too (`gen_ai_server_time_to_first_token_seconds`,
     /// `…_time_per_output_token_seconds`, `…_request_duration_seconds`,
     /// `gen_ai_client_token_usage`). Default false.
@@ -35,6 +38,7 @@ impl Default for MetricsFile {
             model_label: false,
             curve_window_secs: 900,
             endpoint_labels: 64,
+            tenant_labels: 20,
             semconv: false,
         }
     }

@@ -7,6 +7,7 @@ mod cluster;
 mod metrics;
 mod route;
 mod server;
+mod tenants;
 mod upstream;
 
 use std::time::Duration;
@@ -17,6 +18,7 @@ pub use cluster::ClusterFile;
 pub use metrics::{CompareFile, MetricsFile};
 pub use route::RouteFile;
 pub use server::{AdminFile, ListenFile, LogFile, ServerFile};
+pub use tenants::TenantsFile;
 pub use upstream::UpstreamFile;
 
 use super::{Config, Listen, Problem, Problems, Route, UpstreamConfig};
@@ -47,6 +49,8 @@ pub struct FileConfig {
     #[serde(default)]
     pub cluster: ClusterFile,
     #[serde(default)]
+    pub tenants: TenantsFile,
+    #[serde(default)]
     pub upstream: Vec<UpstreamFile>,
     #[serde(default)]
     pub route: Vec<RouteFile>,
@@ -64,6 +68,7 @@ impl FileConfig {
         let (proxy, admin) = self.listen.addrs(&mut p);
         self.check_ranges(&mut p);
         let cluster = self.cluster.cluster(&mut p);
+        let tenants = self.tenants.tenants(&mut p);
         if self.upstream.is_empty() {
             p.add("upstream", "at least one [[upstream]] is required");
         }
@@ -93,6 +98,7 @@ impl FileConfig {
         let model_label = self.metrics.model_label;
         let curve_window = Duration::from_secs(self.metrics.curve_window_secs);
         let endpoint_labels = self.metrics.endpoint_labels;
+        let tenant_labels = self.metrics.tenant_labels;
         let semconv = self.metrics.semconv;
         p.into_result(move || Config {
             listen: Listen {
@@ -107,7 +113,9 @@ impl FileConfig {
             model_label,
             curve_window,
             endpoint_labels,
+            tenant_labels,
             semconv,
+            tenants,
             cluster,
             threads,
             grace_period: Duration::from_secs(grace),

@@ -1,6 +1,7 @@
-//! Routing and admission: the upstream a request goes to, and for a generation request a
-//! concurrency slot — a free one, else the upstream's FIFO queue (the client watched, and
-//! gone the moment it leaves), then with `[cluster]` the fleet's lease — or a 429.
+//! Routing and admission: the upstream a request goes to, and for a generation request its
+//! tenant's budget (with `[tenants]`) and a concurrency slot — a free one, else a place in
+//! the upstream's queue (the client watched, and gone the moment it leaves), then with
+//! `[cluster]` the fleet's lease — or a 429 that says when to try again.
 
 use std::time::Instant;
 
@@ -19,6 +20,8 @@ use crate::service::record::REQUEST_ID_HEADER;
 use crate::service::TokenTap;
 use crate::service::UPSTREAM_HEADER;
 use crate::state::{Shared, Upstream};
+use crate::tenant::budget::Refusal;
+use crate::tenant::Who;
 
 /// The upstream of a request, if a route matches.
 pub(super) fn route(shared: &Shared, req: &RequestHead) -> Option<Choice> {
@@ -50,16 +53,56 @@ pub(super) async fn reject(
         Rejected::QueueTimeout => {
             format!("tokentap: no slot on upstream {name} (limit {limit}) within the queue timeout")
         }
+        Rejected::PredictedWait => format!(
+            "tokentap: no slot on upstream {name} (limit {limit}) is expected within the queue timeout"
+        ),
     };
     let body = error_body(&message, "rate_limit_exceeded", why.label());
+    // The predicted wait for a slot now, at least a second.
+    let who = ctx.who.as_ref().map(|t| &t.who);
+    let retry = (upstream.limiter)
+        .retry_after(who.unwrap_or(&Who::default()))
+        .as_secs_f64()
+        .ceil()
+        .to_string();
     let extra = [
-        ("Retry-After", "1"),
+        ("Retry-After", retry.as_str()),
         (UPSTREAM_HEADER, name.as_str()),
         (REQUEST_ID_HEADER, ctx.request_id.as_str()),
     ];
     let out = json_response(429, &body, &extra, keep_alive);
     let cwt = shared.config.limits.client_write_timeout;
     answer::answer(client, &out, cwt).await
+}
+
+/// Answers 429 for a request over its tenant's output-token budget, with `Retry-After` and
+/// OpenAI's `x-ratelimit-*-tokens` headers; the bytes written.
+pub(super) async fn over_budget(
+    client: &mut Io,
+    ctx: &Ctx,
+    choice: Choice,
+    refusal: Refusal,
+    keep_alive: bool,
+) -> u64 {
+    let shared = &ctx.shared;
+    let name = &shared.upstreams[choice.upstream].config.name;
+    let message = format!(
+        "tokentap: this tenant's output-token budget ({} a minute) is spent; {} tokens left",
+        refusal.limit, refusal.remaining
+    );
+    let body = error_body(&message, "rate_limit_exceeded", "output_token_budget");
+    let (limit, remaining) = (refusal.limit.to_string(), refusal.remaining.to_string());
+    let (reset, retry) = (refusal.reset_text(), refusal.retry_after_secs().to_string());
+    let extra = [
+        ("Retry-After", retry.as_str()),
+        ("x-ratelimit-limit-tokens", limit.as_str()),
+        ("x-ratelimit-remaining-tokens", remaining.as_str()),
+        ("x-ratelimit-reset-tokens", reset.as_str()),
+        (UPSTREAM_HEADER, name.as_str()),
+        (REQUEST_ID_HEADER, ctx.request_id.as_str()),
+    ];
+    let out = json_response(429, &body, &extra, keep_alive);
+    answer::answer(client, &out, shared.config.limits.client_write_timeout).await
 }
 
 /// A concurrency slot on `upstream` for a generation request: the local slot, then (with
@@ -70,6 +113,7 @@ pub(super) async fn reject(
 /// by the queue timeout.
 pub(super) async fn slot(
     upstream: &Upstream,
+    who: &Who,
     client: &mut Io,
     watch: &mut bool,
     leftover: &mut BytesMut,
@@ -87,7 +131,7 @@ pub(super) async fn slot(
             None => Ok(Slot::local(permit)),
         }
     };
-    match (limiter.try_acquire(), &upstream.fleet) {
+    match (limiter.try_acquire(who), &upstream.fleet) {
         (Some(permit), None) => Ok(Ok(Slot::local(permit))),
         (Some(permit), Some(_)) if read_whole => {
             let acquire = async { Ok(slot(permit).await) };
@@ -96,14 +140,14 @@ pub(super) async fn slot(
         (Some(permit), Some(_)) => Ok(slot(permit).await),
         (None, _) if read_whole => {
             let acquire = async {
-                Ok(match limiter.acquire().await {
+                Ok(match limiter.acquire(who).await {
                     Ok(permit) => slot(permit).await,
                     Err(why) => Err(why),
                 })
             };
             watching(client, watch, leftover, acquire).await
         }
-        (None, _) => Ok(match limiter.acquire().await {
+        (None, _) => Ok(match limiter.acquire(who).await {
             Ok(permit) => slot(permit).await,
             Err(why) => Err(why),
         }),

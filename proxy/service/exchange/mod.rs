@@ -33,7 +33,7 @@ use pingora::prelude::*;
 use pingora::upstreams::peer::Peer as _;
 use pingora::ErrorSource;
 
-use super::ctx::Ctx;
+use super::ctx::{Ctx, Tenancy};
 use super::failure::{self, Failure};
 use super::http1::answer::{self, error_body, json_response};
 use super::http1::conn::Io;
@@ -47,7 +47,9 @@ use crate::limit::Rejected;
 use crate::meter::{Nanos, Outcome};
 use crate::pool::{Keyed, Unplaced};
 use crate::routing::Choice;
-use admission::{reject, route};
+use crate::tenant::book::Cause;
+use crate::tenant::Who;
+use admission::{over_budget, reject, route};
 use relay::{health_after_body, Relay};
 use upstream::{send_rest, Outgoing};
 
@@ -397,22 +399,78 @@ impl TokenTap {
         // unwatched (its body bytes are not read here), bounded by the queue timeout.
         let mut watch = true;
         if ctx.dialect.is_some() {
-            let queued = std::time::Instant::now();
-            let granted =
-                admission::slot(upstream, client, &mut watch, &mut leftover, read_whole).await;
-            if let Some(seen) = ctx.seen.as_mut() {
-                seen.queue_ms = queued.elapsed().as_secs_f64() * 1e3;
+            // With `[tenants]`: who it is, and what it may spend of its tenant's budget.
+            if shared.tenants.config().any() {
+                let who = shared.tenants.who(|h| req.fields.get(h));
+                let asked = crate::tenant::max_tokens(&bytes);
+                match shared
+                    .budgets
+                    .reserve(&who, asked, std::time::Instant::now())
+                {
+                    Ok(reservation) => {
+                        ctx.who = Some(Box::new(Tenancy {
+                            who,
+                            reservation,
+                            queue_ms: 0.0,
+                        }))
+                    }
+                    Err(refusal) => {
+                        let now = std::time::Instant::now();
+                        shared.book.refused(&who.tenant, now, Cause::Budget);
+                        let (keep, after) = answered(&leftover, true);
+                        ctx.status = 429;
+                        ctx.bytes_out += over_budget(client, ctx, choice, refusal, keep).await;
+                        return Prepared::Done(after, None);
+                    }
+                }
             }
+            let queued = std::time::Instant::now();
+            let tenancy = ctx.who.take();
+            let who = tenancy.as_ref().map(|t| &t.who);
+            let anyone = Who::default();
+            let granted = admission::slot(
+                upstream,
+                who.unwrap_or(&anyone),
+                client,
+                &mut watch,
+                &mut leftover,
+                read_whole,
+            )
+            .await;
+            ctx.who = tenancy;
+            let queue_ms = queued.elapsed().as_secs_f64() * 1e3;
+            if let Some(seen) = ctx.seen.as_mut() {
+                seen.queue_ms = queue_ms;
+            }
+            if let Some(t) = ctx.who.as_mut() {
+                t.queue_ms = queue_ms;
+            }
+            let refused = |ctx: &Ctx, cause: Cause| {
+                if let Some(t) = ctx.who.as_ref() {
+                    shared
+                        .book
+                        .refused(&t.who.tenant, std::time::Instant::now(), cause);
+                }
+            };
             match granted {
                 Ok(Ok(permit)) => ctx.permit = Some(permit),
                 Ok(Err(_)) if !pool.serving() => {
                     // It waited for endpoints that all went away.
+                    refused(ctx, Cause::NoEndpoint);
                     let (keep, after) = no_endpoint(&leftover, watch);
                     ctx.status = 503;
                     ctx.bytes_out += unavailable(client, ctx, choice, keep).await;
                     return Prepared::Done(after, None);
                 }
                 Ok(Err(why)) => {
+                    refused(
+                        ctx,
+                        match why {
+                            Rejected::QueueFull => Cause::QueueFull,
+                            Rejected::QueueTimeout => Cause::QueueTimeout,
+                            Rejected::PredictedWait => Cause::PredictedWait,
+                        },
+                    );
                     let (keep, after) = answered(&leftover, watch);
                     ctx.status = 429;
                     ctx.bytes_out += reject(client, ctx, choice, why, keep).await;
@@ -585,8 +643,10 @@ async fn unavailable(client: &mut Io, ctx: &Ctx, choice: Choice, keep_alive: boo
     let name = &shared.upstreams[choice.upstream].config.name;
     let message = format!("tokentap: upstream {name} has no healthy endpoint");
     let body = error_body(&message, "upstream_error", "no_healthy_endpoint");
+    let pool = &shared.upstreams[choice.upstream].pool;
+    let retry = pool.retry_after(shared.clock.now()).as_secs().to_string();
     let extra = [
-        ("Retry-After", "1"),
+        ("Retry-After", retry.as_str()),
         (UPSTREAM_HEADER, name.as_str()),
         (REQUEST_ID_HEADER, ctx.request_id.as_str()),
     ];

@@ -1,0 +1,331 @@
+//! The queue of a capped upstream: strict priority bands (`high`, `normal`, `low`), and
+//! within a band the waiting tenant served the fewest weighted tokens goes next — the
+//! virtual token counter of "Fairness in Serving Large Language Models" (Sheng et al.,
+//! OSDI '24) — each tenant's own requests in arrival order. Without tenants every request
+//! is one tenant's in one band: a FIFO.
+//!
+//! - A tenant's counter grows by the output tokens its requests are served, over its
+//!   weight: an estimate when a request gets its slot (the tenant's recent mean), the
+//!   difference when it ends ([`Fair::settle`]).
+//! - A tenant that starts waiting with nothing in flight is lifted to the least counter of
+//!   those already waiting, so that a tenant idle for a while cannot bank credit and then
+//!   take every slot; one whose requests are running keeps its place (its queue emptying
+//!   between two of its requests is not idleness).
+//! - Ageing: a `normal` or `low` request that has waited `ageing` is served before any band
+//!   (the oldest first), so that no band is starved for ever.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use tokio::sync::oneshot;
+
+use crate::tenant::{Priority, Tenant, Who};
+
+/// Counters kept for tenants not waiting, at most (the waiting ones are always kept).
+const COUNTERS: usize = 4096;
+
+/// One request waiting for a slot.
+pub(super) struct Waiter {
+    pub(super) id: u64,
+    pub(super) since: Instant,
+    /// Sent whether the slot was granted under a share.
+    pub(super) grant: oneshot::Sender<bool>,
+}
+
+/// The waiting requests of one pool, and the tenants' counters.
+#[derive(Default)]
+pub(super) struct Fair {
+    bands: [Band; 3],
+    len: usize,
+    counters: HashMap<Tenant, Counter>,
+}
+
+#[derive(Default)]
+struct Band {
+    /// Tenants with requests waiting in this band, in the order they started waiting.
+    tenants: Vec<(Tenant, f64, VecDeque<Waiter>)>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Counter {
+    /// Weighted output tokens served.
+    served: f64,
+    /// Mean output tokens of its recent requests (what a slot is charged up front).
+    mean: f64,
+    /// Its requests holding a slot.
+    running: u32,
+}
+
+impl Default for Counter {
+    fn default() -> Self {
+        Counter {
+            served: 0.0,
+            mean: 64.0,
+            running: 0,
+        }
+    }
+}
+
+impl Fair {
+    pub(super) fn len(&self) -> usize {
+        self.len
+    }
+
+    pub(super) fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// `who`'s request waits.
+    pub(super) fn push(&mut self, who: &Who, waiter: Waiter) {
+        let band = &mut self.bands[who.priority as usize];
+        self.len += 1;
+        if let Some((_, _, q)) = band.tenants.iter_mut().find(|(t, ..)| *t == who.tenant) {
+            q.push_back(waiter);
+            return;
+        }
+        // It starts waiting: lifted to the least counter of those waiting, unless its
+        // requests are running.
+        let floor = (self.bands.iter())
+            .flat_map(|b| b.tenants.iter())
+            .filter_map(|(t, ..)| self.counters.get(t).map(|c| c.served))
+            .reduce(f64::min);
+        let c = self.counters.entry(who.tenant.clone()).or_default();
+        if let Some(floor) = floor.filter(|_| c.running == 0) {
+            c.served = c.served.max(floor);
+        }
+        let band = &mut self.bands[who.priority as usize];
+        band.tenants
+            .push((who.tenant.clone(), who.weight, VecDeque::from([waiter])));
+    }
+
+    /// The request to serve next at `now`, charged to its tenant.
+    pub(super) fn pop(&mut self, now: Instant, ageing: Duration) -> Option<Waiter> {
+        if self.len == 0 {
+            return None;
+        }
+        // The oldest of the lower bands' heads, when it has waited past the bound.
+        let aged = (1..3)
+            .flat_map(|b| {
+                (self.bands[b].tenants.iter().enumerate())
+                    .filter_map(move |(i, (_, _, q))| q.front().map(|w| (w.since, b, i)))
+            })
+            .filter(|(since, ..)| now.saturating_duration_since(*since) >= ageing)
+            .min_by_key(|(since, ..)| *since);
+        let (b, i) = match aged {
+            Some((_, b, i)) => (b, i),
+            None => {
+                let b = self.bands.iter().position(|b| !b.tenants.is_empty())?;
+                // The tenant served least; on a tie, the one waiting longest.
+                let counters = &self.counters;
+                let served = |t: &Tenant| counters.get(t).map_or(0.0, |c| c.served);
+                let i = (0..self.bands[b].tenants.len()).min_by(|&x, &y| {
+                    let (tx, ty) = (&self.bands[b].tenants[x], &self.bands[b].tenants[y]);
+                    served(&tx.0).total_cmp(&served(&ty.0))
+                })?;
+                (b, i)
+            }
+        };
+        let band = &mut self.bands[b];
+        let (tenant, weight, q) = &mut band.tenants[i];
+        let w = q.pop_front()?;
+        let c = self.counters.entry(tenant.clone()).or_default();
+        c.served += c.mean / *weight;
+        c.running += 1;
+        if q.is_empty() {
+            band.tenants.remove(i);
+        }
+        self.len -= 1;
+        Some(w)
+    }
+
+    /// A request of `who` got a slot without waiting: charged as one that waited.
+    pub(super) fn charge(&mut self, who: &Who) {
+        let c = self.counters.entry(who.tenant.clone()).or_default();
+        c.served += c.mean / who.weight;
+        c.running += 1;
+        self.prune();
+    }
+
+    /// A request of `who` gave its slot back.
+    pub(super) fn ended(&mut self, who: &Who) {
+        if let Some(c) = self.counters.get_mut(&who.tenant) {
+            c.running = c.running.saturating_sub(1);
+        }
+    }
+
+    /// A request of `who` ended, `tokens` output tokens served: its charge made exact, and
+    /// its tenant's mean moved.
+    pub(super) fn settle(&mut self, who: &Who, tokens: u64) {
+        if let Some(c) = self.counters.get_mut(&who.tenant) {
+            let tokens = tokens as f64;
+            c.served += (tokens - c.mean) / who.weight;
+            c.mean += (tokens - c.mean) / 8.0;
+        }
+    }
+
+    /// Takes request `id` out (its wait ran out, or its client left); whether it was there.
+    pub(super) fn remove(&mut self, id: u64) -> bool {
+        for band in &mut self.bands {
+            for i in 0..band.tenants.len() {
+                let q = &mut band.tenants[i].2;
+                if let Some(at) = q.iter().position(|w| w.id == id) {
+                    q.remove(at);
+                    if q.is_empty() {
+                        band.tenants.remove(i);
+                    }
+                    self.len -= 1;
+                    return true;
+                }
+            }
+        }
+        false
+    }
+
+    /// The requests that would be served before one more of `who`'s, about: those of the
+    /// bands above it, its own tenant's, and of each other tenant of its band as many as
+    /// it would be served while `who` waits its turn (by weight).
+    pub(super) fn ahead(&self, who: &Who) -> usize {
+        let b = who.priority as usize;
+        let above: usize = (self.bands[..b].iter())
+            .flat_map(|band| band.tenants.iter())
+            .map(|(_, _, q)| q.len())
+            .sum();
+        let band = &self.bands[b];
+        let own = (band.tenants.iter())
+            .find(|(t, ..)| *t == who.tenant)
+            .map_or(0, |(_, _, q)| q.len());
+        let turns = (own + 1) as f64 / who.weight;
+        let others: usize = (band.tenants.iter())
+            .filter(|(t, ..)| *t != who.tenant)
+            .map(|(_, w, q)| q.len().min((turns * w).ceil() as usize))
+            .sum();
+        above + own + others
+    }
+
+    /// The waiting requests of each band.
+    pub(super) fn by_band(&self) -> [usize; 3] {
+        Priority::ALL.map(|p| {
+            (self.bands[p as usize].tenants.iter())
+                .map(|(_, _, q)| q.len())
+                .sum()
+        })
+    }
+
+    /// Forgets the counters of tenants not waiting past [`COUNTERS`] (a tenant that comes
+    /// back is lifted to those waiting, as a new one is).
+    fn prune(&mut self) {
+        if self.counters.len() <= COUNTERS {
+            return;
+        }
+        let waiting: std::collections::HashSet<Tenant> = (self.bands.iter())
+            .flat_map(|b| b.tenants.iter().map(|(t, ..)| t.clone()))
+            .collect();
+        self.counters
+            .retain(|t, c| c.running > 0 || waiting.contains(t));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    fn who(t: &str, p: Priority, weight: f64) -> Who {
+        Who {
+            tenant: Arc::from(t),
+            priority: p,
+            weight,
+            budget: None,
+        }
+    }
+
+    fn waiter(id: u64, since: Instant) -> (Waiter, oneshot::Receiver<bool>) {
+        let (grant, rx) = oneshot::channel();
+        (Waiter { id, since, grant }, rx)
+    }
+
+    fn drain(f: &mut Fair, now: Instant, n: usize) -> Vec<u64> {
+        (0..n)
+            .filter_map(|_| f.pop(now, Duration::from_secs(5)).map(|w| w.id))
+            .collect()
+    }
+
+    #[test]
+    fn one_tenant_is_a_fifo() {
+        let (mut f, now) = (Fair::default(), Instant::now());
+        let w = Who::default();
+        let mut rx = Vec::new();
+        for id in 0..5 {
+            let (x, r) = waiter(id, now);
+            f.push(&w, x);
+            rx.push(r);
+        }
+        assert_eq!(f.ahead(&w), 5);
+        assert!(f.remove(2));
+        assert_eq!(drain(&mut f, now, 9), [0, 1, 3, 4]);
+        assert!(f.is_empty());
+    }
+
+    /// A flooding tenant and a light one: slots alternate while both wait, and the light
+    /// one's request, arriving behind twenty, is among the next two served.
+    #[test]
+    fn the_tenant_served_least_goes_next_and_weights_share_by_tokens() {
+        let (mut f, now) = (Fair::default(), Instant::now());
+        let (a, b) = (
+            who("a", Priority::Normal, 1.0),
+            who("b", Priority::Normal, 1.0),
+        );
+        let mut rx = Vec::new();
+        for id in 0..20 {
+            let (x, r) = waiter(id, now);
+            f.push(&a, x);
+            rx.push(r);
+        }
+        // a was served a lot before: its counter is ahead.
+        for _ in 0..3 {
+            f.charge(&a);
+        }
+        // Served before it: one of a's (a tie, a waiting longer), not a's twenty.
+        assert_eq!(f.ahead(&b), 1);
+        let (x, r) = waiter(100, now);
+        f.push(&b, x);
+        rx.push(r);
+        let first = drain(&mut f, now, 2);
+        assert!(first.contains(&100), "{first:?}");
+        // Weights: c (weight 3) gets three slots for each of d's.
+        let (mut f, c, d) = (
+            Fair::default(),
+            who("c", Priority::Normal, 3.0),
+            who("d", Priority::Normal, 1.0),
+        );
+        for id in 0..40 {
+            let (x, r) = waiter(id, now);
+            f.push(if id % 2 == 0 { &c } else { &d }, x);
+            rx.push(r);
+        }
+        let served = drain(&mut f, now, 20);
+        let of_c = served.iter().filter(|id| *id % 2 == 0).count();
+        assert!((14..=16).contains(&of_c), "{served:?}");
+    }
+
+    #[test]
+    fn bands_are_strict_and_ageing_serves_the_starved() {
+        let (mut f, now) = (Fair::default(), Instant::now());
+        let (high, low) = (who("h", Priority::High, 1.0), who("l", Priority::Low, 1.0));
+        let mut rx = Vec::new();
+        let (x, r) = waiter(1, now - Duration::from_secs(1));
+        f.push(&low, x);
+        rx.push(r);
+        for id in 10..13 {
+            let (x, r) = waiter(id, now);
+            f.push(&high, x);
+            rx.push(r);
+        }
+        assert_eq!(f.by_band(), [3, 0, 1]);
+        assert_eq!(f.ahead(&low), 4);
+        assert_eq!(drain(&mut f, now, 1), [10]);
+        // Past the ageing bound the low request goes before the high ones.
+        let later = now + Duration::from_secs(5);
+        assert_eq!(drain(&mut f, later, 3), [1, 11, 12]);
+    }
+}

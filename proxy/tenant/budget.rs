@@ -1,0 +1,232 @@
+//! Output-token budgets (`output_tokens_per_minute`): a token bucket per tenant, as large as
+//! a minute's budget and refilled at its rate. A request reserves what it may generate when
+//! it is admitted (its `max_tokens`, else its tenant's recent mean; at most the bucket) and
+//! gives back what it did not use when it ends, on the exact count; one that finds too
+//! little left is refused with 429, `Retry-After` and OpenAI's `x-ratelimit-*-tokens`
+//! headers. The bucket may go below zero (a request that ran past its reservation): the
+//! debt is paid before the next request of that tenant is let in.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use super::{Tenant, Who};
+
+/// Buckets kept before full ones are forgotten (a full bucket says nothing a new one does
+/// not).
+const BUCKETS: usize = 16_384;
+
+/// Every tenant's bucket.
+#[derive(Debug, Default)]
+pub struct Budgets {
+    buckets: Mutex<HashMap<Tenant, Bucket>>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Bucket {
+    tokens: f64,
+    at: Instant,
+    per_minute: u64,
+    /// Mean output tokens of its recent requests (what a request without `max_tokens`
+    /// reserves).
+    mean: f64,
+    /// Reservations not yet settled.
+    open: u32,
+}
+
+/// A request's reservation, settled when it ends ([`Reservation::settle`]; dropped
+/// unsettled, as if it generated nothing).
+#[derive(Debug)]
+pub struct Reservation {
+    budgets: Arc<Budgets>,
+    tenant: Tenant,
+    reserved: u64,
+    settled: bool,
+}
+
+impl Reservation {
+    /// Its request ended with `tokens` output tokens.
+    pub fn settle(mut self, tokens: u64) {
+        self.settled = true;
+        self.budgets.settle(&self.tenant, self.reserved, tokens);
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if !self.settled {
+            self.budgets.settle(&self.tenant, self.reserved, 0);
+        }
+    }
+}
+
+/// A request refused for its tenant's budget: what the headers say.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Refusal {
+    /// `x-ratelimit-limit-tokens`: the budget a minute.
+    pub limit: u64,
+    /// `x-ratelimit-remaining-tokens`.
+    pub remaining: u64,
+    /// `x-ratelimit-reset-tokens` and `Retry-After`: until the reservation fits.
+    pub reset: Duration,
+}
+
+impl Bucket {
+    fn refill(&mut self, now: Instant) {
+        let cap = self.per_minute as f64;
+        let secs = now.saturating_duration_since(self.at).as_secs_f64();
+        self.tokens = (self.tokens + secs * cap / 60.0).min(cap);
+        self.at = now;
+    }
+}
+
+impl Budgets {
+    /// Reserves `max_tokens` (or the tenant's mean) of `who`'s budget at `now`; `Ok(None)`:
+    /// it has none.
+    pub fn reserve(
+        self: &Arc<Self>,
+        who: &Who,
+        max_tokens: Option<u64>,
+        now: Instant,
+    ) -> Result<Option<Reservation>, Refusal> {
+        let Some(per_minute) = who.budget else {
+            return Ok(None);
+        };
+        let mut buckets = self.lock();
+        if buckets.len() >= BUCKETS && !buckets.contains_key(&who.tenant) {
+            buckets.retain(|_, b| {
+                b.refill(now);
+                b.open > 0 || b.tokens < b.per_minute as f64
+            });
+        }
+        let b = buckets.entry(who.tenant.clone()).or_insert(Bucket {
+            tokens: per_minute as f64,
+            at: now,
+            per_minute,
+            mean: 64.0,
+            open: 0,
+        });
+        if b.per_minute != per_minute {
+            // A reload changed it: the bucket keeps its share of the new size.
+            b.tokens *= per_minute as f64 / b.per_minute as f64;
+            b.per_minute = per_minute;
+        }
+        b.refill(now);
+        let want = max_tokens
+            .unwrap_or(b.mean.ceil() as u64)
+            .clamp(1, per_minute);
+        if b.tokens >= want as f64 {
+            b.tokens -= want as f64;
+            b.open += 1;
+            return Ok(Some(Reservation {
+                budgets: Arc::clone(self),
+                tenant: who.tenant.clone(),
+                reserved: want,
+                settled: false,
+            }));
+        }
+        let short = want as f64 - b.tokens;
+        Err(Refusal {
+            limit: per_minute,
+            remaining: b.tokens.max(0.0).floor() as u64,
+            reset: Duration::from_secs_f64(short * 60.0 / per_minute as f64),
+        })
+    }
+
+    /// A request of `tenant` that reserved `reserved` ended with `tokens` output tokens:
+    /// the rest of its reservation back (or what it ran past taken).
+    fn settle(&self, tenant: &Tenant, reserved: u64, tokens: u64) {
+        if let Some(b) = self.lock().get_mut(tenant) {
+            b.tokens += reserved as f64 - tokens as f64;
+            b.tokens = b.tokens.min(b.per_minute as f64);
+            b.mean += (tokens as f64 - b.mean) / 8.0;
+            b.open = b.open.saturating_sub(1);
+        }
+    }
+
+    /// Buckets kept now.
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HashMap<Tenant, Bucket>> {
+        self.buckets.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl Refusal {
+    /// `x-ratelimit-reset-tokens` as OpenAI writes it: `1.5s`, `2m0s`.
+    pub fn reset_text(&self) -> String {
+        let secs = self.reset.as_secs_f64();
+        if secs < 60.0 {
+            format!("{}s", (secs * 10.0).ceil() / 10.0)
+        } else {
+            format!("{}m{}s", (secs / 60.0).floor(), (secs % 60.0).ceil())
+        }
+    }
+
+    /// `Retry-After`: whole seconds, at least one.
+    pub fn retry_after_secs(&self) -> u64 {
+        self.reset.as_secs_f64().ceil().max(1.0) as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    fn who(budget: u64) -> Who {
+        Who {
+            tenant: Arc::from("t"),
+            budget: Some(budget),
+            ..Who::default()
+        }
+    }
+
+    #[test]
+    fn a_bucket_reserves_settles_refills_and_refuses_with_its_reset() {
+        let (b, t0) = (Arc::new(Budgets::default()), Instant::now());
+        let w = who(600); // 10 a second
+        let r1 = b.reserve(&w, Some(400), t0).unwrap().unwrap();
+        let r2 = b.reserve(&w, Some(150), t0).unwrap().unwrap();
+        let no = b.reserve(&w, Some(100), t0).unwrap_err();
+        assert_eq!((no.limit, no.remaining), (600, 50));
+        assert_eq!(no.reset, Duration::from_secs(5));
+        assert_eq!(
+            (no.reset_text(), no.retry_after_secs()),
+            ("5s".to_owned(), 5)
+        );
+        // 400 reserved, 100 used: 300 back.
+        r1.settle(100);
+        assert!(b.reserve(&w, Some(100), t0).unwrap().is_some());
+        // Ran past its reservation: a debt, paid by the refill.
+        r2.settle(500);
+        assert!(b.reserve(&w, Some(100), t0).is_err());
+        let later = t0 + Duration::from_secs(60);
+        assert!(b.reserve(&w, Some(600), later).unwrap().is_some());
+        // No budget: nothing reserved.
+        assert!(b.reserve(&Who::default(), Some(1), t0).unwrap().is_none());
+    }
+
+    #[test]
+    fn full_buckets_are_forgotten_past_the_bound() {
+        let (b, t0) = (Arc::new(Budgets::default()), Instant::now());
+        for i in 0..BUCKETS + 10 {
+            let w = Who {
+                tenant: Arc::from(format!("t{i}")),
+                budget: Some(60),
+                ..Who::default()
+            };
+            let r = b
+                .reserve(&w, Some(1), t0 + Duration::from_secs(i as u64))
+                .unwrap();
+            r.unwrap().settle(1);
+        }
+        assert!(b.len() <= BUCKETS, "{}", b.len());
+    }
+}

@@ -1,0 +1,319 @@
+//! Tenants: who a request belongs to (`[tenants] key`), its priority, its weight in the
+//! fair queue ([`crate::limit::fair`]), its output-token budget ([`budget`]), and the
+//! figures kept per tenant ([`book`]).
+//!
+//! A tenant is named by a header's value. A secret (`authorization`, an API key, a cookie)
+//! or a value that is long or not plain text is never kept, logged or shown: it is reduced
+//! to `key-` and the first 16 hex digits of its SHA-256, stable across restarts and
+//! replicas, so that an override or a dashboard can name it.
+
+pub mod book;
+pub mod budget;
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::HeaderName;
+
+/// A tenant's name, as `/stats` shows it.
+pub type Tenant = Arc<str>;
+
+/// A tenant name's longest form (a longer header value is hashed).
+pub const MAX_NAME: usize = 64;
+
+/// The default of `tenants.ageing_ms`: how long a `normal` or `low` request may wait behind
+/// higher bands before it is served first.
+pub const AGEING_MS: u64 = 5000;
+
+/// A request's priority band.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub enum Priority {
+    High = 0,
+    #[default]
+    Normal = 1,
+    Low = 2,
+}
+
+impl Priority {
+    pub const ALL: [Priority; 3] = [Priority::High, Priority::Normal, Priority::Low];
+
+    /// `high`, `normal` or `low` (any case, trimmed).
+    pub fn parse(v: &[u8]) -> Option<Priority> {
+        let v = v.trim_ascii();
+        [
+            (&b"high"[..], Priority::High),
+            (b"normal", Priority::Normal),
+            (b"low", Priority::Low),
+        ]
+        .into_iter()
+        .find(|(name, _)| v.eq_ignore_ascii_case(name))
+        .map(|(_, p)| p)
+    }
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Priority::High => "high",
+            Priority::Normal => "normal",
+            Priority::Low => "low",
+        }
+    }
+}
+
+/// What a tenant is given: its weight, its priority when a request gives none, its budget.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Terms {
+    pub weight: f64,
+    pub priority: Option<Priority>,
+    pub output_tokens_per_minute: Option<u64>,
+}
+
+/// `[tenants]` as the runtime takes it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TenantsConfig {
+    pub key: Option<HeaderName>,
+    pub priority: Option<HeaderName>,
+    /// Every tenant's terms but those overridden.
+    pub default: Terms,
+    pub overrides: Vec<(String, Terms)>,
+    pub ageing: Duration,
+}
+
+impl Default for TenantsConfig {
+    fn default() -> Self {
+        TenantsConfig {
+            key: None,
+            priority: None,
+            default: Terms {
+                weight: 1.0,
+                priority: None,
+                output_tokens_per_minute: None,
+            },
+            overrides: Vec::new(),
+            ageing: Duration::from_millis(AGEING_MS),
+        }
+    }
+}
+
+impl TenantsConfig {
+    /// Whether requests are told apart at all (a key, a priority, or a budget).
+    pub fn any(&self) -> bool {
+        self.key.is_some()
+            || self.priority.is_some()
+            || self.default.output_tokens_per_minute.is_some()
+    }
+}
+
+/// Who a request is, for the queue and the budgets.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Who {
+    pub tenant: Tenant,
+    pub priority: Priority,
+    pub weight: f64,
+    /// Its tenant's output tokens a minute.
+    pub budget: Option<u64>,
+}
+
+impl Default for Who {
+    fn default() -> Self {
+        Who {
+            tenant: default_tenant(),
+            priority: Priority::Normal,
+            weight: 1.0,
+            budget: None,
+        }
+    }
+}
+
+/// The tenant of a request without the key's header (and of every request without a key).
+pub fn default_tenant() -> Tenant {
+    thread_local! {
+        static DEFAULT: Tenant = Arc::from("default");
+    }
+    DEFAULT.with(Arc::clone)
+}
+
+/// Tells requests apart by `[tenants]`.
+#[derive(Debug, Default)]
+pub struct Tenants {
+    config: TenantsConfig,
+    /// `key` holds a secret (its values hashed whatever they are).
+    secret: bool,
+    /// Requests whose priority header was not one of the three.
+    pub bad_priority: AtomicU64,
+}
+
+impl Tenants {
+    pub fn new(config: TenantsConfig) -> Tenants {
+        let secret = config.key.as_ref().is_some_and(|k| {
+            matches!(
+                k.as_str(),
+                "authorization" | "proxy-authorization" | "x-api-key" | "api-key" | "cookie"
+            ) || k.as_str().contains("key")
+                || k.as_str().contains("token")
+                || k.as_str().contains("secret")
+        });
+        Tenants {
+            config,
+            secret,
+            bad_priority: AtomicU64::new(0),
+        }
+    }
+
+    pub fn config(&self) -> &TenantsConfig {
+        &self.config
+    }
+
+    /// Who a request with these headers is (`get`: a header's first value).
+    pub fn who<'a>(&self, get: impl Fn(&str) -> Option<&'a [u8]>) -> Who {
+        let c = &self.config;
+        let tenant = match c.key.as_ref().and_then(|k| get(k.as_str())) {
+            Some(v) if !v.trim_ascii().is_empty() => self.name(v.trim_ascii()),
+            _ => default_tenant(),
+        };
+        let terms = (c.overrides.iter())
+            .find(|(name, _)| **name == *tenant)
+            .map_or(&c.default, |(_, t)| t);
+        let asked = c.priority.as_ref().and_then(|h| get(h.as_str()));
+        let priority = match asked.map(Priority::parse) {
+            Some(Some(p)) => p,
+            Some(None) => {
+                self.bad_priority.fetch_add(1, Relaxed);
+                terms.priority.unwrap_or_default()
+            }
+            None => terms.priority.unwrap_or_default(),
+        };
+        Who {
+            tenant,
+            priority,
+            weight: terms.weight,
+            budget: terms.output_tokens_per_minute,
+        }
+    }
+
+    /// A header value as a tenant's name: itself when it is short plain text and not a
+    /// secret, else `key-` and its hash.
+    fn name(&self, v: &[u8]) -> Tenant {
+        let plain = v.len() <= MAX_NAME
+            && v.iter()
+                .all(|&b| b.is_ascii_alphanumeric() || b"-_.:@/".contains(&b));
+        match std::str::from_utf8(v) {
+            Ok(s) if plain && !self.secret => Arc::from(s),
+            _ => Arc::from(hashed(v)),
+        }
+    }
+}
+
+/// The output tokens a request body asks for at most (`max_tokens`,
+/// `max_completion_tokens`, `max_output_tokens`, `max_new_tokens`, `num_predict`,
+/// `n_predict`), read without parsing the body: a key as a JSON key (not inside a string's
+/// escaped quotes), followed by a number.
+pub fn max_tokens(body: &[u8]) -> Option<u64> {
+    const KEYS: [&[u8]; 6] = [
+        b"\"max_tokens\"",
+        b"\"max_completion_tokens\"",
+        b"\"max_output_tokens\"",
+        b"\"max_new_tokens\"",
+        b"\"num_predict\"",
+        b"\"n_predict\"",
+    ];
+    KEYS.iter().find_map(|key| {
+        let at =
+            memchr::memmem::find_iter(body, key).find(|&at| at == 0 || body[at - 1] != b'\\')?;
+        let rest = body[at + key.len()..].trim_ascii_start();
+        let rest = rest.strip_prefix(b":")?.trim_ascii_start();
+        let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
+        std::str::from_utf8(&rest[..digits]).ok()?.parse().ok()
+    })
+}
+
+/// `key-` and the first 16 hex digits of `v`'s SHA-256.
+pub fn hashed(v: &[u8]) -> String {
+    let digest = ring::digest::digest(&ring::digest::SHA256, v);
+    let mut out = String::with_capacity(20);
+    out.push_str("key-");
+    for b in &digest.as_ref()[..8] {
+        out.push_str(&format!("{b:02x}"));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tenants(key: &str) -> Tenants {
+        Tenants::new(TenantsConfig {
+            key: Some(key.parse().unwrap()),
+            priority: Some("x-priority".parse().unwrap()),
+            overrides: vec![(
+                "team-a".into(),
+                Terms {
+                    weight: 3.0,
+                    priority: Some(Priority::High),
+                    output_tokens_per_minute: Some(100),
+                },
+            )],
+            ..TenantsConfig::default()
+        })
+    }
+
+    #[test]
+    fn a_secret_is_hashed_and_a_name_kept() {
+        let t = tenants("authorization");
+        let who = t.who(|h| (h == "authorization").then_some(&b"Bearer sk-abc"[..]));
+        assert_eq!(&*who.tenant, hashed(b"Bearer sk-abc"));
+        assert!(who.tenant.starts_with("key-") && who.tenant.len() == 20);
+        assert!(!who.tenant.contains("sk-"));
+        let t = tenants("x-tenant");
+        let who = t.who(|h| (h == "x-tenant").then_some(&b"team-a"[..]));
+        assert_eq!(&*who.tenant, "team-a");
+        assert_eq!(
+            (who.weight, who.priority, who.budget),
+            (3.0, Priority::High, Some(100))
+        );
+        // A long value, or one that is not plain text, is hashed too.
+        let long = vec![b'a'; 64 * 1024];
+        let who = t.who(|h| (h == "x-tenant").then_some(&long[..]));
+        assert!(who.tenant.starts_with("key-"));
+        let who = t.who(|h| (h == "x-tenant").then_some(&b"a b"[..]));
+        assert!(who.tenant.starts_with("key-"));
+        // No header: the default tenant.
+        assert_eq!(&*t.who(|_| None).tenant, "default");
+    }
+
+    #[test]
+    fn max_tokens_is_read_from_any_dialects_key_and_not_from_a_prompt() {
+        assert_eq!(
+            max_tokens(br#"{"model":"m","max_tokens": 30,"stream":true}"#),
+            Some(30)
+        );
+        assert_eq!(max_tokens(br#"{"options":{"num_predict":7}}"#), Some(7));
+        assert_eq!(
+            max_tokens(
+                br#"{"messages":[{"content":"say \"max_tokens\": 5"}],"max_completion_tokens":9}"#
+            ),
+            Some(9)
+        );
+        assert_eq!(max_tokens(br#"{"max_tokens":null}"#), None);
+        assert_eq!(max_tokens(b"not json"), None);
+    }
+
+    #[test]
+    fn a_priority_header_wins_and_a_bad_one_is_normal_and_counted() {
+        let t = tenants("x-tenant");
+        let get = |p: &'static [u8]| {
+            move |h: &str| match h {
+                "x-tenant" => Some(&b"team-a"[..]),
+                "x-priority" => Some(p),
+                _ => None,
+            }
+        };
+        assert_eq!(t.who(get(b" LOW ")).priority, Priority::Low);
+        // An unknown value: the tenant's own priority (team-a's is high), counted.
+        assert_eq!(t.who(get(b"urgent")).priority, Priority::High);
+        assert_eq!(t.bad_priority.load(Relaxed), 1);
+        let other = t.who(|h| (h == "x-priority").then_some(&b"nope"[..]));
+        assert_eq!(other.priority, Priority::Normal);
+    }
+}

@@ -138,31 +138,23 @@ impl Drop for Lease {
     }
 }
 
-/// A fleet slot: the local permit and its lease; dropping it frees both.
+/// A fleet slot: its lease (freed first) and the local permit; dropping it frees both.
 pub struct Slot {
-    lease: Option<(Arc<Fleet>, u64)>,
-    _permit: Permit,
+    _lease: Option<Lease>,
+    permit: Permit,
 }
 
 impl Slot {
     pub fn local(permit: Permit) -> Slot {
         Slot {
-            lease: None,
-            _permit: permit,
+            _lease: None,
+            permit,
         }
     }
 
     /// Its request ended with `tokens` output tokens (its tenant's charge made exact).
     pub fn settle(&self, tokens: u64) {
-        self._permit.settle(tokens);
-    }
-}
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        if let Some((fleet, id)) = self.lease.take() {
-            fleet.release(id);
-        }
+        self.permit.settle(tokens);
     }
 }
 
@@ -637,8 +629,11 @@ impl Fleet {
             .unwrap_or_else(PoisonError::into_inner)
             .insert(id);
         Slot {
-            lease: Some((Arc::clone(self), id)),
-            _permit: permit,
+            _lease: Some(Lease {
+                fleet: Arc::clone(self),
+                id,
+            }),
+            permit,
         }
     }
 

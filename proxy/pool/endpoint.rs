@@ -53,7 +53,7 @@ pub struct Endpoint {
     /// Its own cap under `slo_headroom` with a TPOT SLO ([`POOLED`]: the pool's cap for
     /// each endpoint), and its curve and controller there.
     pub(super) cap: AtomicU64,
-    pub(super) steering: Mutex<super::headroom::Steering>,
+    pub(super) steering: Mutex<super::curve::Steering>,
 }
 
 /// An endpoint's `cap` when it is the pool's per-endpoint one.
@@ -112,7 +112,7 @@ pub struct EndpointStats {
     /// (`balance = "prefix"`; 0 otherwise).
     pub prefix_index_blocks: usize,
     /// Its own curve's predictions (`balance = "slo_headroom"`; `null` otherwise).
-    pub slo_headroom: Option<super::headroom::HeadroomStats>,
+    pub slo_headroom: Option<super::curve::HeadroomStats>,
     pub output_tokens_total: u64,
     /// Prompt tokens of its requests that reported them, and of those the ones its
     /// backend read from its prefix cache.

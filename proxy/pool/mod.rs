@@ -27,6 +27,7 @@
 //! The pool and its endpoints are kept across reloads by the upstream's name.
 
 mod choice;
+mod curve;
 mod discover;
 mod eject;
 mod endpoint;
@@ -46,8 +47,8 @@ use crate::limit::fleet::FleetLink;
 use crate::limit::Limiter;
 use crate::meter::{Clock, Nanos};
 
+pub use curve::HeadroomStats;
 pub use endpoint::{Endpoint, EndpointStats, Held};
-pub use headroom::HeadroomStats;
 
 use endpoint::Freed;
 
@@ -80,7 +81,7 @@ pub struct Pool {
 struct Settings {
     balance: Balance,
     /// What `slo_headroom` routes on (`None` under another balance).
-    headroom: Option<headroom::Headroom>,
+    headroom: Option<curve::Headroom>,
     eject_after: u32,
     eject: Duration,
     health: Option<HealthCheck>,
@@ -457,7 +458,7 @@ impl Settings {
     fn of(u: &UpstreamConfig) -> Settings {
         Settings {
             balance: u.balance.clone(),
-            headroom: (u.balance == Balance::SloHeadroom).then_some(headroom::Headroom {
+            headroom: (u.balance == Balance::SloHeadroom).then_some(curve::Headroom {
                 tpot_ms: u.targets.tpot_ms,
                 ttft_ms: u.targets.ttft_ms,
                 cap: u.slo,

@@ -12,6 +12,7 @@ use super::Ctx;
 use crate::limit::fleet::Slot;
 use crate::limit::{Permit, Rejected};
 use crate::routing::Choice;
+use crate::service::ctx::Tenancy;
 use crate::service::http1::answer::{self, error_body, json_response};
 use crate::service::http1::conn::Io;
 use crate::service::http1::head::RequestHead;
@@ -20,6 +21,7 @@ use crate::service::record::REQUEST_ID_HEADER;
 use crate::service::TokenTap;
 use crate::service::UPSTREAM_HEADER;
 use crate::state::{Shared, Upstream};
+use crate::tenant::book::Cause;
 use crate::tenant::budget::Refusal;
 use crate::tenant::Who;
 
@@ -73,6 +75,47 @@ pub(super) async fn reject(
     let out = json_response(429, &body, &extra, keep_alive);
     let cwt = shared.config.limits.client_write_timeout;
     answer::answer(client, &out, cwt).await
+}
+
+/// With `[tenants]`: who a generation request is, and its reservation of its tenant's
+/// budget; `Err`: over the budget (the refusal booked to the tenant).
+pub(super) fn tenancy(
+    shared: &Shared,
+    req: &RequestHead,
+    body: &[u8],
+) -> Result<Option<Box<Tenancy>>, Refusal> {
+    if !shared.tenants.config().any() {
+        return Ok(None);
+    }
+    let who = shared.tenants.who(|h| req.fields.get(h));
+    let asked = crate::tenant::max_tokens(body);
+    match shared.budgets.reserve(&who, asked, Instant::now()) {
+        Ok(reservation) => Ok(Some(Box::new(Tenancy {
+            who,
+            reservation,
+            queue_ms: 0.0,
+        }))),
+        Err(refusal) => {
+            shared
+                .book
+                .refused(&who.tenant, Instant::now(), Cause::Budget);
+            Err(refusal)
+        }
+    }
+}
+
+/// Books a refusal (`why`; `None`: no endpoint) to the request's tenant, with `[tenants]`.
+pub(super) fn refused(ctx: &Ctx, why: Option<Rejected>) {
+    let Some(t) = ctx.who.as_ref() else { return };
+    let cause = match why {
+        None => Cause::NoEndpoint,
+        Some(Rejected::QueueFull) => Cause::QueueFull,
+        Some(Rejected::QueueTimeout) => Cause::QueueTimeout,
+        Some(Rejected::PredictedWait) => Cause::PredictedWait,
+    };
+    ctx.shared
+        .book
+        .refused(&t.who.tenant, Instant::now(), cause);
 }
 
 /// Answers 429 for a request over its tenant's output-token budget, with `Retry-After` and

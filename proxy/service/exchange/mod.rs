@@ -33,7 +33,7 @@ use pingora::prelude::*;
 use pingora::upstreams::peer::Peer as _;
 use pingora::ErrorSource;
 
-use super::ctx::{Ctx, Tenancy};
+use super::ctx::Ctx;
 use super::failure::{self, Failure};
 use super::http1::answer::{self, error_body, json_response};
 use super::http1::conn::Io;
@@ -47,7 +47,6 @@ use crate::limit::Rejected;
 use crate::meter::{Nanos, Outcome};
 use crate::pool::{Keyed, Unplaced};
 use crate::routing::Choice;
-use crate::tenant::book::Cause;
 use crate::tenant::Who;
 use admission::{over_budget, reject, route};
 use relay::{health_after_body, Relay};
@@ -400,28 +399,13 @@ impl TokenTap {
         let mut watch = true;
         if ctx.dialect.is_some() {
             // With `[tenants]`: who it is, and what it may spend of its tenant's budget.
-            if shared.tenants.config().any() {
-                let who = shared.tenants.who(|h| req.fields.get(h));
-                let asked = crate::tenant::max_tokens(&bytes);
-                match shared
-                    .budgets
-                    .reserve(&who, asked, std::time::Instant::now())
-                {
-                    Ok(reservation) => {
-                        ctx.who = Some(Box::new(Tenancy {
-                            who,
-                            reservation,
-                            queue_ms: 0.0,
-                        }))
-                    }
-                    Err(refusal) => {
-                        let now = std::time::Instant::now();
-                        shared.book.refused(&who.tenant, now, Cause::Budget);
-                        let (keep, after) = answered(&leftover, true);
-                        ctx.status = 429;
-                        ctx.bytes_out += over_budget(client, ctx, choice, refusal, keep).await;
-                        return Prepared::Done(after, None);
-                    }
+            match admission::tenancy(&shared, &req, &bytes) {
+                Ok(tenancy) => ctx.who = tenancy,
+                Err(refusal) => {
+                    let (keep, after) = answered(&leftover, true);
+                    ctx.status = 429;
+                    ctx.bytes_out += over_budget(client, ctx, choice, refusal, keep).await;
+                    return Prepared::Done(after, None);
                 }
             }
             let queued = std::time::Instant::now();
@@ -445,32 +429,18 @@ impl TokenTap {
             if let Some(t) = ctx.who.as_mut() {
                 t.queue_ms = queue_ms;
             }
-            let refused = |ctx: &Ctx, cause: Cause| {
-                if let Some(t) = ctx.who.as_ref() {
-                    shared
-                        .book
-                        .refused(&t.who.tenant, std::time::Instant::now(), cause);
-                }
-            };
             match granted {
                 Ok(Ok(permit)) => ctx.permit = Some(permit),
                 Ok(Err(_)) if !pool.serving() => {
                     // It waited for endpoints that all went away.
-                    refused(ctx, Cause::NoEndpoint);
+                    admission::refused(ctx, None);
                     let (keep, after) = no_endpoint(&leftover, watch);
                     ctx.status = 503;
                     ctx.bytes_out += unavailable(client, ctx, choice, keep).await;
                     return Prepared::Done(after, None);
                 }
                 Ok(Err(why)) => {
-                    refused(
-                        ctx,
-                        match why {
-                            Rejected::QueueFull => Cause::QueueFull,
-                            Rejected::QueueTimeout => Cause::QueueTimeout,
-                            Rejected::PredictedWait => Cause::PredictedWait,
-                        },
-                    );
+                    admission::refused(ctx, Some(why));
                     let (keep, after) = answered(&leftover, watch);
                     ctx.status = 429;
                     ctx.bytes_out += reject(client, ctx, choice, why, keep).await;

@@ -121,7 +121,7 @@ impl Shared {
             clock,
             telemetry,
             cluster,
-            tenants: Tenants::new(config.tenants.clone()),
+            tenants: Tenants::new(config.tenants.clone(), Arc::clone(&book)),
             budgets,
             book,
             config,

@@ -7,48 +7,16 @@
 
 mod common;
 
-use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::*;
-use tokentap::load::{self, LoadArgs, Mode, PhaseReport};
 use tokio::time::Instant;
 
 const CHAT: &str = "/v1/chat/completions";
 
 /// One test at a time: each measures shares and latencies under load on two cores.
 static ONE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-/// `clients` closed-loop streaming clients sending `headers`, measured for `secs` after
-/// `warmup`.
-async fn tenant_loop(
-    proxy: SocketAddr,
-    headers: &[&str],
-    clients: usize,
-    (warmup, secs): (f64, f64),
-) -> PhaseReport {
-    let target = LoadArgs {
-        max_tokens: 30,
-        include_usage: true,
-        model: "m".into(),
-        prompt: "p".into(),
-        headers: headers.iter().map(|h| (*h).to_owned()).collect(),
-        ..LoadArgs::for_url(format!("http://{proxy}"))
-    }
-    .target()
-    .unwrap();
-    load::phase(
-        &target,
-        Mode::Closed {
-            concurrency: clients,
-        },
-        Duration::from_secs_f64(warmup),
-        Duration::from_secs_f64(secs),
-        false,
-    )
-    .await
-}
 
 /// One simulator, cap 8; tenant A floods with 40 clients, tenant B has 4: the fair queue
 /// serves B's requests first beside A's flood (B's TTFT p50 at most a quarter of A's) and
@@ -67,8 +35,20 @@ async fn a_flooding_tenant_does_not_take_a_light_ones_share() {
     .await;
     let at = proxy_addr(&tap);
     let (a, b) = tokio::join!(
-        tenant_loop(at, &["x-tenant: a"], 40, (2.0, 6.0)),
-        tenant_loop(at, &["x-tenant: b"], 4, (2.0, 6.0)),
+        closed_loop(
+            at,
+            Closed::of(40, 6.0)
+                .after(2.0)
+                .with_usage()
+                .header("x-tenant: a")
+        ),
+        closed_loop(
+            at,
+            Closed::of(4, 6.0)
+                .after(2.0)
+                .with_usage()
+                .header("x-tenant: b")
+        ),
     );
     assert!(
         a.errors.is_empty() && b.errors.is_empty(),
@@ -115,8 +95,22 @@ async fn high_goes_first_and_low_is_served_within_the_ageing_bound() {
     .await;
     let at = proxy_addr(&tap);
     let (high, low) = tokio::join!(
-        tenant_loop(at, &["x-tenant: a", "x-priority: high"], 24, (4.0, 8.0)),
-        tenant_loop(at, &["x-tenant: b", "x-priority: low"], 24, (4.0, 8.0)),
+        closed_loop(
+            at,
+            Closed::of(24, 8.0)
+                .after(4.0)
+                .with_usage()
+                .header("x-tenant: a")
+                .header("x-priority: high")
+        ),
+        closed_loop(
+            at,
+            Closed::of(24, 8.0)
+                .after(4.0)
+                .with_usage()
+                .header("x-tenant: b")
+                .header("x-priority: low")
+        ),
     );
     assert!(high.errors.is_empty() && low.errors.is_empty());
     let share = high.output_tokens as f64 / (high.output_tokens + low.output_tokens) as f64;
@@ -226,8 +220,20 @@ async fn a_tenants_budget_holds_and_says_when_to_come_back() {
     .await;
     let at = proxy_addr(&tap);
     let (t, other) = tokio::join!(
-        tenant_loop(at, &["x-tenant: t"], 8, (4.0, 10.0)),
-        tenant_loop(at, &["x-tenant: u"], 2, (4.0, 10.0)),
+        closed_loop(
+            at,
+            Closed::of(8, 10.0)
+                .after(4.0)
+                .with_usage()
+                .header("x-tenant: t")
+        ),
+        closed_loop(
+            at,
+            Closed::of(2, 10.0)
+                .after(4.0)
+                .with_usage()
+                .header("x-tenant: u")
+        ),
     );
     // Measured after the bucket's first 3,000 are spent: 10 s refill 500, plus up to 8
     // requests of 30 in flight at the window's edges.

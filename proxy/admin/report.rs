@@ -155,9 +155,7 @@ pub fn stats(shared: &Shared, transport: &Transport) -> Stats {
             .collect(),
         tenants: shared.tenants.config().any().then(|| TenantsReport {
             tracked: shared.book.len(),
-            invalid_priority_total: shared
-                .tenants
-                .bad_priority
+            invalid_priority_total: (shared.book.invalid_priority)
                 .load(std::sync::atomic::Ordering::Relaxed),
             budgets: shared.budgets.len(),
             top: shared.book.stats(
@@ -200,17 +198,12 @@ fn report(shared: &Shared, i: usize, u: &Upstream, now: crate::meter::Nanos) -> 
     UpstreamReport {
         queued: l.queued,
         limit: l.limit,
-        rejected_total: l.rejected_queue_full
-            + l.rejected_queue_timeout
-            + l.rejected_predicted_wait,
-        rejected_by_reason: [
-            ("queue_full", l.rejected_queue_full),
-            ("queue_timeout", l.rejected_queue_timeout),
-            ("predicted_wait", l.rejected_predicted_wait),
-        ]
-        .into_iter()
-        .filter(|(_, n)| *n > 0)
-        .collect(),
+        rejected_total: l.rejected.iter().sum(),
+        rejected_by_reason: (crate::limit::Rejected::ALL.iter())
+            .zip(l.rejected)
+            .map(|(why, n)| (why.label(), n))
+            .filter(|(_, n)| *n > 0)
+            .collect(),
         slo: u.config.bound.map(|b| {
             let t = &u.config.targets;
             let current = u.slo.as_ref().and_then(|a| a.current_tpot_ms());

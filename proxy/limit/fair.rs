@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 
-use crate::tenant::{Priority, Tenant, Who};
+use crate::tenant::{Tenant, Who};
 
 /// Counters kept for tenants not waiting, at most (the waiting ones are always kept).
 const COUNTERS: usize = 4096;
@@ -202,15 +202,6 @@ impl Fair {
         above + own + others
     }
 
-    /// The waiting requests of each band.
-    pub(super) fn by_band(&self) -> [usize; 3] {
-        Priority::ALL.map(|p| {
-            (self.bands[p as usize].tenants.iter())
-                .map(|(_, _, q)| q.len())
-                .sum()
-        })
-    }
-
     /// Forgets the counters of tenants not waiting past [`COUNTERS`] (a tenant that comes
     /// back is lifted to those waiting, as a new one is).
     fn prune(&mut self) {
@@ -228,6 +219,7 @@ impl Fair {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::tenant::Priority;
     use std::sync::Arc;
 
     fn who(t: &str, p: Priority, weight: f64) -> Who {
@@ -321,7 +313,7 @@ mod tests {
             f.push(&high, x);
             rx.push(r);
         }
-        assert_eq!(f.by_band(), [3, 0, 1]);
+        assert_eq!(f.len(), 4);
         assert_eq!(f.ahead(&low), 4);
         assert_eq!(drain(&mut f, now, 1), [10]);
         // Past the ageing bound the low request goes before the high ones.

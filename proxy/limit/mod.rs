@@ -111,11 +111,8 @@ pub struct LimitStats {
     pub limit: Option<u64>,
     pub in_flight: u64,
     pub queued: u64,
-    pub rejected_queue_full: u64,
-    pub rejected_queue_timeout: u64,
-    pub rejected_predicted_wait: u64,
-    /// Waiting by band: high, normal, low.
-    pub queued_by_priority: [u64; 3],
+    /// Refusals by why, in [`Rejected::ALL`]'s order.
+    pub rejected: [u64; 3],
 }
 
 // === impl Limiter ===
@@ -372,10 +369,7 @@ impl Limiter {
             limit: self.limit(),
             in_flight: st.in_flight,
             queued: st.queue.len() as u64,
-            rejected_queue_full: self.rejected[0].load(Relaxed),
-            rejected_queue_timeout: self.rejected[1].load(Relaxed),
-            rejected_predicted_wait: self.rejected[2].load(Relaxed),
-            queued_by_priority: st.queue.by_band().map(|n| n as u64),
+            rejected: Rejected::ALL.map(|why| self.rejected[why as usize].load(Relaxed)),
         }
     }
 
@@ -525,7 +519,7 @@ mod tests {
         assert_eq!(*order.lock().unwrap(), vec![0, 1, 2]);
         assert_eq!(l.stats().in_flight, 2);
         drop(third);
-        assert_eq!(l.stats().rejected_queue_full, 1);
+        assert_eq!(l.stats().rejected[Rejected::QueueFull as usize], 1);
         assert!(l.take_binding());
         assert!(!l.take_binding());
     }
@@ -583,7 +577,8 @@ mod tests {
             Some(Rejected::QueueTimeout)
         );
         let s = l.stats();
-        assert_eq!((s.queued, s.in_flight, s.rejected_queue_timeout), (0, 1, 1));
+        let timeouts = s.rejected[Rejected::QueueTimeout as usize];
+        assert_eq!((s.queued, s.in_flight, timeouts), (0, 1, 1));
     }
 
     #[tokio::test(start_paused = true)]

@@ -5,12 +5,14 @@
 //! tenants cost what 1,024 do.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::AtomicU64;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
 use super::Tenant;
+use crate::limit::Rejected;
 use crate::meter::Percentiles;
 
 /// Tenants kept apart, at most.
@@ -39,13 +41,24 @@ impl Cause {
         Cause::NoEndpoint,
     ];
 
+    /// The refusal's `code` (and `reason` label): the limiter's own for a slot refused.
     pub fn label(self) -> &'static str {
         match self {
-            Cause::QueueFull => "queue_full",
-            Cause::QueueTimeout => "queue_timeout",
-            Cause::PredictedWait => "predicted_wait",
+            Cause::QueueFull => Rejected::QueueFull.label(),
+            Cause::QueueTimeout => Rejected::QueueTimeout.label(),
+            Cause::PredictedWait => Rejected::PredictedWait.label(),
             Cause::Budget => "output_token_budget",
             Cause::NoEndpoint => "no_healthy_endpoint",
+        }
+    }
+}
+
+impl From<Rejected> for Cause {
+    fn from(why: Rejected) -> Cause {
+        match why {
+            Rejected::QueueFull => Cause::QueueFull,
+            Rejected::QueueTimeout => Cause::QueueTimeout,
+            Rejected::PredictedWait => Cause::PredictedWait,
         }
     }
 }
@@ -66,6 +79,8 @@ pub struct Served {
 #[derive(Debug, Default)]
 pub struct Book {
     inner: Mutex<Inner>,
+    /// Requests whose priority header was not one of the three (kept across reloads).
+    pub invalid_priority: AtomicU64,
 }
 
 #[derive(Debug, Default)]

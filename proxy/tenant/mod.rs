@@ -10,7 +10,7 @@
 pub mod book;
 pub mod budget;
 
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -134,17 +134,17 @@ pub fn default_tenant() -> Tenant {
 }
 
 /// Tells requests apart by `[tenants]`.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Tenants {
     config: TenantsConfig,
     /// `key` holds a secret (its values hashed whatever they are).
     secret: bool,
-    /// Requests whose priority header was not one of the three.
-    pub bad_priority: AtomicU64,
+    /// Where a bad priority header is counted.
+    book: std::sync::Arc<book::Book>,
 }
 
 impl Tenants {
-    pub fn new(config: TenantsConfig) -> Tenants {
+    pub fn new(config: TenantsConfig, book: std::sync::Arc<book::Book>) -> Tenants {
         let secret = config.key.as_ref().is_some_and(|k| {
             matches!(
                 k.as_str(),
@@ -156,7 +156,7 @@ impl Tenants {
         Tenants {
             config,
             secret,
-            bad_priority: AtomicU64::new(0),
+            book,
         }
     }
 
@@ -178,7 +178,7 @@ impl Tenants {
         let priority = match asked.map(Priority::parse) {
             Some(Some(p)) => p,
             Some(None) => {
-                self.bad_priority.fetch_add(1, Relaxed);
+                self.book.invalid_priority.fetch_add(1, Relaxed);
                 terms.priority.unwrap_or_default()
             }
             None => terms.priority.unwrap_or_default(),
@@ -233,7 +233,8 @@ pub fn hashed(v: &[u8]) -> String {
     let mut out = String::with_capacity(20);
     out.push_str("key-");
     for b in &digest.as_ref()[..8] {
-        out.push_str(&format!("{b:02x}"));
+        use std::fmt::Write as _;
+        let _ = write!(out, "{b:02x}");
     }
     out
 }
@@ -243,19 +244,22 @@ mod tests {
     use super::*;
 
     fn tenants(key: &str) -> Tenants {
-        Tenants::new(TenantsConfig {
-            key: Some(key.parse().unwrap()),
-            priority: Some("x-priority".parse().unwrap()),
-            overrides: vec![(
-                "team-a".into(),
-                Terms {
-                    weight: 3.0,
-                    priority: Some(Priority::High),
-                    output_tokens_per_minute: Some(100),
-                },
-            )],
-            ..TenantsConfig::default()
-        })
+        Tenants::new(
+            TenantsConfig {
+                key: Some(key.parse().unwrap()),
+                priority: Some("x-priority".parse().unwrap()),
+                overrides: vec![(
+                    "team-a".into(),
+                    Terms {
+                        weight: 3.0,
+                        priority: Some(Priority::High),
+                        output_tokens_per_minute: Some(100),
+                    },
+                )],
+                ..TenantsConfig::default()
+            },
+            Default::default(),
+        )
     }
 
     #[test]
@@ -312,7 +316,7 @@ mod tests {
         assert_eq!(t.who(get(b" LOW ")).priority, Priority::Low);
         // An unknown value: the tenant's own priority (team-a's is high), counted.
         assert_eq!(t.who(get(b"urgent")).priority, Priority::High);
-        assert_eq!(t.bad_priority.load(Relaxed), 1);
+        assert_eq!(t.book.invalid_priority.load(Relaxed), 1);
         let other = t.who(|h| (h == "x-priority").then_some(&b"nope"[..]));
         assert_eq!(other.priority, Priority::Normal);
     }

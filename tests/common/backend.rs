@@ -109,6 +109,8 @@ pub struct Closed {
     pub usage: bool,
     /// Seconds run before the measured `secs`.
     pub warmup: f64,
+    /// Request headers, `K: V`.
+    pub headers: Vec<String>,
 }
 
 impl Default for Closed {
@@ -119,6 +121,7 @@ impl Default for Closed {
             max_tokens: 30,
             usage: false,
             warmup: 0.0,
+            headers: Vec::new(),
         }
     }
 }
@@ -141,6 +144,12 @@ impl Closed {
         }
     }
 
+    /// Sending the header `k_v` (`"x-tenant: a"`) too.
+    pub fn header(mut self, k_v: &str) -> Closed {
+        self.headers.push(k_v.to_owned());
+        self
+    }
+
     /// Measured after `secs` of warm-up.
     pub fn after(self, secs: f64) -> Closed {
         Closed {
@@ -157,6 +166,7 @@ pub async fn closed_loop(proxy: SocketAddr, load: Closed) -> PhaseReport {
         warmup: 0.0,
         max_tokens: load.max_tokens,
         include_usage: load.usage,
+        headers: load.headers,
         model: "m".into(),
         prompt: "p".into(),
         ..LoadArgs::for_url(format!("http://{proxy}"))

@@ -107,12 +107,7 @@ pub(super) fn tenancy(
 /// Books a refusal (`why`; `None`: no endpoint) to the request's tenant, with `[tenants]`.
 pub(super) fn refused(ctx: &Ctx, why: Option<Rejected>) {
     let Some(t) = ctx.who.as_ref() else { return };
-    let cause = match why {
-        None => Cause::NoEndpoint,
-        Some(Rejected::QueueFull) => Cause::QueueFull,
-        Some(Rejected::QueueTimeout) => Cause::QueueTimeout,
-        Some(Rejected::PredictedWait) => Cause::PredictedWait,
-    };
+    let cause = why.map_or(Cause::NoEndpoint, Cause::from);
     ctx.shared
         .book
         .refused(&t.who.tenant, Instant::now(), cause);

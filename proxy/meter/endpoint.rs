@@ -108,7 +108,7 @@ impl EndpointMeter {
 
     /// The count the curve buckets this endpoint's tokens by: the backend's batch while
     /// it is known, else `own` (tokentap's requests on it, as the caller read them).
-    pub(super) fn batch(&self, own: u64) -> u64 {
+    pub fn batch(&self, own: u64) -> u64 {
         match self.backend_running.load(Relaxed) {
             UNKNOWN => own,
             backend => backend,
@@ -139,11 +139,6 @@ impl EndpointMeter {
         }
     }
 
-    /// The count the curve buckets its tokens by now, with `own` of tokentap's requests on
-    /// it: the backend's batch while known.
-    pub fn batch_now(&self, own: u64) -> u64 {
-        self.batch(own)
-    }
 
     /// Takes the token total's sample for the window's rate (called about once a second),
     /// and forgets what is older than `window`.

@@ -70,7 +70,7 @@ pub(super) struct Rank {
 
 /// The batch one more request would make on an endpoint with `in_flight` of tokentap's.
 pub(super) fn next_batch(meter: &EndpointMeter, in_flight: u64) -> f64 {
-    meter.batch_now(in_flight) as f64 + 1.0
+    meter.batch(in_flight) as f64 + 1.0
 }
 
 /// An endpoint's curve over its requests of the last [`FIT_WINDOW`], and its controller's

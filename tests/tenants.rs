@@ -20,10 +20,9 @@ static ONE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// One simulator, cap 8; tenant A floods with 40 clients, tenant B has 4: the fair queue
 /// serves B's requests first beside A's flood (B's TTFT p50 at most a quarter of A's) and
-/// B gets far more than a FIFO's 4 / 44 of the tokens: 31.9–34.4% measured (asserted
-/// ≥ 25%, a FIFO's share three times over), where the issue asks 35%. What holds it back: the simulator decodes in lock-step, so slots free in
-/// cohorts, and B's next request arrives a moment after the cohort that ended its last one
-/// has been handed to A's waiters (docs/tenants.md).
+/// B gets at least 35% of the tokens (a FIFO: about 4 / 44). The simulator frees slots in
+/// cohorts: without the slot held a moment for the tenant the queue owes, B's next request
+/// arrived just after each cohort went to A's waiters and B read 32–34%.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flooding_tenant_does_not_take_a_light_ones_share() {
     let _one = ONE.lock().await;
@@ -66,7 +65,7 @@ async fn a_flooding_tenant_does_not_take_a_light_ones_share() {
         b.tpot_ms.p50,
         100.0 * share
     );
-    assert!(share >= 0.25, "B's share {share:.3}");
+    assert!(share >= 0.35, "B's share {share:.3}");
     assert!(tb <= ta / 4.0, "TTFT p50: B {tb:.0} ms, A {ta:.0} ms");
     let s = stats_when(&tap, |u| u["in_flight"] == 0).await;
     let tenants = s["tenants"]["top"].as_array().unwrap();
@@ -75,7 +74,7 @@ async fn a_flooding_tenant_does_not_take_a_light_ones_share() {
         .map(|t| t["tenant"].as_str().unwrap())
         .collect();
     assert_eq!(names[..2], ["a", "b"], "{names:?}");
-    assert!(tenants[1]["output_share_pct"].as_f64().unwrap() >= 25.0);
+    assert!(tenants[1]["output_share_pct"].as_f64().unwrap() >= 35.0);
     let metrics = fetch(tap.shared().config.listen.admin, "GET", "/metrics", b"").await;
     let text = String::from_utf8_lossy(&metrics.body);
     assert!(text.contains("tokentap_tenant_output_tokens_total{tenant=\"b\"}"));

@@ -146,6 +146,23 @@ impl Fair {
         self.prune();
     }
 
+    /// Whether the queue owes `who`'s tenant a slot: others wait, none of its own does, and
+    /// it was served less than the tenant served next (in a band no higher than its own).
+    pub(super) fn owes(&self, who: &Who) -> bool {
+        let Some(b) = self.bands.iter().position(|b| !b.tenants.is_empty()) else {
+            return false;
+        };
+        let waits = |band: &Band| band.tenants.iter().any(|(t, ..)| *t == who.tenant);
+        if (who.priority as usize) > b || self.bands.iter().any(waits) {
+            return false;
+        }
+        let served = |t: &Tenant| self.counters.get(t).map_or(0.0, |c| c.served);
+        let next = (self.bands[b].tenants.iter())
+            .map(|(t, ..)| served(t))
+            .fold(f64::INFINITY, f64::min);
+        served(&who.tenant) < next
+    }
+
     /// A request of `who` gave its slot back.
     pub(super) fn ended(&mut self, who: &Who) {
         if let Some(c) = self.counters.get_mut(&who.tenant) {

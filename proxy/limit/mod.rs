@@ -7,6 +7,13 @@
 //! it straight to the request the queue serves next. A request that would not get a slot
 //! within the queue's timeout — predicted from its place in the queue and the rate slots
 //! have been freeing — is refused at once, not after waiting it out.
+//!
+//! A slot freed by a tenant the fair queue owes (served less than the tenant it would go
+//! to, and with nothing waiting of its own) is held for that tenant for [`HOLD`], as an
+//! anticipatory disk scheduler waits for a process's next read (Iyer and Druschel, SOSP
+//! '01): a client sends its next request a moment after its last one ends, and engines
+//! free slots in cohorts, so without the hold the light tenant's next request arrives just
+//! after the cohort it could have had went to the heavy one's waiters.
 
 pub mod controller;
 mod fair;
@@ -97,6 +104,25 @@ struct State {
     /// When the last slots were freed (at most [`FREED_KEPT`], within [`FREED_WINDOW`]):
     /// the rate a queue's wait is predicted by.
     freed: VecDeque<Instant>,
+    /// Slots held for a tenant the queue owes, until then (counted in `in_flight`).
+    held: Vec<(crate::tenant::Tenant, Instant)>,
+}
+
+/// How long a freed slot is held for the tenant the queue owes.
+pub const HOLD: Duration = Duration::from_millis(10);
+
+impl State {
+    /// Takes the slot held for `who`'s tenant, if one is (it stays counted in flight).
+    fn take_held(&mut self, who: &Who) -> bool {
+        let now = Instant::now();
+        match (self.held.iter()).position(|(t, until)| *t == who.tenant && *until > now) {
+            Some(i) => {
+                self.held.swap_remove(i);
+                true
+            }
+            None => false,
+        }
+    }
 }
 
 /// Slot releases kept for the freeing rate, and how far back they count.
@@ -132,6 +158,7 @@ impl Limiter {
                 queue_timeout: config.queue_timeout,
                 ageing: config.ageing,
                 freed: VecDeque::with_capacity(FREED_KEPT),
+                held: Vec::new(),
             }),
             rejected: [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)],
             binding: AtomicBool::new(false),
@@ -230,8 +257,10 @@ impl Limiter {
     /// A slot now for `who`, if one is free and nobody waits.
     pub fn try_acquire(self: &Arc<Self>, who: &Who) -> Option<Permit> {
         let mut st = self.lock();
-        if st.queue.is_empty() && st.in_flight < self.effective() {
-            st.in_flight += 1;
+        // A held slot is counted in flight already.
+        let held = st.take_held(who);
+        if held || (st.queue.is_empty() && st.in_flight < self.effective()) {
+            st.in_flight += u64::from(!held);
             st.queue.charge(who);
             return Some(self.permit(self.share().is_some(), who));
         }
@@ -244,6 +273,10 @@ impl Limiter {
     pub async fn acquire(self: &Arc<Self>, who: &Who) -> Result<Permit, Rejected> {
         let (id, rx, queue_timeout) = {
             let mut st = self.lock();
+            if st.take_held(who) {
+                st.queue.charge(who);
+                return Ok(self.permit(self.share().is_some(), who));
+            }
             if st.queue.is_empty() && st.in_flight < self.effective() {
                 st.in_flight += 1;
                 st.queue.charge(who);
@@ -377,22 +410,53 @@ impl Limiter {
         self.rejected[why as usize].fetch_add(1, Relaxed);
     }
 
-    /// A slot of `who`'s comes back.
-    fn release(&self, who: &Who) {
+    /// A slot of `who`'s comes back (`anticipate`: its request ran, and the slot may be
+    /// held for its tenant's next).
+    fn release(self: &Arc<Self>, who: &Who, anticipate: bool) {
         let mut st = self.lock();
-        st.in_flight = st.in_flight.saturating_sub(1);
+        let now = Instant::now();
         st.queue.ended(who);
         if st.freed.len() == FREED_KEPT {
             st.freed.pop_front();
         }
-        st.freed.push_back(Instant::now());
-        self.grant_waiting(&mut st);
+        st.freed.push_back(now);
+        // One hold per request that ends (a cohort may end several of the tenant's).
+        let hold = anticipate && st.in_flight <= self.effective() && st.queue.owes(who);
+        let runtime = hold
+            .then(|| tokio::runtime::Handle::try_current().ok())
+            .flatten();
+        match runtime {
+            Some(rt) => {
+                // The slot stays counted, now as its tenant's for HOLD, then the queue's.
+                let held = (who.tenant.clone(), now + HOLD);
+                st.held.push(held.clone());
+                let limiter = Arc::clone(self);
+                rt.spawn(async move {
+                    tokio::time::sleep(HOLD).await;
+                    let mut st = limiter.lock();
+                    // Not taken: its slot goes back to the queue.
+                    if let Some(i) = st.held.iter().position(|h| *h == held) {
+                        st.held.swap_remove(i);
+                        st.in_flight = st.in_flight.saturating_sub(1);
+                    }
+                    limiter.grant_waiting(&mut st);
+                });
+            }
+            None => {
+                st.in_flight = st.in_flight.saturating_sub(1);
+                self.grant_waiting(&mut st);
+            }
+        }
     }
 
-    /// Hands free slots to the requests the queue serves next, skipping waiters gone.
+    /// Hands free slots to the requests the queue serves next, skipping waiters gone, once
+    /// the holds that ran out have given theirs back.
     fn grant_waiting(&self, st: &mut State) {
         let limit = self.effective();
         let now = Instant::now();
+        let before = st.held.len();
+        st.held.retain(|(_, until)| *until > now);
+        st.in_flight = st.in_flight.saturating_sub((before - st.held.len()) as u64);
         while st.in_flight < limit {
             let ageing = st.ageing;
             let Some(w) = st.queue.pop(now, ageing) else {
@@ -420,7 +484,7 @@ impl Limiter {
 /// Removes a waiter that stopped waiting (its future was dropped) from the queue; if it was
 /// granted a slot it never took, the slot goes back.
 struct QueueGuard<'a> {
-    limiter: &'a Limiter,
+    limiter: &'a Arc<Limiter>,
     id: u64,
     who: &'a Who,
     done: bool,
@@ -434,7 +498,7 @@ impl Drop for QueueGuard<'_> {
         let mut st = self.limiter.lock();
         if !st.queue.remove(self.id) {
             drop(st);
-            self.limiter.release(self.who);
+            self.limiter.release(self.who, false);
         }
     }
 }
@@ -467,7 +531,7 @@ impl Permit {
 
 impl Drop for Permit {
     fn drop(&mut self) {
-        self.limiter.release(&self.who);
+        self.limiter.release(&self.who, true);
     }
 }
 
@@ -620,6 +684,40 @@ mod tests {
         assert!(tokio::time::timeout(Duration::from_secs(1), b)
             .await
             .is_ok());
+    }
+
+    /// A slot freed by a tenant the queue owes is held for its next request for HOLD (the
+    /// heavy tenant waiting meanwhile), then given to the queue.
+    #[tokio::test(start_paused = true)]
+    async fn a_slot_is_held_a_moment_for_the_tenant_the_queue_owes() {
+        let l = limiter(2, 10, 60_000);
+        let who = |t: &str| Who {
+            tenant: Arc::from(t),
+            ..Who::default()
+        };
+        let (heavy, light) = (who("heavy"), who("light"));
+        let h1 = l.acquire(&heavy).await.unwrap();
+        let mine = l.acquire(&light).await.unwrap();
+        // The heavy tenant was served far more.
+        h1.settle(1000);
+        let l2 = Arc::clone(&l);
+        let waiter = tokio::spawn(async move { l2.acquire(&who("heavy")).await.map(|_| ()) });
+        tokio::task::yield_now().await;
+        assert_eq!(l.stats().queued, 1);
+        // The light tenant's request ends: its slot waits for its next one.
+        drop(mine);
+        tokio::task::yield_now().await;
+        assert_eq!(l.stats().queued, 1);
+        let again = l.try_acquire(&light).unwrap();
+        assert_eq!((l.stats().queued, l.stats().in_flight), (1, 2));
+        // Not coming back: after HOLD the queue has the slot.
+        drop(again);
+        tokio::time::sleep(HOLD * 2).await;
+        assert!(waiter.await.unwrap().is_ok());
+        // The waiter's slot was given back as it ended: only h1's remains, no hold leaked.
+        assert_eq!(l.stats().in_flight, 1);
+        drop(h1);
+        assert_eq!(l.stats().in_flight, 0);
     }
 
     /// A pool's limit is each endpoint's times the endpoints that take requests, under its

@@ -139,7 +139,6 @@ impl EndpointMeter {
         }
     }
 
-
     /// Takes the token total's sample for the window's rate (called about once a second),
     /// and forgets what is older than `window`.
     pub fn sample(&self, now: Nanos, window: Nanos) {

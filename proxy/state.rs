@@ -93,8 +93,8 @@ impl Shared {
             config,
             Clock::new(),
             Arc::new(Telemetry::new()),
-            cluster,
-            (Arc::default(), Arc::default()),
+            cluster.clone(),
+            (Arc::new(Budgets::new(cluster)), Arc::default()),
             |_| None,
         )
     }

@@ -776,3 +776,137 @@ async fn each_endpoints_cap_holds_across_the_fleet() {
         "the other endpoint took the rest: {peaks:?}"
     );
 }
+
+/// A tenant's output-token budget for the whole fleet: two tokentap processes sharing one
+/// Redis, the tenant's clients split over both, 3,000 output tokens a minute. Over 20 s
+/// after its first minute's bucket is spent it gets at most the budget's share plus what
+/// was in flight (within 15%), refused with OpenAI's headers; another tenant is untouched.
+/// Redis killed: the replicas say so once and each spends its share; Redis back: the
+/// fleet's bucket again; nothing leaked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_budget_holds_for_the_fleet_and_through_redis_going_away() {
+    if redis_missing() {
+        return;
+    }
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut redis = Redis::start(free_addr().port()).unwrap();
+    let sim = sim("1:2").await;
+    let dir = Scratch::new("fleet-budget");
+    let tenants = "[tenants]\nkey = \"header:x-tenant\"\n\
+                   [[tenants.override]]\ntenant = \"t\"\noutput_tokens_per_minute = 3000\n";
+    let taps: Vec<Tokentap> = ["a", "b"]
+        .iter()
+        .map(|n| replica_with(&dir, n, redis.port, sim.addr, tenants))
+        .collect();
+    let budgeted = |tap: &Tokentap| {
+        closed_loop(
+            tap.proxy,
+            Closed::of(4, 20.0)
+                .after(4.0)
+                .with_usage()
+                .header("x-tenant: t"),
+        )
+    };
+    let (a, b, other) = tokio::join!(
+        budgeted(&taps[0]),
+        budgeted(&taps[1]),
+        closed_loop(
+            taps[0].proxy,
+            Closed::of(2, 20.0)
+                .after(4.0)
+                .with_usage()
+                .header("x-tenant: u")
+        ),
+    );
+    // 20 s of refill is 1,000 tokens; 8 requests of 30 may be in flight at the edges.
+    let got = a.output_tokens + b.output_tokens;
+    let bound = (1000.0 + 8.0 * 30.0) * 1.15;
+    eprintln!(
+        "t over two replicas: {got} tokens in 20 s ({} and {} requests, refused {:?} {:?}); u: {} tokens",
+        a.requests, b.requests, a.errors, b.errors, other.output_tokens
+    );
+    assert!((got as f64) <= bound, "{got} tokens > {bound}");
+    assert!(got >= 700, "{got} tokens");
+    assert!(a.errors.contains_key("http_429") && b.errors.contains_key("http_429"));
+    assert!(other.errors.is_empty(), "{:?}", other.errors);
+    let body = br#"{"model":"m","stream":true,"max_tokens":30,"messages":[{"role":"user","content":"hi"}]}"#;
+    let ask = |tap: &Tokentap| {
+        send(
+            tap.proxy,
+            "POST",
+            "/v1/chat/completions",
+            body,
+            &[("x-tenant", "t")],
+        )
+    };
+    // A whole minute's budget asked for: more than the bucket, being refilled, holds.
+    let all = br#"{"model":"m","stream":true,"max_tokens":3000,"messages":[{"role":"user","content":"hi"}]}"#;
+    let h = [("x-tenant", "t")];
+    let r = send(taps[1].proxy, "POST", "/v1/chat/completions", all, &h)
+        .await
+        .unwrap();
+    assert_eq!(r.status, 429);
+    assert_eq!(r.headers["x-ratelimit-limit-tokens"], "3000");
+    for h in [
+        "retry-after",
+        "x-ratelimit-remaining-tokens",
+        "x-ratelimit-reset-tokens",
+    ] {
+        assert!(r.headers.contains_key(h), "{h} missing");
+    }
+
+    // Redis away: each replica spends its share (1,500 a minute) in a bucket of its own.
+    redis.kill();
+    let r = ask(&taps[0]).await.unwrap();
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    taps[0].log_line(&["Redis unreachable", "budget"], Duration::from_secs(5));
+    let r = ask(&taps[0]).await.unwrap();
+    assert_eq!(r.status, 200);
+    // Back: the keeper hears it within a period, and the fleet's bucket is spent again.
+    let _redis = Redis::start(redis.port).unwrap();
+    for t in &taps {
+        t.log_line(
+            &["Redis answers again"],
+            Duration::from_secs(LEASE_SECS + 3),
+        );
+        assert_eq!(
+            t.stderr().matches("Redis unreachable").count(),
+            1,
+            "{}",
+            t.stderr()
+        );
+    }
+    let r = ask(&taps[1]).await.unwrap();
+    assert_eq!(r.status, 200);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let out = Command::new("redis-cli")
+            .args([
+                "-p",
+                &redis.port.to_string(),
+                "HGET",
+                "tokentap:budget:t",
+                "tokens",
+            ])
+            .output()
+            .unwrap();
+        let left: f64 = String::from_utf8_lossy(&out.stdout)
+            .trim()
+            .parse()
+            .unwrap_or(0.0);
+        // The request's reservation of 30, given back what it did not use: the bucket
+        // full but for what it spent (and the refill since).
+        if left > 2900.0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the fleet's bucket holds {left}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for t in &taps {
+        let u = upstream_stats(t.admin).await;
+        assert_eq!(
+            (u["in_flight"].as_u64(), u["queued"].as_u64()),
+            (Some(0), Some(0))
+        );
+    }
+}

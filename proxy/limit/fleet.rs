@@ -1,19 +1,18 @@
 //! Caps that hold across replicas (`[cluster] redis_url`): every slot of a capped upstream
 //! is a lease in Redis, a member of the sorted set `tokentap:UPSTREAM:leases` scored by its
 //! expiry. Taking one is one Lua script (drop the expired, count, add if under the limit),
-//! freeing one a `ZREM`: two round trips per request. Redis's own clock times the leases,
-//! so replicas' clocks do not matter.
+//! freeing one a `ZREM`: two round trips per request, timed by Redis's own clock.
 //!
 //! Each replica renews the leases it holds every `lease_secs / 3` (one script per upstream;
 //! it re-adds them too, so a Redis restarted empty learns them again), and says it is alive
 //! in `tokentap:replicas`. A replica that dies stops renewing: its slots are free within
 //! `lease_secs`.
 //!
-//! Each replica keeps its own FIFO queue (the local [`Limiter`], set to the fleet limit);
-//! the request at its head waits for a fleet slot, asking again every 20 ms, in turn.
+//! Each replica keeps its own queue (the local [`Limiter`], set to the fleet limit); the
+//! request it serves next waits for a fleet slot, asking again every 20 ms, in turn.
 //!
 //! An adaptive cap is one limit for the fleet, moved by one replica from every replica's
-//! evidence ([`control`]).
+//! evidence ([`control`]); a tenant's output-token budget one bucket ([`budget`]).
 //!
 //! Redis unreachable: each replica holds a local share, the limit ÷ the replicas seen in
 //! the last minute (at least 1), says so once in the log and in
@@ -32,6 +31,7 @@ use redis::aio::ConnectionManager;
 
 use super::{Limiter, Permit, Rejected};
 
+mod budget;
 mod control;
 mod wire;
 use control::Control;
@@ -262,7 +262,7 @@ impl FleetLink {
             tracing::warn!(
                 cause = why,
                 replicas = self.replicas(),
-                "cluster: Redis unreachable; each replica now holds its share of every cap (the limit / the replicas seen in the last minute)"
+                "cluster: Redis unreachable; each replica now holds its share of every cap and tenant budget (the limit / the replicas seen in the last minute)"
             );
         }
         self.rejoining.store(false, Relaxed);
@@ -314,7 +314,7 @@ impl FleetLink {
                     if self.degraded.swap(false, Relaxed) {
                         tracing::info!(
                             replicas,
-                            "cluster: Redis answers again; the fleet's caps hold again"
+                            "cluster: Redis answers again; the fleet's caps and budgets hold again"
                         );
                         // The shares stay one more period (see `rejoining`).
                         self.rejoining.store(true, Relaxed);

@@ -5,21 +5,28 @@
 //! little left is refused with 429, `Retry-After` and OpenAI's `x-ratelimit-*-tokens`
 //! headers. The bucket may go below zero (a request that ran past its reservation): the
 //! debt is paid before the next request of that tenant is let in.
+//!
+//! With `[cluster]` the bucket is the fleet's, in Redis ([`crate::limit::fleet`]): every
+//! tokentap spends one budget. With Redis away each spends its share (the budget over the
+//! replicas seen) in a bucket of its own, and the fleet's again when Redis answers.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use super::{Tenant, Who};
+use crate::limit::fleet::FleetLink;
 
 /// Buckets kept before full ones are forgotten (a full bucket says nothing a new one does
 /// not).
 const BUCKETS: usize = 16_384;
 
 /// Every tenant's bucket.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub struct Budgets {
     buckets: Mutex<HashMap<Tenant, Bucket>>,
+    /// The fleet's Redis, with `[cluster]`.
+    fleet: Option<Arc<FleetLink>>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -36,11 +43,12 @@ struct Bucket {
 
 /// A request's reservation, settled when it ends ([`Reservation::settle`]; dropped
 /// unsettled, as if it generated nothing).
-#[derive(Debug)]
 pub struct Reservation {
     budgets: Arc<Budgets>,
     tenant: Tenant,
     reserved: u64,
+    /// Taken from the fleet's bucket (of this size a minute), else from the local one.
+    fleet: Option<u64>,
     settled: bool,
 }
 
@@ -48,14 +56,30 @@ impl Reservation {
     /// Its request ended with `tokens` output tokens.
     pub fn settle(mut self, tokens: u64) {
         self.settled = true;
-        self.budgets.settle(&self.tenant, self.reserved, tokens);
+        self.give_back(tokens);
+    }
+
+    fn give_back(&self, tokens: u64) {
+        let b = &self.budgets;
+        match (self.fleet, &b.fleet) {
+            (Some(per_minute), Some(link)) => {
+                b.learn(&self.tenant, tokens);
+                let back = self.reserved as i64 - tokens as i64;
+                let runtime = tokio::runtime::Handle::try_current();
+                if let (true, Ok(rt)) = (back != 0, runtime) {
+                    let (link, tenant) = (Arc::clone(link), self.tenant.clone());
+                    rt.spawn(async move { link.budget_give(&tenant, per_minute, back).await });
+                }
+            }
+            _ => b.settle(&self.tenant, self.reserved, tokens),
+        }
     }
 }
 
 impl Drop for Reservation {
     fn drop(&mut self) {
         if !self.settled {
-            self.budgets.settle(&self.tenant, self.reserved, 0);
+            self.give_back(0);
         }
     }
 }
@@ -81,17 +105,75 @@ impl Bucket {
 }
 
 impl Budgets {
-    /// Reserves `max_tokens` (or the tenant's mean) of `who`'s budget at `now`; `Ok(None)`:
-    /// it has none.
-    pub fn reserve(
+    /// The budgets of a tokentap, spent in the fleet's Redis with `fleet`.
+    pub fn new(fleet: Option<Arc<FleetLink>>) -> Budgets {
+        Budgets {
+            buckets: Mutex::default(),
+            fleet,
+        }
+    }
+
+    /// Reserves `max_tokens` (or the tenant's mean) of `who`'s budget: in the fleet's
+    /// bucket with `[cluster]` (this replica's share of it, locally, while Redis is away);
+    /// `Ok(None)`: it has none.
+    pub async fn reserve(
         self: &Arc<Self>,
         who: &Who,
         max_tokens: Option<u64>,
-        now: Instant,
     ) -> Result<Option<Reservation>, Refusal> {
         let Some(per_minute) = who.budget else {
             return Ok(None);
         };
+        let Some(link) = &self.fleet else {
+            return self.reserve_here(who, per_minute, max_tokens, Instant::now());
+        };
+        if !link.degraded() {
+            let want = self.want(who, per_minute, max_tokens);
+            match link.budget_take(&who.tenant, per_minute, want).await {
+                Ok(t) if t.granted => {
+                    return Ok(Some(Reservation {
+                        budgets: Arc::clone(self),
+                        tenant: who.tenant.clone(),
+                        reserved: want,
+                        fleet: Some(per_minute),
+                        settled: false,
+                    }))
+                }
+                Ok(t) => return Err(Refusal::short(per_minute, t.left, want)),
+                // Redis away: degraded (logged); this replica's share from now on.
+                Err(_) => {}
+            }
+        }
+        let share = (per_minute / link.replicas()).max(1);
+        self.reserve_here(who, share, max_tokens, Instant::now())
+    }
+
+    /// What a request of `who` reserves: its `max_tokens`, else its tenant's recent mean;
+    /// at most the bucket.
+    fn want(&self, who: &Who, per_minute: u64, max_tokens: Option<u64>) -> u64 {
+        let mean = || {
+            let buckets = self.lock();
+            buckets.get(&who.tenant).map_or(64.0, |b| b.mean).ceil() as u64
+        };
+        max_tokens.unwrap_or_else(mean).clamp(1, per_minute)
+    }
+
+    /// A request of `tenant` produced `tokens`: its mean moves (the fleet's bucket is
+    /// settled in Redis).
+    fn learn(&self, tenant: &Tenant, tokens: u64) {
+        if let Some(b) = self.lock().get_mut(tenant) {
+            b.mean += (tokens as f64 - b.mean) / 8.0;
+        }
+    }
+
+    /// [`Budgets::reserve`] in this tokentap's own bucket of `per_minute`, at `now`.
+    fn reserve_here(
+        self: &Arc<Self>,
+        who: &Who,
+        per_minute: u64,
+        max_tokens: Option<u64>,
+        now: Instant,
+    ) -> Result<Option<Reservation>, Refusal> {
         let mut buckets = self.lock();
         if buckets.len() >= BUCKETS && !buckets.contains_key(&who.tenant) {
             buckets.retain(|_, b| {
@@ -122,15 +204,11 @@ impl Budgets {
                 budgets: Arc::clone(self),
                 tenant: who.tenant.clone(),
                 reserved: want,
+                fleet: None,
                 settled: false,
             }));
         }
-        let short = want as f64 - b.tokens;
-        Err(Refusal {
-            limit: per_minute,
-            remaining: b.tokens.max(0.0).floor() as u64,
-            reset: Duration::from_secs_f64(short * 60.0 / per_minute as f64),
-        })
+        Err(Refusal::short(per_minute, b.tokens, want))
     }
 
     /// A request of `tenant` that reserved `reserved` ended with `tokens` output tokens:
@@ -159,6 +237,15 @@ impl Budgets {
 }
 
 impl Refusal {
+    /// A bucket of `per_minute` holding `left`, short of `want`.
+    fn short(per_minute: u64, left: f64, want: u64) -> Refusal {
+        Refusal {
+            limit: per_minute,
+            remaining: left.max(0.0).floor() as u64,
+            reset: Duration::from_secs_f64((want as f64 - left) * 60.0 / per_minute as f64),
+        }
+    }
+
     /// `x-ratelimit-reset-tokens` as OpenAI writes it: `1.5s`, `2m0s`.
     pub fn reset_text(&self) -> String {
         let secs = self.reset.as_secs_f64();
@@ -192,9 +279,11 @@ mod tests {
     fn a_bucket_reserves_settles_refills_and_refuses_with_its_reset() {
         let (b, t0) = (Arc::new(Budgets::default()), Instant::now());
         let w = who(600); // 10 a second
-        let r1 = b.reserve(&w, Some(400), t0).unwrap().unwrap();
-        let r2 = b.reserve(&w, Some(150), t0).unwrap().unwrap();
-        let no = b.reserve(&w, Some(100), t0).unwrap_err();
+        let r1 = b.reserve_here(&w, 600, Some(400), t0).unwrap().unwrap();
+        let r2 = b.reserve_here(&w, 600, Some(150), t0).unwrap().unwrap();
+        let Err(no) = b.reserve_here(&w, 600, Some(100), t0) else {
+            panic!("not refused")
+        };
         assert_eq!((no.limit, no.remaining), (600, 50));
         assert_eq!(no.reset, Duration::from_secs(5));
         assert_eq!(
@@ -203,14 +292,17 @@ mod tests {
         );
         // 400 reserved, 100 used: 300 back.
         r1.settle(100);
-        assert!(b.reserve(&w, Some(100), t0).unwrap().is_some());
+        assert!(b.reserve_here(&w, 600, Some(100), t0).unwrap().is_some());
         // Ran past its reservation: a debt, paid by the refill.
         r2.settle(500);
-        assert!(b.reserve(&w, Some(100), t0).is_err());
+        assert!(b.reserve_here(&w, 600, Some(100), t0).is_err());
         let later = t0 + Duration::from_secs(60);
-        assert!(b.reserve(&w, Some(600), later).unwrap().is_some());
+        assert!(b.reserve_here(&w, 600, Some(600), later).unwrap().is_some());
         // No budget: nothing reserved.
-        assert!(b.reserve(&Who::default(), Some(1), t0).unwrap().is_none());
+        let none = tokio::runtime::Runtime::new()
+            .unwrap()
+            .block_on(b.reserve(&Who::default(), Some(1)));
+        assert!(none.unwrap().is_none());
     }
 
     #[test]
@@ -223,7 +315,7 @@ mod tests {
                 ..Who::default()
             };
             let r = b
-                .reserve(&w, Some(1), t0 + Duration::from_secs(i as u64))
+                .reserve_here(&w, 60, Some(1), t0 + Duration::from_secs(i as u64))
                 .unwrap();
             r.unwrap().settle(1);
         }

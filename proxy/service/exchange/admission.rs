@@ -79,7 +79,7 @@ pub(super) async fn reject(
 
 /// With `[tenants]`: who a generation request is, and its reservation of its tenant's
 /// budget; `Err`: over the budget (the refusal booked to the tenant).
-pub(super) fn tenancy(
+pub(super) async fn tenancy(
     shared: &Shared,
     req: &RequestHead,
     body: &[u8],
@@ -89,7 +89,9 @@ pub(super) fn tenancy(
     }
     let who = shared.tenants.who(|h| req.fields.get(h));
     let asked = crate::tenant::max_tokens(body);
-    match shared.budgets.reserve(&who, asked, Instant::now()) {
+    // Boxed: with `[cluster]` it is a Redis call, which would make every request's state
+    // larger inline.
+    match Box::pin(shared.budgets.reserve(&who, asked)).await {
         Ok(reservation) => Ok(Some(Box::new(Tenancy {
             who,
             reservation,

@@ -399,7 +399,7 @@ impl TokenTap {
         let mut watch = true;
         if ctx.dialect.is_some() {
             // With `[tenants]`: who it is, and what it may spend of its tenant's budget.
-            match admission::tenancy(&shared, &req, &bytes) {
+            match admission::tenancy(&shared, &req, &bytes).await {
                 Ok(tenancy) => ctx.who = tenancy,
                 Err(refusal) => {
                     let (keep, after) = answered(&leftover, true);

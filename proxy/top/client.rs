@@ -152,10 +152,28 @@ pub struct EndpointView {
     pub system_tps: Option<f64>,
 }
 
+/// One tenant (`[tenants]`), as `top` shows it.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct TenantView {
+    pub tenant: String,
+    pub output_share_pct: f64,
+    pub output_tps: f64,
+    pub ttft_ms: Pct,
+    pub queue_wait_ms: f64,
+    pub refused_total: u64,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+struct Tenants {
+    top: Vec<TenantView>,
+}
+
 #[derive(Debug, Clone, Default, Deserialize)]
 struct Stats {
     window_secs: u64,
     upstreams: Vec<UpstreamView>,
+    #[serde(default)]
+    tenants: Option<Tenants>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -198,6 +216,8 @@ pub struct Board {
     pub version: String,
     pub window_secs: u64,
     pub upstreams: Vec<UpstreamView>,
+    /// The tenants with the most output tokens, with `[tenants]` (else none).
+    pub tenants: Vec<TenantView>,
     /// The A/B verdict; `None` when no route splits traffic.
     pub verdict: Option<String>,
     /// The paired verdict of the first route's mirror (shadow traffic); `None` without.
@@ -286,6 +306,7 @@ async fn follow(source: &Source, tx: &watch::Sender<Arc<Board>>) -> anyhow::Resu
             board.version = snap.version;
             board.window_secs = snap.stats.window_secs;
             board.upstreams = snap.stats.upstreams;
+            board.tenants = snap.stats.tenants.map(|t| t.top).unwrap_or_default();
             board.verdict = snap.compare.map(|c| c.verdict);
             board.shadow = snap.shadow.map(|c| c.verdict);
             board.problem = None;

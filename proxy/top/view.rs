@@ -8,8 +8,7 @@ use ratatui::text::{Line, Span};
 use ratatui::widgets::{Block, Borders, Cell, Paragraph, Row, Sparkline, Table, Wrap};
 use ratatui::Frame;
 
-use super::client::EndpointView;
-use super::client::{Board, UpstreamView};
+use super::client::{Board, EndpointView, TenantView, UpstreamView};
 
 const COLOURS: [Color; 6] = [
     Color::Cyan,
@@ -70,7 +69,36 @@ pub fn plain_line(board: &Board, note: &str) -> String {
             let _ = write!(out, " endpoints {healthy}/{} healthy", u.endpoints.len());
         }
     }
+    for (i, t) in board.tenants.iter().take(TENANT_LINES).enumerate() {
+        out.push_str(if i == 0 { " | tenants: " } else { ", " });
+        let _ = write!(
+            out,
+            "{} {:.0}% {:.0} T/s TTFT {} q {:.0} ms refused {}",
+            t.tenant,
+            t.output_share_pct,
+            t.output_tps,
+            f(t.ttft_ms.p50, 0),
+            t.queue_wait_ms,
+            t.refused_total
+        );
+    }
     out
+}
+
+/// Tenants shown, at most.
+const TENANT_LINES: usize = 6;
+
+/// A tenant's line: its share of the tokens, T/s, TTFT, queue wait and refusals.
+fn tenant_line(t: &TenantView) -> Line<'static> {
+    Line::from(format!(
+        "{:<26} {:>5.1}% of the tokens {:>7.0} T/s   TTFT p50 {:>6} ms   queue {:>6.0} ms   refused {}",
+        t.tenant,
+        t.output_share_pct,
+        t.output_tps,
+        f(t.ttft_ms.p50, 0),
+        t.queue_wait_ms,
+        t.refused_total
+    ))
 }
 
 /// The SLOs set, as one phrase: "TTFT ≤ 500 ms, TPOT p90 ≤ 30 ms".
@@ -128,6 +156,10 @@ pub fn draw(frame: &mut Frame<'_>, title: &str, note: &str, board: &Board) {
     if board.upstreams.is_empty() {
         rows.push(Constraint::Length(10));
     }
+    let tenants = board.tenants.len().min(TENANT_LINES);
+    if tenants > 0 {
+        rows.push(Constraint::Length(2 + tenants as u16));
+    }
     rows.push(Constraint::Length(5));
     rows.push(Constraint::Min(0));
     let areas = Layout::default()
@@ -166,6 +198,18 @@ pub fn draw(frame: &mut Frame<'_>, title: &str, note: &str, board: &Board) {
 
     for (i, u) in board.upstreams.iter().enumerate() {
         upstream(frame, areas[1 + i], u, board, COLOURS[i % COLOURS.len()]);
+    }
+    if tenants > 0 {
+        let lines: Vec<Line> = board
+            .tenants
+            .iter()
+            .take(tenants)
+            .map(tenant_line)
+            .collect();
+        let block = Block::default()
+            .borders(Borders::ALL)
+            .title(" tenants (by output tokens) ");
+        frame.render_widget(Paragraph::new(lines).block(block), areas[areas.len() - 3]);
     }
     let mut verdict = board.verdict.clone().unwrap_or_else(|| {
         "no route splits traffic between two upstreams: nothing to compare".into()
@@ -451,6 +495,28 @@ mod tests {
         ] {
             assert!(text.contains(want), "{want} missing");
         }
+    }
+
+    /// With `[tenants]`: a line per tenant on the screen, and in the plain line.
+    #[test]
+    fn the_tenants_are_shown() {
+        let mut board = board();
+        board.tenants = vec![TenantView {
+            tenant: "team-a".into(),
+            output_share_pct: 62.5,
+            output_tps: 410.0,
+            ttft_ms: Pct {
+                p50: Some(18.0),
+                p90: None,
+            },
+            queue_wait_ms: 3.2,
+            refused_total: 4,
+        }];
+        let text = screen(&board, 30);
+        assert!(text.contains("team-a"), "{text}");
+        assert!(text.contains("62.5% of the tokens"), "{text}");
+        assert!(plain_line(&board, "")
+            .ends_with(" | tenants: team-a 62% 410 T/s TTFT 18 q 3 ms refused 4"));
     }
 
     /// A pool's endpoints: a line each, with its state, in the block and the plain line.

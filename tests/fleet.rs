@@ -910,3 +910,99 @@ async fn a_tenants_budget_holds_for_the_fleet_and_through_redis_going_away() {
         );
     }
 }
+
+/// Two tokentap processes in front of one pool under `balance = "prefix"` (16 system
+/// prompts of 1,200 words, four replicas whose caches hold about five each, 12 clients on
+/// each tokentap) reach one tokentap's hit rate: with `[cluster]` they agree through Redis
+/// where each prefix lives (one round trip per prefix a tokentap has not seen, none per
+/// request). Without it each places a new prefix by its own index, and the two can put one
+/// prompt on two replicas (printed, for the docs).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_tokentaps_agree_where_a_prefix_lives() {
+    if redis_missing() {
+        return;
+    }
+    let _one = ONE_AT_A_TIME.lock().await;
+    let redis = Redis::start(free_addr().port()).unwrap();
+    let one = prefix_run(1, Some(redis.port)).await;
+    let alone = prefix_run(2, None).await;
+    let two = prefix_run(2, Some(redis.port)).await;
+    eprintln!(
+        "hit rate from the replicas' caches: one tokentap {one:.1}%, two alone {alone:.1}%, two through Redis {two:.1}%"
+    );
+    assert!(two >= 80.0, "two tokentaps through Redis: {two:.1}%");
+    assert!(two >= one - 5.0, "two {two:.1}% against one {one:.1}%");
+}
+
+/// `taps` tokentap processes (with `[cluster]` on `redis`) in front of four caching
+/// simulators under `balance = "prefix"`, 24 clients of shared-prefix load split over
+/// them for 6 s: the simulators' own hit rate (%). No replica's batch passes the cap.
+async fn prefix_run(taps: usize, redis: Option<u16>) -> f64 {
+    const WORDS: usize = 1200;
+    let prompt_tokens = tokentap::load::workload::words(0, WORDS).len() as u64 / 4;
+    let mut sims = Vec::new();
+    for _ in 0..4 {
+        sims.push(sim("1:5").prefix_cache(5 * prompt_tokens, 0.02).await);
+    }
+    let endpoints: Vec<String> = sims
+        .iter()
+        .map(|s| format!("\"http://{}\"", s.addr))
+        .collect();
+    let cluster = redis.map_or(String::new(), |port| {
+        format!("[cluster]\nredis_url = \"redis://127.0.0.1:{port}\"\nlease_secs = {LEASE_SECS}\n")
+    });
+    let dir = Scratch::new("fleet-prefix");
+    let mut running = Vec::new();
+    for i in 0..taps {
+        let (listen, proxy, admin) = listen_section();
+        let sub = dir.path(&format!("t{i}"));
+        std::fs::create_dir_all(&sub).unwrap();
+        let cfg = format!(
+            "{listen}{cluster}[[upstream]]\nname = \"pool\"\nendpoints = [{}]\n\
+             balance = \"prefix\"\nmax_concurrency = 12\nqueue_timeout_ms = 60000\n",
+            endpoints.join(", ")
+        );
+        running.push(Tokentap::start(&sub, &cfg, proxy, admin, &[]));
+    }
+    let mut runs = Vec::new();
+    for tap in &running {
+        let target = LoadArgs {
+            max_tokens: 8,
+            model: "m".into(),
+            shared_prefixes: Some(16),
+            prefix_words: WORDS,
+            ..LoadArgs::for_url(format!("http://{}", tap.proxy))
+        }
+        .target()
+        .unwrap();
+        let clients = 24 / taps;
+        runs.push(tokio::spawn(async move {
+            let mode = Mode::Closed {
+                concurrency: clients,
+            };
+            load::phase(&target, mode, Duration::ZERO, Duration::from_secs(6), false).await
+        }));
+    }
+    let mut requests = 0;
+    for r in runs {
+        let r = r.await.unwrap();
+        assert!(r.errors.is_empty(), "{:?}", r.errors);
+        requests += r.requests;
+    }
+    let (prompt, cached) = sims.iter().fold((0, 0), |(p, c), s| {
+        let st = s.engine.stats();
+        (p + st.prompt_tokens, c + st.cached_prompt_tokens)
+    });
+    let peaks: Vec<u64> = sims.iter().map(|s| s.engine.stats().peak_batch).collect();
+    let hit = 100.0 * cached as f64 / prompt.max(1) as f64;
+    eprintln!(
+        "{taps} tokentap(s), {}: {requests} requests, {hit:.1}% of prompt tokens from the cache, peaks {peaks:?}",
+        if redis.is_some() { "[cluster]" } else { "alone" }
+    );
+    if redis.is_some() || taps == 1 {
+        // Leases hold each endpoint's cap across the fleet (without `[cluster]` each
+        // tokentap holds its own 12).
+        assert!(peaks.iter().all(|&p| p <= 12), "peaks {peaks:?}");
+    }
+    hit
+}

@@ -33,6 +33,7 @@ use super::{Limiter, Permit, Rejected};
 
 mod budget;
 mod control;
+mod placement;
 mod wire;
 use control::Control;
 pub use control::Steer;
@@ -393,6 +394,15 @@ impl FleetLink {
 
 fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+impl FleetLink {
+    /// A call outside the caps' own (a budget, a placement) failed: a fresh connection next
+    /// time, and the fleet degraded.
+    fn lost(&self, e: &anyhow::Error) {
+        *self.conn.lock().unwrap_or_else(PoisonError::into_inner) = None;
+        self.degrade(&format!("{e:#}"), &[], false);
+    }
 }
 
 /// A Redis call with [`CALL_TIMEOUT`].

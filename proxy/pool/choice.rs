@@ -249,9 +249,9 @@ impl Pool {
         ranked.sort_unstable_by_key(|&(held, tie, _)| std::cmp::Reverse((held, tie)));
         // A prefix none holds: of its two rendezvous choices, the one that holds less
         // (two choices spread the prefixes over the replicas far more evenly than one, and
-        // every tokentap weighs the same two).
+        // every tokentap weighs the same two; with `[cluster]`, [`Pool::place`] has made
+        // the fleet's choice one that holds it).
         if ranked.first().is_some_and(|r| r.0 == 0) && ranked.len() >= 2 {
-            let holds = |e: &Endpoint| (lock(&e.prefixes).len(), e.in_flight());
             if holds(ranked[1].2) < holds(ranked[0].2) {
                 ranked.swap(0, 1);
             }
@@ -260,6 +260,57 @@ impl Pool {
         lock(&chosen.prefixes).admit(chain);
         Some(chosen)
     }
+}
+
+// === impl Pool: prefix placement across the fleet ===
+
+impl Pool {
+    /// With `[cluster]` under `balance = "prefix"`: a prompt whose prefix no endpoint's
+    /// index holds is placed where the fleet placed it, so that every tokentap in front of
+    /// the pool sends it to one replica (each choosing alone, two could pick the two
+    /// replicas of its two rendezvous choices). One Redis round trip, on this tokentap's
+    /// first sight of a prefix; [`Pool::pick`] then finds it in that endpoint's index.
+    /// Redis away: this tokentap places it alone.
+    pub async fn place(&self, now: Nanos, prompt: &[u8]) {
+        let Some(cluster) = &self.cluster else {
+            return;
+        };
+        if !matches!(self.settings.load().balance, Balance::Prefix) {
+            return;
+        }
+        let Some(first) = prefix::blocks(prompt, PREFIX_BLOCK_BYTES, 1).next() else {
+            return;
+        };
+        let members = self.members.load_full();
+        let open: Vec<&Arc<Endpoint>> = members.iter().filter(|e| e.eligible(now)).collect();
+        if open.len() < 2 || open.iter().any(|e| lock(&e.prefixes).leading(&[first]) > 0) {
+            return;
+        }
+        // This tokentap's choice, as `by_prefix` makes it: of the two rendezvous choices,
+        // the one that holds less.
+        let mut ranked: Vec<(u64, &Arc<Endpoint>)> = (open.iter())
+            .map(|e| (rendezvous(&first.to_le_bytes(), &e.at), *e))
+            .collect();
+        ranked.sort_unstable_by_key(|r| std::cmp::Reverse(r.0));
+        let choice = if holds(ranked[1].1) < holds(ranked[0].1) {
+            ranked[1].1
+        } else {
+            ranked[0].1
+        };
+        let urls: Vec<&str> = open.iter().map(|e| e.at.url.as_str()).collect();
+        let placed = cluster.place_prefix(&self.name, first, &choice.at.url, &urls);
+        if let Ok(url) = placed.await {
+            if let Some(e) = open.iter().find(|e| e.at.url == url) {
+                lock(&e.prefixes).admit([first]);
+            }
+        }
+    }
+}
+
+/// How much a new prefix's candidate holds already: its index's blocks, then its requests
+/// in flight.
+fn holds(e: &Endpoint) -> (usize, u64) {
+    (lock(&e.prefixes).len(), e.in_flight())
 }
 
 /// A prompt block: 256 bytes, about 64 tokens (the prompt's JSON as it came, so the same

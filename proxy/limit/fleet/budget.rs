@@ -97,15 +97,6 @@ impl FleetLink {
             self.lost(e);
         }
     }
-
-    /// A budget call failed: a fresh connection next time, and the fleet degraded.
-    fn lost(&self, e: &anyhow::Error) {
-        *self
-            .conn
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = None;
-        self.degrade(&format!("{e:#}"), &[], false);
-    }
 }
 
 fn key(tenant: &str) -> String {

@@ -454,11 +454,15 @@ impl TokenTap {
             }
         }
 
-        let key = match pool.keyed_by() {
+        let keyed = pool.keyed_by();
+        let key = match &keyed {
             Keyed::Header(h) => req.fields.get(h.as_str()),
             Keyed::Prompt if ctx.dialect.is_some() => crate::prefix::prompt_start(&bytes),
             Keyed::Prompt | Keyed::Nothing => None,
         };
+        if let (Keyed::Prompt, Some(prompt)) = (keyed, key) {
+            pool.place(self.now(), prompt).await;
+        }
         let wait = upstream.config.queue_timeout;
         match pool
             .pick_within(ctx.dialect.is_some(), key, &[], wait)

@@ -166,6 +166,7 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
         include_usage: true,
         model: "tokentap-sim".into(),
         prompt: "Tell me about lighthouses.".into(),
+        headers: vec![format!("x-tenant: {DEMO_TENANT}")],
         ..LoadArgs::for_url(format!("http://{}", args.listen))
     }
     .target()?;
@@ -343,6 +344,9 @@ fn decisions(u: &UpstreamReport) -> String {
     out
 }
 
+/// The tenant the demo's clients send as (`x-tenant`).
+const DEMO_TENANT: &str = "demo-clients";
+
 /// The demo's config: both backends behind one 50/50 route, an SLO on the first, the
 /// second a pool with health checks.
 fn demo_config(args: &DemoArgs, sims: &[(&str, &str, Vec<Sim>)]) -> String {
@@ -373,6 +377,8 @@ fn demo_config(args: &DemoArgs, sims: &[(&str, &str, Vec<Sim>)]) -> String {
             let _ = write!(c, "[upstream.health]\nevery_secs = 1\n");
         }
     }
+    // Who each request belongs to, for the tenants' figures (the demo's clients are one).
+    c.push_str("[tenants]\nkey = \"header:x-tenant\"\n");
     let split: Vec<String> = sims
         .iter()
         .map(|(n, _, _)| format!("\"{n}\" = 50"))

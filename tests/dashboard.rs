@@ -75,6 +75,8 @@ return {
   curve_points: t.charts.curve ? t.charts.curve.data.slice(1).map(s => s.filter(v => v !== null).length) : [],
   figs: [...document.querySelectorAll('[data-fig]')].map(e => [e.dataset.up || '', e.dataset.fig, e.dataset.value]),
   endpoints: [...document.querySelectorAll('tr.ep')].map(e => [e.dataset.up, e.dataset.endpoint, e.dataset.state]),
+  tenants: [...document.querySelectorAll('[data-tfig]')].map(e => [e.dataset.tenant, e.dataset.tfig, e.dataset.value]),
+  snap_tenants: t.snap && t.snap.stats.tenants ? t.snap.stats.tenants.top : null,
   errors: t.errors,
 };"#;
 
@@ -278,6 +280,37 @@ async fn the_dashboard_in_a_real_browser() {
             .unwrap();
         assert!(u["requests_total"].as_u64() >= then["requests_total"].as_u64());
     }
+
+    // The demo's clients are one tenant (`[tenants]`, `x-tenant`): its row shows the
+    // figures of the snapshot the page names, all of the output its own.
+    let tenants = shown["snap_tenants"]
+        .as_array()
+        .expect("the demo's tenants");
+    let demo = tenants
+        .iter()
+        .find(|t| t["tenant"] == "demo-clients")
+        .unwrap_or_else(|| panic!("no demo-clients tenant: {tenants:?}"));
+    assert_eq!(demo["output_share_pct"], 100.0, "{demo}");
+    let mut tenant_figs = 0;
+    for f in shown["tenants"].as_array().unwrap() {
+        let (tenant, name, value) = (f[0].as_str().unwrap(), f[1].as_str().unwrap(), &f[2]);
+        let row = tenants.iter().find(|t| t["tenant"] == tenant).unwrap();
+        let expected = match name.rsplit_once('_') {
+            Some((metric, q)) if ["p50", "p90"].contains(&q) => row[metric][q].clone(),
+            _ => row[name].clone(),
+        };
+        let shown_value = value.as_str().unwrap().parse::<f64>().ok();
+        match (expected.as_f64(), shown_value) {
+            // The page's number as JavaScript prints it, to its last bit or so.
+            (Some(e), Some(s)) => assert!(
+                (e - s).abs() <= 1e-9 * e.abs().max(1.0),
+                "tenant {tenant} {name}: shown {s}, the snapshot {e}"
+            ),
+            (e, s) => assert_eq!(e, s, "tenant {tenant} {name}"),
+        }
+        tenant_figs += 1;
+    }
+    assert!(tenant_figs >= 10, "{tenant_figs} tenant figures: {shown}");
 
     // No console errors, by the browser's own log.
     let log = wd(

@@ -33,6 +33,7 @@ use super::{Limiter, Permit, Rejected};
 
 mod budget;
 mod control;
+mod endpoint;
 mod placement;
 mod wire;
 use control::Control;
@@ -396,15 +397,6 @@ fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
-impl FleetLink {
-    /// A call outside the caps' own (a budget, a placement) failed: a fresh connection next
-    /// time, and the fleet degraded.
-    fn lost(&self, e: &anyhow::Error) {
-        *self.conn.lock().unwrap_or_else(PoisonError::into_inner) = None;
-        self.degrade(&format!("{e:#}"), &[], false);
-    }
-}
-
 /// A Redis call with [`CALL_TIMEOUT`].
 async fn timed<T>(
     call: impl std::future::Future<Output = redis::RedisResult<T>>,
@@ -524,48 +516,6 @@ impl Fleet {
                     return self.share(limiter, permit, id, deadline).await;
                 }
             }
-        }
-    }
-
-    /// A lease under `limit`, asked once, not queued (an endpoint of a pool: the pool's own
-    /// slot, taken first, is what queues). Redis away, or slow: [`Leased::Away`].
-    pub async fn try_lease(self: &Arc<Self>, limit: u64) -> Leased {
-        let c = &self.cluster;
-        if c.degraded() {
-            return Leased::Away;
-        }
-        let Ok(mut conn) = c.connect().await else {
-            return Leased::Away;
-        };
-        let id = c.next_lease.fetch_add(1, Relaxed);
-        self.limit.store(limit, Relaxed);
-        let mut pending = Pending {
-            fleet: self,
-            id,
-            armed: true,
-        };
-        let mut call = c.acquire.key(&self.key);
-        call.arg(limit).arg(c.lease_ms()).arg(c.member(id)).arg(1);
-        let got: anyhow::Result<u64> = timed(call.invoke_async(&mut conn)).await;
-        self.set_full(matches!(got, Ok(0)));
-        match got {
-            Ok(1) => {
-                pending.armed = false;
-                self.held
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .insert(id);
-                Leased::Held(Lease {
-                    fleet: Arc::clone(self),
-                    id,
-                })
-            }
-            Ok(_) => {
-                pending.armed = false;
-                Leased::Full
-            }
-            // Timed out, the script may still have run: `pending` frees it.
-            Err(_) => Leased::Away,
         }
     }
 

@@ -163,6 +163,7 @@ function render() {
     $("meta").textContent = `v${s.version} · window ${s.stats.window_secs} s · ${new Date(s.t).toLocaleTimeString()}`;
     renderUpstreams(s);
     renderVerdict(s.compare);
+    renderTenants(s.stats.tenants);
     $("shadow").hidden = !s.shadow;
     if (s.shadow) $("shadow-text").textContent = s.shadow.verdict;
   }
@@ -265,6 +266,32 @@ function renderUpstreams(s) {
     </div>`;
   });
   $("upstreams").innerHTML = html.join("");
+}
+
+// With [tenants]: a row per tenant (its share of the output tokens, which is its share of
+// the cost, as a bar), its speed, its waits and its refusals by cause.
+function renderTenants(t) {
+  $("tenants").hidden = !t;
+  if (!t) return;
+  const cell = (row, name, value, digits) => `<td data-tenant="${esc(row.tenant)}" data-tfig="${name}" data-value="${value ?? ""}">${fmt(value, digits)}</td>`;
+  const refused = (r) =>
+    Object.entries(r.refused_by_cause)
+      .filter(([, n]) => n > 0)
+      .map(([cause, n]) => `${esc(cause.replace(/_/g, " "))} ${n}`)
+      .join(", ") || "–";
+  const rows = t.top
+    .map(
+      (r) => `<tr class="tenant" data-tenant="${esc(r.tenant)}"><td>${esc(r.tenant)}</td>
+        ${cell(r, "requests_total", r.requests_total, 0)}${cell(r, "output_tokens_total", r.output_tokens_total, 0)}
+        <td data-tenant="${esc(r.tenant)}" data-tfig="output_share_pct" data-value="${r.output_share_pct}">${fmt(r.output_share_pct)}%<div class="share"><div style="width:${r.output_share_pct}%"></div></div></td>
+        ${cell(r, "output_tps", r.output_tps, 1)}${cell(r, "ttft_ms_p50", r.ttft_ms.p50)}${cell(r, "ttft_ms_p90", r.ttft_ms.p90)}
+        ${cell(r, "tpot_ms_p50", r.tpot_ms.p50)}${cell(r, "goodput_pct", r.goodput_pct)}${cell(r, "queue_wait_ms", r.queue_wait_ms)}
+        <td data-tenant="${esc(r.tenant)}" data-tfig="refused_total" data-value="${r.refused_total}">${r.refused_total}<div class="key">${refused(r)}</div></td></tr>`,
+    )
+    .join("");
+  const notes = [`${t.tracked} tracked`, `${t.budgets} budget bucket(s)`];
+  if (t.invalid_priority_total) notes.push(`${t.invalid_priority_total} request(s) with an unknown priority (served as normal)`);
+  $("tenants-table").innerHTML = `<table class="pct tenants"><tr><th>tenant</th><th>requests</th><th>output tokens</th><th>share of output</th><th>output T/s</th><th>TTFT p50</th><th>TTFT p90</th><th>TPOT p50</th><th>% good</th><th>queue wait (ms)</th><th>refused</th></tr>${rows}</table><p class="key">${notes.join(" · ")}</p>`;
 }
 
 function renderVerdict(c) {

@@ -97,6 +97,16 @@ impl FleetLink {
             self.lost(e);
         }
     }
+
+    /// A call outside the caps' own (a budget, a placement) failed: a fresh connection next
+    /// time, and the fleet degraded.
+    pub(super) fn lost(&self, e: &anyhow::Error) {
+        *self
+            .conn
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+        self.degrade(&format!("{e:#}"), &[], false);
+    }
 }
 
 fn key(tenant: &str) -> String {

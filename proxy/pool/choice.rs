@@ -251,10 +251,11 @@ impl Pool {
         // (two choices spread the prefixes over the replicas far more evenly than one, and
         // every tokentap weighs the same two; with `[cluster]`, [`Pool::place`] has made
         // the fleet's choice one that holds it).
-        if ranked.first().is_some_and(|r| r.0 == 0) && ranked.len() >= 2 {
-            if holds(ranked[1].2) < holds(ranked[0].2) {
-                ranked.swap(0, 1);
-            }
+        if ranked.first().is_some_and(|r| r.0 == 0)
+            && ranked.len() >= 2
+            && holds(ranked[1].2) < holds(ranked[0].2)
+        {
+            ranked.swap(0, 1);
         }
         let (_, _, chosen) = ranked.into_iter().find(|(_, _, e)| room(e))?;
         lock(&chosen.prefixes).admit(chain);

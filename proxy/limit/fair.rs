@@ -163,6 +163,21 @@ impl Fair {
         served(&who.tenant) < next
     }
 
+    /// What a slot costs `who`'s tenant (its mean output tokens over its weight), and
+    /// whether more of its requests wait.
+    pub(super) fn claim(&self, who: &Who) -> (f64, bool) {
+        let mean = self.counters.get(&who.tenant).map_or(64.0, |c| c.mean);
+        let waits = (self.bands.iter()).any(|b| b.tenants.iter().any(|(t, ..)| *t == who.tenant));
+        (mean / who.weight, waits)
+    }
+
+    /// `who`'s tenant's counter as the fleet keeps it.
+    pub(super) fn served_in_fleet(&mut self, who: &Who, served: f64) {
+        if let Some(c) = self.counters.get_mut(&who.tenant) {
+            c.served = served;
+        }
+    }
+
     /// A request of `who` gave its slot back.
     pub(super) fn ended(&mut self, who: &Who) {
         if let Some(c) = self.counters.get_mut(&who.tenant) {

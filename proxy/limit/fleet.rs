@@ -34,10 +34,12 @@ use super::{Limiter, Permit, Rejected};
 mod budget;
 mod control;
 mod endpoint;
+mod fair;
 mod placement;
 mod wire;
 use control::Control;
 pub use control::Steer;
+pub use fair::Claim;
 use wire::{ACQUIRE, ALIVE, RENEW};
 
 /// How often the request at the head of the queue asks again for a fleet slot.
@@ -73,6 +75,7 @@ pub struct FleetLink {
     connect_failures: AtomicU64,
     started: Instant,
     acquire: redis::Script,
+    fair_acquire: redis::Script,
     renew: redis::Script,
     alive: redis::Script,
     report: redis::Script,
@@ -101,6 +104,8 @@ pub struct Fleet {
     leader_key: String,
     limit_key: String,
     control: Mutex<Control>,
+    /// With tenants, each tenant's requests here waiting to ask for a fleet slot.
+    asking: fair::Asking,
 }
 
 /// A lease being taken: dropped before it was (the request's future dropped mid-call, a
@@ -181,6 +186,7 @@ impl FleetLink {
             connect_failures: AtomicU64::new(0),
             started: Instant::now(),
             acquire: redis::Script::new(ACQUIRE),
+            fair_acquire: redis::Script::new(fair::FAIR_ACQUIRE),
             renew: redis::Script::new(RENEW),
             alive: redis::Script::new(ALIVE),
             report: redis::Script::new(control::REPORT),
@@ -425,6 +431,7 @@ impl Fleet {
             leader_key: format!("tokentap:{upstream}:leader"),
             limit_key: format!("tokentap:{upstream}:limit"),
             control: Mutex::new(Control::default()),
+            asking: fair::Asking::default(),
         });
         cluster
             .fleets
@@ -435,12 +442,14 @@ impl Fleet {
     }
 
     /// A fleet slot for a request holding a local `permit`, waiting its turn until
-    /// `deadline`. Degraded, the local permit (under the local share) is the slot.
+    /// `deadline`; `fair`: with `[tenants]`, when the request arrived (the fleet's slots
+    /// then go fairly between tenants: [`fair`]). Degraded, the local permit (under the
+    /// local share) is the slot.
     pub async fn slot(
         self: &Arc<Self>,
         limiter: &Arc<Limiter>,
         permit: Permit,
-        deadline: Instant,
+        (deadline, fair): (Instant, Option<Instant>),
     ) -> Result<Slot, Rejected> {
         let c = &self.cluster;
         let id = c.next_lease.fetch_add(1, Relaxed);
@@ -464,7 +473,8 @@ impl Fleet {
                 return self.share(limiter, permit, id, deadline).await;
             }
         };
-        let Ok(turn) = tokio::time::timeout_at(deadline.into(), self.turn.lock()).await else {
+        let _asking = fair.map(|_| self.asking.enter(&permit.who().tenant));
+        let Ok(mut turn) = tokio::time::timeout_at(deadline.into(), self.turn.lock()).await else {
             limiter.note_binding();
             return Err(Rejected::QueueTimeout);
         };
@@ -483,21 +493,44 @@ impl Fleet {
         loop {
             let limit = limiter.limit().unwrap_or(u64::MAX);
             self.limit.store(limit, Relaxed);
-            let mut call = c.acquire.key(&self.key);
-            if self.adaptive.load(Relaxed) {
-                // The fleet's limit as it is now, when its leader has set one.
-                call.key(&self.limit_key);
-            }
-            call.arg(limit)
-                .arg(c.lease_ms())
-                .arg(c.member(id))
-                .arg(limiter.members().max(1));
-            let got: anyhow::Result<u64> = timed(call.invoke_async(&mut conn)).await;
+            let mut call = match fair {
+                Some(_) => c.fair_acquire.key(&self.key),
+                None => c.acquire.key(&self.key),
+            };
+            call.key(&self.limit_key);
+            // With `adaptive`, the fleet's limit as it is now, when its leader has set one.
+            (call.arg(limit).arg(c.lease_ms()).arg(c.member(id)))
+                .arg(limiter.members().max(1))
+                .arg(u8::from(self.adaptive.load(Relaxed)));
+            let got: anyhow::Result<u64> = match fair {
+                Some(since) => {
+                    self.ask_fair(call, &mut conn, limiter, permit.who(), since)
+                        .await
+                }
+                None => timed(call.invoke_async(&mut conn)).await,
+            };
             self.set_full(matches!(got, Ok(0)));
             match got {
                 Ok(1) => {
                     pending.armed = false;
                     return Ok(self.held(id, permit));
+                }
+                // With tenants, a refused request passes the turn on (another tenant is
+                // owed the slot, or the fleet is full: every tenant waiting here then asks,
+                // so the fleet knows who wants one) and asks again after.
+                Ok(n) if fair.is_some() && Instant::now() + RETRY < deadline => {
+                    if n == 0 {
+                        limiter.note_binding();
+                    }
+                    drop(turn);
+                    tokio::time::sleep(RETRY).await;
+                    let next = tokio::time::timeout_at(deadline.into(), self.turn.lock());
+                    let Ok(next) = next.await else {
+                        pending.armed = false;
+                        limiter.note_binding();
+                        return Err(Rejected::QueueTimeout);
+                    };
+                    turn = next;
                 }
                 Ok(_) if Instant::now() + RETRY < deadline => {
                     limiter.note_binding();
@@ -643,7 +676,7 @@ mod tests {
         let deadline = Instant::now() + Duration::from_secs(30);
         let slot = |permit: Permit| {
             let (fleet, limiter) = (Arc::clone(&fleet), Arc::clone(&limiter));
-            tokio::spawn(async move { fleet.slot(&limiter, permit, deadline).await })
+            tokio::spawn(async move { fleet.slot(&limiter, permit, (deadline, None)).await })
         };
         // The first finds Redis away and sets the share; the other two arrive after it.
         let mut tasks = vec![slot(permits.remove(0))];

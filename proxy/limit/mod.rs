@@ -201,6 +201,30 @@ impl Limiter {
         }
     }
 
+    /// What `who`'s request, waiting since `since`, asks of the fleet's fair share
+    /// ([`fleet`]): its band (-1 past the ageing bound), its tenant's charge for a slot and
+    /// whether more of its tenant's requests wait here.
+    pub fn claim(&self, who: &Who, since: Instant) -> fleet::Claim {
+        let st = self.lock();
+        let (charge, more) = st.queue.claim(who);
+        fleet::Claim {
+            tenant: who.tenant.to_string(),
+            band: if since.elapsed() >= st.ageing {
+                -1
+            } else {
+                who.priority as i8
+            },
+            charge,
+            more,
+        }
+    }
+
+    /// `who`'s tenant has been served `served` weighted output tokens by the whole fleet
+    /// (with `[cluster]`): this replica's fair queue takes that as its counter.
+    pub fn served_in_fleet(&self, who: &Who, served: f64) {
+        self.lock().queue.served_in_fleet(who, served);
+    }
+
     /// The endpoints the pool's limit counts.
     pub fn members(&self) -> u64 {
         self.members.load(Relaxed)

@@ -25,7 +25,10 @@ impl Fleet {
             armed: true,
         };
         let mut call = c.acquire.key(&self.key);
-        call.arg(limit).arg(c.lease_ms()).arg(c.member(id)).arg(1);
+        call.key(&self.limit_key);
+        (call.arg(limit).arg(c.lease_ms()).arg(c.member(id)))
+            .arg(1)
+            .arg(0);
         let got: anyhow::Result<u64> = timed(call.invoke_async(&mut conn)).await;
         self.set_full(matches!(got, Ok(0)));
         match got {

@@ -7,29 +7,43 @@ use std::fmt::Write as _;
 
 use crate::meter::Gaps;
 
-/// Takes a lease under the limit (and the fleet's published limit, times the endpoints).
-pub(super) const ACQUIRE: &str = r"
+/// The head of a lease script: Redis's clock in `now`, the expired leases dropped, the
+/// limit in force in `limit` (`ARGV[1]`, and the fleet's published limit in `KEYS[2]`,
+/// times the endpoints `ARGV[4]`, when `ARGV[5]` is 1).
+macro_rules! lease_head {
+    () => {
+        r"
 if redis.replicate_commands then redis.replicate_commands() end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 local limit = tonumber(ARGV[1])
-if KEYS[2] then
+if ARGV[5] == '1' then
   local fleet = tonumber(redis.call('GET', KEYS[2]) or '')
   if fleet then
     -- The fleet's limit is each endpoint's: the pool's is that times its endpoints.
-    fleet = fleet * tonumber(ARGV[4] or '1')
+    fleet = fleet * tonumber(ARGV[4])
   end
   if fleet and fleet < limit then
     limit = fleet
   end
 end
+"
+    };
+}
+pub(super) use lease_head;
+
+/// Takes a lease under the limit: 1, or 0 when the fleet holds it.
+pub(super) const ACQUIRE: &str = concat!(
+    lease_head!(),
+    r"
 if redis.call('ZCARD', KEYS[1]) < limit then
   redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[3])
   return 1
 end
 return 0
-";
+"
+);
 
 /// Renews this replica's leases; the count after.
 pub(super) const RENEW: &str = r"

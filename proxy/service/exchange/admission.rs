@@ -153,7 +153,7 @@ pub(super) async fn over_budget(
 /// by the queue timeout.
 pub(super) async fn slot(
     upstream: &Upstream,
-    who: &Who,
+    (who, tenanted): (&Who, bool),
     client: &mut Io,
     watch: &mut bool,
     leftover: &mut BytesMut,
@@ -162,12 +162,15 @@ pub(super) async fn slot(
     let limiter = &upstream.limiter;
     // Demand, whether it gets a slot now, later or never.
     TokenTap::arrived(upstream);
-    let deadline = Instant::now() + upstream.config.queue_timeout;
+    let arrived = Instant::now();
+    let deadline = arrived + upstream.config.queue_timeout;
+    // With tenants, the fleet's slots go fairly between them too.
+    let fair = tenanted.then_some(arrived);
     // Boxed: taking a fleet slot (Redis calls) is a large future, and inline it would make
     // every request's state, streaming or not, ~5 KiB larger.
     let slot = |permit: Permit| async move {
         match &upstream.fleet {
-            Some(fleet) => Box::pin(fleet.slot(limiter, permit, deadline)).await,
+            Some(fleet) => Box::pin(fleet.slot(limiter, permit, (deadline, fair))).await,
             None => Ok(Slot::local(permit)),
         }
     };

@@ -414,7 +414,7 @@ impl TokenTap {
             let anyone = Who::default();
             let granted = admission::slot(
                 upstream,
-                who.unwrap_or(&anyone),
+                (who.unwrap_or(&anyone), who.is_some()),
                 client,
                 &mut watch,
                 &mut leftover,

@@ -46,6 +46,7 @@
 //! `heaptrack -o FILE`): at the end the proxy itself gets SIGTERM and the profiler up to
 //! 2 minutes to write its report.
 //!
+//! `TOKENTAP_OVERHEAD_SECTIONS` adds config sections of its own (`[tenants]`, say).
 //! `TOKENTAP_OVERHEAD_PATH=/raw` sends the requests to a path tokentap does not meter, to
 //! see the cost of the proxy without the metering. `TOKENTAP_OVERHEAD_QUEUED=1` gives
 //! tokentap's upstream a cap of `streams` and first sends `streams` requests that hold every
@@ -875,9 +876,11 @@ async fn start_proxy(
             std::fs::write(
                 &conf,
                 format!(
-                    "[listen]\nproxy = \"{addr}\"\nadmin = \"{status}\"\n[server]\nthreads = 1\ngrace_period_secs = 0\n{}\n{log}{upstreams}",
+                    "[listen]\nproxy = \"{addr}\"\nadmin = \"{status}\"\n[server]\nthreads = 1\ngrace_period_secs = 0\n{}\n{log}{}\n{upstreams}",
                     // TOKENTAP_OVERHEAD_SERVER="work_stealing = false" adds [server] settings.
                     std::env::var("TOKENTAP_OVERHEAD_SERVER").unwrap_or_default(),
+                    // TOKENTAP_OVERHEAD_SECTIONS adds sections of its own ("[tenants]…").
+                    std::env::var("TOKENTAP_OVERHEAD_SECTIONS").unwrap_or_default(),
                 ),
             )
             .ok()?;

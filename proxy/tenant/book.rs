@@ -85,7 +85,7 @@ pub struct Book {
 
 #[derive(Debug, Default)]
 struct Inner {
-    tenants: HashMap<Tenant, Figures>,
+    tenants: HashMap<Tenant, Figures, foldhash::fast::RandomState>,
     /// Tenants folded in past [`TENANTS`].
     other: Figures,
 }

@@ -88,7 +88,8 @@ pub(super) async fn tenancy(
         return Ok(None);
     }
     let who = shared.tenants.who(|h| req.fields.get(h));
-    let asked = crate::tenant::max_tokens(body);
+    // The body is scanned for its `max_tokens` only when a budget is to be reserved.
+    let asked = who.budget.and_then(|_| crate::tenant::max_tokens(body));
     // Boxed: with `[cluster]` it is a Redis call, which would make every request's state
     // larger inline.
     match Box::pin(shared.budgets.reserve(&who, asked)).await {

@@ -56,11 +56,14 @@ struct Counter {
     running: u32,
 }
 
+/// What a tenant's slot is charged before any of its requests has ended.
+const FIRST_MEAN: f64 = 64.0;
+
 impl Default for Counter {
     fn default() -> Self {
         Counter {
             served: 0.0,
-            mean: 64.0,
+            mean: FIRST_MEAN,
             running: 0,
         }
     }
@@ -166,7 +169,10 @@ impl Fair {
     /// What a slot costs `who`'s tenant (its mean output tokens over its weight), and
     /// whether more of its requests wait.
     pub(super) fn claim(&self, who: &Who) -> (f64, bool) {
-        let mean = self.counters.get(&who.tenant).map_or(64.0, |c| c.mean);
+        let mean = self
+            .counters
+            .get(&who.tenant)
+            .map_or(FIRST_MEAN, |c| c.mean);
         let waits = (self.bands.iter()).any(|b| b.tenants.iter().any(|(t, ..)| *t == who.tenant));
         (mean / who.weight, waits)
     }

@@ -104,8 +104,8 @@ pub struct Fleet {
     leader_key: String,
     limit_key: String,
     control: Mutex<Control>,
-    /// With tenants, each tenant's requests here waiting to ask for a fleet slot.
-    asking: fair::Asking,
+    /// With tenants: the fair share's keys, and each tenant's requests here waiting to ask.
+    fair: fair::FairPart,
 }
 
 /// A lease being taken: dropped before it was (the request's future dropped mid-call, a
@@ -431,7 +431,7 @@ impl Fleet {
             leader_key: format!("tokentap:{upstream}:leader"),
             limit_key: format!("tokentap:{upstream}:limit"),
             control: Mutex::new(Control::default()),
-            asking: fair::Asking::default(),
+            fair: fair::FairPart::new(upstream),
         });
         cluster
             .fleets
@@ -449,7 +449,8 @@ impl Fleet {
         self: &Arc<Self>,
         limiter: &Arc<Limiter>,
         permit: Permit,
-        (deadline, fair): (Instant, Option<Instant>),
+        deadline: Instant,
+        fair: Option<Instant>,
     ) -> Result<Slot, Rejected> {
         let c = &self.cluster;
         let id = c.next_lease.fetch_add(1, Relaxed);
@@ -473,7 +474,7 @@ impl Fleet {
                 return self.share(limiter, permit, id, deadline).await;
             }
         };
-        let _asking = fair.map(|_| self.asking.enter(&permit.who().tenant));
+        let _asking = fair.map(|_| self.fair.enter(&permit.who().tenant));
         let Ok(mut turn) = tokio::time::timeout_at(deadline.into(), self.turn.lock()).await else {
             limiter.note_binding();
             return Err(Rejected::QueueTimeout);
@@ -676,7 +677,7 @@ mod tests {
         let deadline = Instant::now() + Duration::from_secs(30);
         let slot = |permit: Permit| {
             let (fleet, limiter) = (Arc::clone(&fleet), Arc::clone(&limiter));
-            tokio::spawn(async move { fleet.slot(&limiter, permit, (deadline, None)).await })
+            tokio::spawn(async move { fleet.slot(&limiter, permit, deadline, None).await })
         };
         // The first finds Redis away and sets the share; the other two arrive after it.
         let mut tasks = vec![slot(permits.remove(0))];

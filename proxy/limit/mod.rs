@@ -208,7 +208,7 @@ impl Limiter {
         let st = self.lock();
         let (charge, more) = st.queue.claim(who);
         fleet::Claim {
-            tenant: who.tenant.to_string(),
+            tenant: who.tenant.clone(),
             band: if since.elapsed() >= st.ageing {
                 -1
             } else {

@@ -251,11 +251,8 @@ impl Pool {
         // (two choices spread the prefixes over the replicas far more evenly than one, and
         // every tokentap weighs the same two; with `[cluster]`, [`Pool::place`] has made
         // the fleet's choice one that holds it).
-        if ranked.first().is_some_and(|r| r.0 == 0)
-            && ranked.len() >= 2
-            && holds(ranked[1].2) < holds(ranked[0].2)
-        {
-            ranked.swap(0, 1);
+        if ranked.first().is_some_and(|r| r.0 == 0) {
+            lighter_first(&mut ranked, |r| r.2);
         }
         let (_, _, chosen) = ranked.into_iter().find(|(_, _, e)| room(e))?;
         lock(&chosen.prefixes).admit(chain);
@@ -266,7 +263,8 @@ impl Pool {
 // === impl Pool: prefix placement across the fleet ===
 
 impl Pool {
-    /// With `[cluster]` under `balance = "prefix"`: a prompt whose prefix no endpoint's
+    /// With `[cluster]`, under `balance = "prefix"` (the caller's: its key is the prompt):
+    /// a prompt whose prefix no endpoint's
     /// index holds is placed where the fleet placed it, so that every tokentap in front of
     /// the pool sends it to one replica (each choosing alone, two could pick the two
     /// replicas of its two rendezvous choices). One Redis round trip, on this tokentap's
@@ -276,9 +274,6 @@ impl Pool {
         let Some(cluster) = &self.cluster else {
             return;
         };
-        if !matches!(self.settings.load().balance, Balance::Prefix) {
-            return;
-        }
         let Some(first) = prefix::blocks(prompt, PREFIX_BLOCK_BYTES, 1).next() else {
             return;
         };
@@ -287,17 +282,13 @@ impl Pool {
         if open.len() < 2 || open.iter().any(|e| lock(&e.prefixes).leading(&[first]) > 0) {
             return;
         }
-        // This tokentap's choice, as `by_prefix` makes it: of the two rendezvous choices,
-        // the one that holds less.
+        // This tokentap's choice, as `by_prefix` makes it.
         let mut ranked: Vec<(u64, &Arc<Endpoint>)> = (open.iter())
             .map(|e| (rendezvous(&first.to_le_bytes(), &e.at), *e))
             .collect();
         ranked.sort_unstable_by_key(|r| std::cmp::Reverse(r.0));
-        let choice = if holds(ranked[1].1) < holds(ranked[0].1) {
-            ranked[1].1
-        } else {
-            ranked[0].1
-        };
+        lighter_first(&mut ranked, |r| r.1);
+        let choice = ranked[0].1;
         let urls: Vec<&str> = open.iter().map(|e| e.at.url.as_str()).collect();
         let placed = cluster.place_prefix(&self.name, first, &choice.at.url, &urls);
         if let Ok(url) = placed.await {
@@ -308,10 +299,13 @@ impl Pool {
     }
 }
 
-/// How much a new prefix's candidate holds already: its index's blocks, then its requests
-/// in flight.
-fn holds(e: &Endpoint) -> (usize, u64) {
-    (lock(&e.prefixes).len(), e.in_flight())
+/// A prefix none holds goes to the one of its two rendezvous choices (`ranked`'s first
+/// two, by rendezvous) that holds less: its index's blocks, then its requests in flight.
+fn lighter_first<T>(ranked: &mut [T], endpoint: impl Fn(&T) -> &Endpoint) {
+    let holds = |e: &Endpoint| (lock(&e.prefixes).len(), e.in_flight());
+    if ranked.len() >= 2 && holds(endpoint(&ranked[1])) < holds(endpoint(&ranked[0])) {
+        ranked.swap(0, 1);
+    }
 }
 
 /// A prompt block: 256 bytes, about 64 tokens (the prompt's JSON as it came, so the same

@@ -9,42 +9,57 @@ use std::sync::LazyLock;
 
 use super::{timed, FleetLink};
 
-/// Refills a bucket of `ARGV[1]` a minute to now, then takes `ARGV[2]` if it holds that
-/// much: `{1 or 0, tokens left}`.
-const TAKE: &str = r"
+/// The head of a bucket script: Redis's clock in `now`, the bucket of `ARGV[1]` (`cap`)
+/// tokens a minute in `KEYS[1]` as `tokens` left at its last use, and what has dripped in
+/// since as `refill`.
+macro_rules! bucket_head {
+    () => {
+        r"
 if redis.replicate_commands then redis.replicate_commands() end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local cap = tonumber(ARGV[1])
 local b = redis.call('HMGET', KEYS[1], 'tokens', 'at')
 local tokens = tonumber(b[1]) or cap
-local at = tonumber(b[2]) or now
-tokens = math.min(cap, tokens + (now - at) * cap / 60000)
+local refill = (now - (tonumber(b[2]) or now)) * cap / 60000
+"
+    };
+}
+
+/// Stores the bucket's `tokens` at `now`, kept two minutes from its last use.
+macro_rules! bucket_tail {
+    () => {
+        r"
+redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'at', tostring(now))
+redis.call('PEXPIRE', KEYS[1], 120000)
+"
+    };
+}
+
+/// Refills the bucket to now, then takes `ARGV[2]` if it holds that much: `{1 or 0,
+/// tokens left}`.
+const TAKE: &str = concat!(
+    bucket_head!(),
+    r"
+tokens = math.min(cap, tokens + refill)
 local ok = 0
 if tokens >= tonumber(ARGV[2]) then
   tokens = tokens - tonumber(ARGV[2])
   ok = 1
 end
-redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'at', tostring(now))
-redis.call('PEXPIRE', KEYS[1], 120000)
-return {ok, tostring(tokens)}
-";
+",
+    bucket_tail!(),
+    "return {ok, tostring(tokens)}\n"
+);
 
 /// Refills the bucket to now, then adds `ARGV[2]` (negative: a request that ran past its
 /// reservation), at most full.
-const GIVE: &str = r"
-if redis.replicate_commands then redis.replicate_commands() end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local cap = tonumber(ARGV[1])
-local b = redis.call('HMGET', KEYS[1], 'tokens', 'at')
-local tokens = tonumber(b[1]) or cap
-local at = tonumber(b[2]) or now
-tokens = math.min(cap, tokens + (now - at) * cap / 60000 + tonumber(ARGV[2]))
-redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'at', tostring(now))
-redis.call('PEXPIRE', KEYS[1], 120000)
-return 1
-";
+const GIVE: &str = concat!(
+    bucket_head!(),
+    "tokens = math.min(cap, tokens + refill + tonumber(ARGV[2]))\n",
+    bucket_tail!(),
+    "return 1\n"
+);
 
 static TAKE_SCRIPT: LazyLock<redis::Script> = LazyLock::new(|| redis::Script::new(TAKE));
 static GIVE_SCRIPT: LazyLock<redis::Script> = LazyLock::new(|| redis::Script::new(GIVE));

@@ -88,7 +88,7 @@ return {1, tostring(served)}
 /// What a request's tenant asks of the fleet with its lease (see [`crate::limit::Limiter::claim`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Claim {
-    pub tenant: String,
+    pub tenant: Tenant,
     /// -1 past the ageing bound, else its priority's band (0 high, 1 normal, 2 low).
     pub band: i8,
     /// What a slot costs its tenant's counter: its mean output tokens over its weight.
@@ -109,13 +109,12 @@ impl super::Fleet {
         who: &Who,
         since: std::time::Instant,
     ) -> anyhow::Result<u64> {
-        let up = self.key.strip_suffix(":leases").unwrap_or(&self.key);
-        for k in ["wanting", "asked", "served", "vtime"] {
-            call.key(format!("{up}:{k}"));
+        for k in &self.fair.keys {
+            call.key(k);
         }
         let mut claim = limiter.claim(who, since);
-        claim.more |= self.asking.others(&who.tenant);
-        (call.arg(&claim.tenant).arg(claim.band).arg(claim.charge))
+        claim.more |= self.fair.others(&who.tenant);
+        (call.arg(&*claim.tenant).arg(claim.band).arg(claim.charge))
             .arg(u8::from(claim.more))
             .arg(SERVED_KEPT);
         let (code, served): (u64, String) = timed(call.invoke_async(conn)).await?;
@@ -124,17 +123,28 @@ impl super::Fleet {
     }
 }
 
-/// Each tenant's requests at this replica waiting to ask for a fleet slot (one asks at a
-/// time): whether more of a tenant's wait than the one asking.
-#[derive(Default)]
-pub(super) struct Asking(std::sync::Mutex<std::collections::HashMap<Tenant, u32>>);
+/// An upstream's part of the fleet's fair share: the keys of [`FAIR_ACQUIRE`] after the
+/// leases' and the limit's, and each tenant's requests at this replica waiting to ask for
+/// a fleet slot (one asks at a time).
+pub(super) struct FairPart {
+    keys: [String; 4],
+    asking: std::sync::Mutex<std::collections::HashMap<Tenant, u32>>,
+}
 
-/// One request counted in [`Asking`] until dropped.
-pub(super) struct Entered<'a>(&'a Asking, Tenant);
+/// One request counted in [`FairPart`] until dropped.
+pub(super) struct Entered<'a>(&'a FairPart, Tenant);
 
-impl Asking {
+impl FairPart {
+    pub(super) fn new(upstream: &str) -> FairPart {
+        FairPart {
+            keys: ["wanting", "asked", "served", "vtime"]
+                .map(|k| format!("tokentap:{upstream}:{k}")),
+            asking: std::sync::Mutex::default(),
+        }
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<Tenant, u32>> {
-        self.0
+        self.asking
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }

@@ -146,15 +146,16 @@ pub(super) async fn over_budget(
     answer::answer(client, &out, shared.config.limits.client_write_timeout).await
 }
 
-/// A concurrency slot on `upstream` for a generation request: the local slot, then (with
-/// `[cluster]`) the fleet's, both within the queue's timeout; `Ok(Err(why))` when refused.
+/// A concurrency slot on `upstream` for a generation request of `who` (with `[tenants]`):
+/// the local slot, then (with `[cluster]`) the fleet's, both within the queue's timeout;
+/// `Ok(Err(why))` when refused.
 /// A queued client whose body was read whole is watched (`watch`: whether it still is;
 /// `leftover`: the bytes it sent past its request), and leaves the queue the moment it goes away
 /// (`Err`); one still sending waits unwatched (its body bytes are not read here), bounded
 /// by the queue timeout.
 pub(super) async fn slot(
     upstream: &Upstream,
-    (who, tenanted): (&Who, bool),
+    who: Option<&Who>,
     client: &mut Io,
     watch: &mut bool,
     leftover: &mut BytesMut,
@@ -166,12 +167,14 @@ pub(super) async fn slot(
     let arrived = Instant::now();
     let deadline = arrived + upstream.config.queue_timeout;
     // With tenants, the fleet's slots go fairly between them too.
-    let fair = tenanted.then_some(arrived);
+    let fair = who.is_some().then_some(arrived);
+    let anyone = Who::default();
+    let who = who.unwrap_or(&anyone);
     // Boxed: taking a fleet slot (Redis calls) is a large future, and inline it would make
     // every request's state, streaming or not, ~5 KiB larger.
     let slot = |permit: Permit| async move {
         match &upstream.fleet {
-            Some(fleet) => Box::pin(fleet.slot(limiter, permit, (deadline, fair))).await,
+            Some(fleet) => Box::pin(fleet.slot(limiter, permit, deadline, fair)).await,
             None => Ok(Slot::local(permit)),
         }
     };

@@ -47,7 +47,6 @@ use crate::limit::Rejected;
 use crate::meter::{Nanos, Outcome};
 use crate::pool::{Keyed, Unplaced};
 use crate::routing::Choice;
-use crate::tenant::Who;
 use admission::{over_budget, reject, route};
 use relay::{health_after_body, Relay};
 use upstream::{send_rest, Outgoing};
@@ -411,16 +410,8 @@ impl TokenTap {
             let queued = std::time::Instant::now();
             let tenancy = ctx.who.take();
             let who = tenancy.as_ref().map(|t| &t.who);
-            let anyone = Who::default();
-            let granted = admission::slot(
-                upstream,
-                (who.unwrap_or(&anyone), who.is_some()),
-                client,
-                &mut watch,
-                &mut leftover,
-                read_whole,
-            )
-            .await;
+            let granted =
+                admission::slot(upstream, who, client, &mut watch, &mut leftover, read_whole).await;
             ctx.who = tenancy;
             let queue_ms = queued.elapsed().as_secs_f64() * 1e3;
             if let Some(seen) = ctx.seen.as_mut() {

@@ -46,7 +46,8 @@
 //! `heaptrack -o FILE`): at the end the proxy itself gets SIGTERM and the profiler up to
 //! 2 minutes to write its report.
 //!
-//! `TOKENTAP_OVERHEAD_SECTIONS` adds config sections of its own (`[tenants]`, say).
+//! `TOKENTAP_OVERHEAD_SECTIONS` adds config sections of its own (`[tenants]`, say), and
+//! `TOKENTAP_OVERHEAD_UPSTREAM` keys to the upstream (`max_concurrency = 48`, say).
 //! `TOKENTAP_OVERHEAD_PATH=/raw` sends the requests to a path tokentap does not meter, to
 //! see the cost of the proxy without the metering. `TOKENTAP_OVERHEAD_QUEUED=1` gives
 //! tokentap's upstream a cap of `streams` and first sends `streams` requests that hold every
@@ -861,11 +862,13 @@ async fn start_proxy(
                     "[[upstream]]\nname = \"origin\"\nendpoints = [\"http://127.0.0.1:{port}\", \"http://127.0.0.2:{port}\", \"http://127.0.0.3:{port}\"]\n"
                 ),
                 _ => format!(
-                    "[[upstream]]\nname = \"origin\"\nurl = \"{url}\"\n{}{}",
+                    "[[upstream]]\nname = \"origin\"\nurl = \"{url}\"\n{}{}{}\n",
                     if tls { "tls_verify = false\n" } else { "" },
                     cap.map_or(String::new(), |n| format!(
                         "max_concurrency = {n}\nmax_queue = {n}\nqueue_timeout_ms = 60000\n"
                     )),
+                    // TOKENTAP_OVERHEAD_UPSTREAM="max_concurrency = 48" adds upstream keys.
+                    std::env::var("TOKENTAP_OVERHEAD_UPSTREAM").unwrap_or_default(),
                 ),
             };
             let log = if scenario == Scenario::Ops {

@@ -37,7 +37,7 @@ pub(super) struct Waiter {
 pub(super) struct Fair {
     bands: [Band; 3],
     len: usize,
-    counters: HashMap<Tenant, Counter>,
+    counters: HashMap<Tenant, Counter, foldhash::fast::RandomState>,
 }
 
 #[derive(Default)]
@@ -184,20 +184,15 @@ impl Fair {
         }
     }
 
-    /// A request of `who` gave its slot back.
-    pub(super) fn ended(&mut self, who: &Who) {
+    /// A request of `who` gave its slot back, `tokens` output tokens served (when counted):
+    /// its charge made exact, and its tenant's mean moved.
+    pub(super) fn ended(&mut self, who: &Who, tokens: Option<u64>) {
         if let Some(c) = self.counters.get_mut(&who.tenant) {
             c.running = c.running.saturating_sub(1);
-        }
-    }
-
-    /// A request of `who` ended, `tokens` output tokens served: its charge made exact, and
-    /// its tenant's mean moved.
-    pub(super) fn settle(&mut self, who: &Who, tokens: u64) {
-        if let Some(c) = self.counters.get_mut(&who.tenant) {
-            let tokens = tokens as f64;
-            c.served += (tokens - c.mean) / who.weight;
-            c.mean += (tokens - c.mean) / 8.0;
+            if let Some(tokens) = tokens.map(|t| t as f64) {
+                c.served += (tokens - c.mean) / who.weight;
+                c.mean += (tokens - c.mean) / 8.0;
+            }
         }
     }
 

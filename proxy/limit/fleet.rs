@@ -160,7 +160,7 @@ impl Slot {
     }
 
     /// Its request ended with `tokens` output tokens (its tenant's charge made exact).
-    pub fn settle(&self, tokens: u64) {
+    pub fn settle(&mut self, tokens: u64) {
         self.permit.settle(tokens);
     }
 }

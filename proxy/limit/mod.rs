@@ -436,10 +436,10 @@ impl Limiter {
 
     /// A slot of `who`'s comes back (`anticipate`: its request ran, and the slot may be
     /// held for its tenant's next).
-    fn release(self: &Arc<Self>, who: &Who, anticipate: bool) {
+    fn release(self: &Arc<Self>, who: &Who, anticipate: bool, tokens: Option<u64>) {
         let mut st = self.lock();
         let now = Instant::now();
-        st.queue.ended(who);
+        st.queue.ended(who, tokens);
         if st.freed.len() == FREED_KEPT {
             st.freed.pop_front();
         }
@@ -497,6 +497,7 @@ impl Limiter {
             limiter: Arc::clone(self),
             shared,
             who: who.clone(),
+            tokens: None,
         }
     }
 
@@ -522,7 +523,7 @@ impl Drop for QueueGuard<'_> {
         let mut st = self.limiter.lock();
         if !st.queue.remove(self.id) {
             drop(st);
-            self.limiter.release(self.who, false);
+            self.limiter.release(self.who, false, None);
         }
     }
 }
@@ -534,6 +535,8 @@ pub struct Permit {
     shared: bool,
     /// Whose request holds it.
     who: Who,
+    /// The output tokens its request was served, once it ended.
+    tokens: Option<u64>,
 }
 
 impl Permit {
@@ -547,15 +550,16 @@ impl Permit {
         &self.who
     }
 
-    /// Its request ended with `tokens` output tokens: its tenant's charge made exact.
-    pub fn settle(&self, tokens: u64) {
-        self.limiter.lock().queue.settle(&self.who, tokens);
+    /// Its request ended with `tokens` output tokens: its tenant's charge is made exact
+    /// as the slot comes back (one lock for both).
+    pub fn settle(&mut self, tokens: u64) {
+        self.tokens = Some(tokens);
     }
 }
 
 impl Drop for Permit {
     fn drop(&mut self) {
-        self.limiter.release(&self.who, true);
+        self.limiter.release(&self.who, true, self.tokens);
     }
 }
 
@@ -722,8 +726,9 @@ mod tests {
         let (heavy, light) = (who("heavy"), who("light"));
         let h1 = l.acquire(&heavy).await.unwrap();
         let mine = l.acquire(&light).await.unwrap();
-        // The heavy tenant was served far more.
-        h1.settle(1000);
+        // The heavy tenant was served far more (as if a request of 1,000 had ended).
+        l.lock().queue.ended(&heavy, Some(1000));
+        l.lock().queue.charge(&heavy);
         let l2 = Arc::clone(&l);
         let waiter = tokio::spawn(async move { l2.acquire(&who("heavy")).await.map(|_| ()) });
         tokio::task::yield_now().await;

@@ -49,7 +49,7 @@ pub struct Ctx {
     /// Its copies to mirrors (shadow traffic), when the route sent any.
     pub(super) mirror: Option<Box<super::exchange::MirrorLink>>,
     /// Who it is, with `[tenants]`, and its reservation of its tenant's budget.
-    pub(super) who: Option<Box<Tenancy>>,
+    pub(super) who: Option<Tenancy>,
 }
 
 /// A request's tenant, with `[tenants]`.

@@ -286,7 +286,7 @@ impl TokenTap {
     /// A metered request ended: its tenant's fair-queue charge and budget reservation made
     /// exact, and its figures booked to its tenant (with `[tenants]`).
     fn settle(&self, ctx: &mut Ctx, choice: Choice, outcome: Outcome, s: Summary) {
-        if let Some(slot) = ctx.permit.as_ref() {
+        if let Some(slot) = ctx.permit.as_mut() {
             slot.settle(s.output_tokens);
         }
         let Some(mut t) = ctx.who.take() else {

@@ -145,8 +145,10 @@ impl Figures {
     }
 
     fn stats(&self, tenant: &str, now: Instant, window: Duration, all_out: u64) -> TenantStats {
+        // (`other`'s are several tenants' together, not in one order.)
+        let cutoff = now.checked_sub(window);
         let in_window: u64 = (self.finished.iter())
-            .filter(|(at, _)| now.saturating_duration_since(*at) <= window)
+            .filter(|(at, _)| cutoff.is_none_or(|c| *at >= c))
             .map(|(_, n)| n)
             .sum();
         let pct = |f: fn(&Latency) -> Option<f64>| {
@@ -196,11 +198,9 @@ impl Book {
             f.judged += 1;
             f.good += u64::from(good);
         }
-        while f
-            .finished
-            .front()
-            .is_some_and(|(at, _)| now.saturating_duration_since(*at) > window)
-        {
+        // Older than the window: one subtraction, then comparisons.
+        let cutoff = now.checked_sub(window);
+        while (f.finished.front()).is_some_and(|(at, _)| cutoff.is_some_and(|c| *at < c)) {
             f.finished.pop_front();
         }
         f.finished.push_back((now, s.output_tokens));
@@ -256,7 +256,8 @@ impl Inner {
     /// `tenant`'s figures, made room for past [`TENANTS`] by folding the one seen least
     /// recently into `other`.
     fn figures(&mut self, tenant: &Tenant, now: Instant) -> &mut Figures {
-        if !self.tenants.contains_key(tenant) && self.tenants.len() >= TENANTS {
+        // (The length first: under the bound one lookup, not two.)
+        if self.tenants.len() >= TENANTS && !self.tenants.contains_key(tenant) {
             let oldest = (self.tenants.iter())
                 .min_by_key(|(_, f)| f.seen)
                 .map(|(t, _)| t.clone());

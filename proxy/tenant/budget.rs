@@ -24,7 +24,7 @@ const BUCKETS: usize = 16_384;
 /// Every tenant's bucket.
 #[derive(Default)]
 pub struct Budgets {
-    buckets: Mutex<HashMap<Tenant, Bucket>>,
+    buckets: Mutex<HashMap<Tenant, Bucket, foldhash::fast::RandomState>>,
     /// The fleet's Redis, with `[cluster]`.
     fleet: Option<Arc<FleetLink>>,
 }
@@ -148,6 +148,20 @@ impl Budgets {
         self.reserve_here(who, share, max_tokens, Instant::now())
     }
 
+    /// [`Budgets::reserve`] when it needs no Redis (no `[cluster]`): answered at once;
+    /// `None`: the fleet's bucket is to be asked.
+    pub fn reserve_now(
+        self: &Arc<Self>,
+        who: &Who,
+        max_tokens: Option<u64>,
+    ) -> Option<Result<Option<Reservation>, Refusal>> {
+        let Some(per_minute) = who.budget else {
+            return Some(Ok(None));
+        };
+        (self.fleet.is_none())
+            .then(|| self.reserve_here(who, per_minute, max_tokens, Instant::now()))
+    }
+
     /// What a request of `who` reserves: its `max_tokens`, else its tenant's recent mean;
     /// at most the bucket.
     fn want(&self, who: &Who, per_minute: u64, max_tokens: Option<u64>) -> u64 {
@@ -231,7 +245,7 @@ impl Budgets {
         self.len() == 0
     }
 
-    fn lock(&self) -> MutexGuard<'_, HashMap<Tenant, Bucket>> {
+    fn lock(&self) -> MutexGuard<'_, HashMap<Tenant, Bucket, foldhash::fast::RandomState>> {
         self.buckets.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }

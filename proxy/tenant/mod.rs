@@ -127,10 +127,9 @@ impl Default for Who {
 
 /// The tenant of a request without the key's header (and of every request without a key).
 pub fn default_tenant() -> Tenant {
-    thread_local! {
-        static DEFAULT: Tenant = Arc::from("default");
-    }
-    DEFAULT.with(Arc::clone)
+    // One for the process: its clones compare by pointer, not by their text.
+    static DEFAULT: std::sync::LazyLock<Tenant> = std::sync::LazyLock::new(|| Arc::from("default"));
+    Arc::clone(&DEFAULT)
 }
 
 /// Tells requests apart by `[tenants]`.
@@ -209,21 +208,29 @@ impl Tenants {
 /// `n_predict`), read without parsing the body: a key as a JSON key (not inside a string's
 /// escaped quotes), followed by a number.
 pub fn max_tokens(body: &[u8]) -> Option<u64> {
-    const KEYS: [&[u8]; 6] = [
-        b"\"max_tokens\"",
-        b"\"max_completion_tokens\"",
-        b"\"max_output_tokens\"",
-        b"\"max_new_tokens\"",
-        b"\"num_predict\"",
-        b"\"n_predict\"",
-    ];
+    use memchr::memmem::Finder;
+    // Built once: a searcher costs more to build than to run over a short body.
+    static KEYS: std::sync::LazyLock<[Finder<'static>; 6]> = std::sync::LazyLock::new(|| {
+        [
+            &b"\"max_tokens\""[..],
+            b"\"max_completion_tokens\"",
+            b"\"max_output_tokens\"",
+            b"\"max_new_tokens\"",
+            b"\"num_predict\"",
+            b"\"n_predict\"",
+        ]
+        .map(Finder::new)
+    });
     KEYS.iter().find_map(|key| {
-        let at =
-            memchr::memmem::find_iter(body, key).find(|&at| at == 0 || body[at - 1] != b'\\')?;
-        let rest = body[at + key.len()..].trim_ascii_start();
+        let at = (key.find_iter(body)).find(|&at| at == 0 || body[at - 1] != b'\\')?;
+        let rest = body[at + key.needle().len()..].trim_ascii_start();
         let rest = rest.strip_prefix(b":")?.trim_ascii_start();
-        let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
-        std::str::from_utf8(&rest[..digits]).ok()?.parse().ok()
+        // Its digits (none, or past u64: not read).
+        let mut digits = rest.iter().take_while(|b| b.is_ascii_digit());
+        let (n, any) = digits.try_fold((0u64, false), |(n, _), d| {
+            Some((n.checked_mul(10)?.checked_add(u64::from(d - b'0'))?, true))
+        })?;
+        any.then_some(n)
     })
 }
 
@@ -301,6 +308,14 @@ mod tests {
         );
         assert_eq!(max_tokens(br#"{"max_tokens":null}"#), None);
         assert_eq!(max_tokens(b"not json"), None);
+        assert_eq!(
+            max_tokens(br#"{"max_tokens":99999999999999999999999}"#),
+            None
+        );
+        assert_eq!(
+            max_tokens(br#"{"max_tokens":18446744073709551615}"#),
+            Some(u64::MAX)
+        );
     }
 
     #[test]

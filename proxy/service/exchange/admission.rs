@@ -83,7 +83,7 @@ pub(super) async fn tenancy(
     shared: &Shared,
     req: &RequestHead,
     body: &[u8],
-) -> Result<Option<Box<Tenancy>>, Refusal> {
+) -> Result<Option<Tenancy>, Refusal> {
     if !shared.tenants.config().any() {
         return Ok(None);
     }
@@ -91,20 +91,25 @@ pub(super) async fn tenancy(
     // The body is scanned for its `max_tokens` only when a budget is to be reserved.
     let asked = who.budget.and_then(|_| crate::tenant::max_tokens(body));
     // Boxed: with `[cluster]` it is a Redis call, which would make every request's state
-    // larger inline.
-    match Box::pin(shared.budgets.reserve(&who, asked)).await {
-        Ok(reservation) => Ok(Some(Box::new(Tenancy {
-            who,
-            reservation,
-            queue_ms: 0.0,
-        }))),
+    // larger inline. Without a budget, or without the fleet, it is answered at once.
+    let answer = match shared.budgets.reserve_now(&who, asked) {
+        Some(answer) => answer,
+        None => Box::pin(shared.budgets.reserve(&who, asked)).await,
+    };
+    let reservation = match answer {
+        Ok(reservation) => reservation,
         Err(refusal) => {
             shared
                 .book
                 .refused(&who.tenant, Instant::now(), Cause::Budget);
-            Err(refusal)
+            return Err(refusal);
         }
-    }
+    };
+    Ok(Some(Tenancy {
+        who,
+        reservation,
+        queue_ms: 0.0,
+    }))
 }
 
 /// Books a refusal (`why`; `None`: no endpoint) to the request's tenant, with `[tenants]`.

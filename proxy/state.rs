@@ -63,6 +63,8 @@ pub struct Upstream {
     pub fleet: Option<Arc<Fleet>>,
     /// As a mirror: its copies in flight, those skipped, and the pairs they made.
     pub shadow: Arc<Shadow>,
+    /// Its capacity's endpoints needed, held steady (kept across reloads).
+    pub steady: Arc<crate::decide::capacity::Steady>,
 }
 
 /// What an upstream that routes mirror to keeps of its shadow traffic, across reloads.
@@ -232,6 +234,7 @@ impl Upstream {
             backend: backend(u),
             fleet: fleet(u, cluster),
             shadow: Arc::default(),
+            steady: Arc::default(),
         }
     }
 
@@ -286,6 +289,7 @@ impl Upstream {
             slo,
             backend,
             shadow: Arc::clone(&self.shadow),
+            steady: Arc::clone(&self.steady),
             // Held leases stay with the fleet part that took them.
             fleet: match (&self.fleet, fleet(u, cluster)) {
                 (Some(kept), Some(_)) => {

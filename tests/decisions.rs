@@ -7,7 +7,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{fetch, proxy, proxy_addr, sim, stats_when, stats_where, upstream_named};
+use common::{fetch, proxy, proxy_addr, sim, stats, stats_when, stats_where, upstream_named};
 use tokentap::load::{self, LoadArgs, Mode, Options, RequestRecord, Slo};
 
 /// A load of `mode` through `url` for `secs`, `max_tokens` a request, `headers` sent.
@@ -276,6 +276,86 @@ async fn capacity_says_how_many_endpoints_the_demand_needs() {
         "{text}"
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The figure an autoscaler acts on must hold still under a steady load: an open loop
+/// asking for about four endpoints' worth (each second alone reads 4 or 5, the need
+/// hovering at a whole number), sampled every second for a minute, takes one value; the
+/// load doubled, it moves within a minute.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn endpoints_needed_holds_still_under_a_steady_load_and_follows_a_step() {
+    let curve = "1:5,2:6,4:12,8:24";
+    let (a, b) = (
+        sim(curve).ttft(5.0).max_tokens(128).await,
+        sim(curve).ttft(5.0).max_tokens(128).await,
+    );
+    // Capped at the SLO-bounded 4 in flight, a short queue: what the pool cannot take is
+    // refused at once, and the arrivals still say what was asked.
+    let config = format!(
+        "[metrics]\nwindow_secs = 10\n[[upstream]]\nname = \"pool\"\n\
+         endpoints = [\"http://{}\", \"http://{}\"]\n\
+         max_concurrency = 8\nmax_queue = 8\nqueue_timeout_ms = 2000\n\
+         [upstream.slo]\ntpot_ms = 14\nmin_concurrency = 4\n",
+        a.addr, b.addr
+    );
+    let tap = proxy(&[], &config).await;
+    let url = format!("http://{}", proxy_addr(&tap));
+    // 30 tokens at 37 a second: 1,110 T/s, with 20% headroom 4.0 endpoints of 333 T/s.
+    let open = |secs: f64| {
+        let url = url.clone();
+        tokio::spawn(async move {
+            run(
+                url,
+                Mode::Open { rate: 37.0 },
+                secs,
+                30,
+                &[],
+                &Options::default(),
+            )
+            .await
+        })
+    };
+    let first = open(100.0);
+    stats_when(&tap, |u| {
+        u["capacity"]["endpoints_needed"].is_number() && u["requests_total"].as_u64().unwrap() > 300
+    })
+    .await;
+    let (mut held, mut now) = (Vec::new(), Vec::new());
+    for _ in 0..60 {
+        let s = stats(&tap).await;
+        let c = &s["upstreams"][0]["capacity"];
+        held.push(c["endpoints_needed"].as_u64());
+        now.push(c["need_now"].as_f64());
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    let whole: Vec<Option<u64>> = now
+        .iter()
+        .map(|n| n.map(|n| (n - 1e-9).ceil() as u64))
+        .collect();
+    eprintln!("held {held:?}\neach second alone {whole:?}");
+    assert!(
+        held.iter().all(|&n| n == held[0] && n.is_some()),
+        "held {held:?}"
+    );
+    let before = held[0].unwrap();
+    // The load doubled.
+    let second = open(70.0);
+    let stepped = std::time::Instant::now();
+    let moved = loop {
+        let s = stats(&tap).await;
+        let n = s["upstreams"][0]["capacity"]["endpoints_needed"].as_u64();
+        if n.is_some_and(|n| n >= before + 2) {
+            break stepped.elapsed();
+        }
+        assert!(
+            stepped.elapsed() < Duration::from_secs(60),
+            "not moved in a minute: {n:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    eprintln!("from {before}: moved in {moved:?}");
+    first.abort();
+    second.abort();
 }
 
 /// `load --plot`: an SVG whose points are the load's table, the SLO-bounded phase marked.

@@ -188,6 +188,7 @@ fn report(shared: &Shared, i: usize, u: &Upstream, now: crate::meter::Nanos) -> 
         u.config.bound.is_some(),
         economics.headroom_pct,
     );
+    let capacity = u.steady.hold(now, capacity);
     // The pool's SLO-bounded rate: one endpoint's, on each endpoint taking requests.
     let pool_bounded = bound.map(|b| b.system_tps * endpoints_now.max(1) as f64);
     let lowest = meter

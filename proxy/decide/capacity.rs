@@ -16,10 +16,30 @@
 //! of the TPOT SLO or with requests that broke it (`near_slo`). A curve that never came near
 //! its SLO gives no figure and says why: what lies past the highest concurrency seen is not
 //! extrapolated.
+//!
+//! The figure is held steady ([`Steady`]) so that an autoscaler can act on it: the need
+//! sampled once a second, its median over the last [`STEADY_OVER`], and a held value that
+//! moves up only when the median is past it by [`UP_MARGIN`] and down only when one
+//! endpoint fewer would still leave [`DOWN_MARGIN`] spare. A load near a whole number of
+//! endpoints (3.97 one second, 4.1 the next) or a second's gap in the window's figures
+//! moves it no more; a step in the load moves it within the median's half-window plus the
+//! live window.
+
+use std::collections::VecDeque;
+use std::sync::{Mutex, PoisonError};
 
 use serde::Serialize;
 
-use crate::meter::SloBound;
+use crate::meter::{Nanos, SloBound};
+
+/// How far back the held figure's median looks.
+pub const STEADY_OVER: Nanos = 30_000_000_000;
+/// The need is sampled at most this often (however often `/stats` is asked).
+const SAMPLE_EVERY: Nanos = 900_000_000;
+/// The median must be this far past the held figure to raise it.
+pub const UP_MARGIN: f64 = 0.1;
+/// One endpoint fewer must leave this much spare to lower it.
+pub const DOWN_MARGIN: f64 = 0.3;
 
 /// What capacity is computed from.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -55,7 +75,11 @@ pub struct CapacityStats {
     pub slo_bounded_tps_per_endpoint: Option<f64>,
     pub slo_bounded_concurrency: Option<u64>,
     pub endpoints_now: u64,
+    /// Endpoints needed, held steady ([`Steady`]): what an autoscaler acts on.
     pub endpoints_needed: Option<u64>,
+    /// The need this moment, unrounded and not held: demand × (1 + headroom) ÷ one
+    /// endpoint's SLO-bounded T/s.
+    pub need_now: Option<f64>,
     pub headroom_pct: f64,
     /// Where the bound comes from: `bracketed` or `near_slo`; `null` with `reason`.
     pub basis: Option<&'static str>,
@@ -109,20 +133,12 @@ pub fn capacity(
         ),
     };
     let per_endpoint = bound.filter(|_| basis.is_some()).map(|b| b.system_tps);
-    let needed = demand_tps
+    let need_now = demand_tps
         .zip(per_endpoint)
         .filter(|&(_, per)| per > 0.0)
-        .map(|(d, per)| {
-            let n = (d * (1.0 + headroom_pct / 100.0) / per - 1e-9).ceil();
-            (n.max(1.0)) as u64
-        });
-    let advice = needed.map(|n| {
-        if n <= demand.endpoints_now {
-            "enough".to_owned()
-        } else {
-            format!("add {}", n - demand.endpoints_now)
-        }
-    });
+        .map(|(d, per)| d * (1.0 + headroom_pct / 100.0) / per);
+    let needed = need_now.map(whole);
+    let advice = needed.map(|n| advice(n, demand.endpoints_now));
     let reason = reason.or_else(|| {
         (basis.is_some() && demand_tps.is_none())
             .then(|| "no request finished in the window yet: its mean output is unknown".to_owned())
@@ -138,10 +154,63 @@ pub fn capacity(
         slo_bounded_concurrency: bound.filter(|_| basis.is_some()).map(|b| b.concurrency),
         endpoints_now: demand.endpoints_now,
         endpoints_needed: needed,
+        need_now: need_now.map(|n| (n * 100.0).round() / 100.0),
         headroom_pct,
         basis,
         advice,
         reason,
+    }
+}
+
+/// Whole endpoints for a need (at least one).
+fn whole(need: f64) -> u64 {
+    (need - 1e-9).ceil().max(1.0) as u64
+}
+
+/// `enough` or `add N`, for `needed` against `now`.
+fn advice(needed: u64, now: u64) -> String {
+    if needed <= now {
+        "enough".to_owned()
+    } else {
+        format!("add {}", needed - now)
+    }
+}
+
+/// The endpoints needed as an autoscaler may act on them (see the module's head): one per
+/// upstream, kept across reloads.
+#[derive(Debug, Default)]
+pub struct Steady(Mutex<SteadyState>);
+
+#[derive(Debug, Default)]
+struct SteadyState {
+    /// (when, need) sampled, oldest first.
+    samples: VecDeque<(Nanos, f64)>,
+    held: Option<u64>,
+}
+
+impl Steady {
+    /// `c` at `now` with its `endpoints_needed` and `advice` held steady.
+    pub fn hold(&self, now: Nanos, mut c: CapacityStats) -> CapacityStats {
+        let mut st = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let due = (st.samples.back()).is_none_or(|&(at, _)| now.saturating_sub(at) >= SAMPLE_EVERY);
+        if let Some(need) = c.need_now.filter(|_| due) {
+            st.samples.push_back((now, need));
+        }
+        while (st.samples.front()).is_some_and(|&(at, _)| now.saturating_sub(at) > STEADY_OVER) {
+            st.samples.pop_front();
+        }
+        let mut needs: Vec<f64> = st.samples.iter().map(|&(_, n)| n).collect();
+        needs.sort_by(f64::total_cmp);
+        // The upper median: one of the needs seen, never a mean of two.
+        let median = needs.get(needs.len() / 2).copied();
+        st.held = median.map(|m| match st.held {
+            // Kept while the median is not past it and one fewer would not leave room.
+            Some(n) if m <= n as f64 + UP_MARGIN && m > n as f64 - 1.0 - DOWN_MARGIN => n,
+            _ => whole(m),
+        });
+        c.endpoints_needed = st.held;
+        c.advice = st.held.map(|n| advice(n, c.endpoints_now));
+        c
     }
 }
 
@@ -241,5 +310,56 @@ mod tests {
             (near.endpoints_needed, near.basis),
             (Some(1), Some("near_slo"))
         );
+    }
+
+    fn stats(need: Option<f64>) -> CapacityStats {
+        let d = Demand {
+            system_tps: Some(100.0),
+            arrivals_per_sec: Some(1.0),
+            mean_output_tokens: Some(100.0),
+            concurrency: Some(2.0),
+            queued: 0,
+            endpoints_now: 3,
+        };
+        CapacityStats {
+            need_now: need,
+            ..capacity(d, Some(bound(400.0, true, true)), true, 0.0)
+        }
+    }
+
+    #[test]
+    fn the_held_figure_is_steady_under_a_steady_load_and_follows_a_step() {
+        const SEC: Nanos = 1_000_000_000;
+        let steady = Steady::default();
+        // A load near four endpoints: 3.97 one second, 4.1 the next, a gap, a second that
+        // read 1.6 (the window between two figures).
+        let noisy = [3.97, 4.1, 4.05, 1.6, 4.08, 3.99];
+        let held: Vec<Option<u64>> = (0..60u64)
+            .map(|i| {
+                let need = (i % 7 != 6).then(|| noisy[(i % 7) as usize % noisy.len()]);
+                steady.hold(i * SEC, stats(need)).endpoints_needed
+            })
+            .collect();
+        // Each second alone reads 4, 5 or 2; held: one value after the first seconds.
+        assert!(held[3..].iter().all(|&n| n == held[3]), "{held:?}");
+        assert!(matches!(held[3], Some(4 | 5)), "{held:?}");
+        // The load doubles: the held figure follows within the median's half-window.
+        let moved = (60..120u64)
+            .find(|&i| steady.hold(i * SEC, stats(Some(8.3))).endpoints_needed == Some(9))
+            .expect("it moves");
+        assert!(moved - 60 <= STEADY_OVER / SEC / 2 + 1, "{moved}");
+        let c = steady.hold(121 * SEC, stats(Some(8.3)));
+        assert_eq!(c.advice.as_deref(), Some("add 6"));
+        // And back down when one fewer is clearly enough: 8.3 → 7.5 holds 9 → 8.
+        let down = (122..200u64)
+            .find(|&i| steady.hold(i * SEC, stats(Some(7.5))).endpoints_needed == Some(8))
+            .expect("it comes down");
+        assert!(down - 122 <= STEADY_OVER / SEC / 2 + 1, "{down}");
+        // Asked many times a second, it samples once a second.
+        let many = Steady::default();
+        for i in 0..100u64 {
+            many.hold(i * SEC / 100, stats(Some(if i < 95 { 2.0 } else { 6.0 })));
+        }
+        assert_eq!(many.hold(SEC, stats(None)).endpoints_needed, Some(2));
     }
 }

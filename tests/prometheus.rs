@@ -258,6 +258,91 @@ async fn the_rules_and_the_dashboard_against_a_real_prometheus() {
     }
     assert!(checked >= 19, "{checked} rules loaded: {rules}");
     eprintln!("{total} queries returned data; {checked} rules healthy");
+
+    // The KEDA overlay's query, for each of the demo's upstreams: the replicas KEDA would
+    // set are tokentap's own endpoints_needed (or, without one, the endpoints taking
+    // requests now), through the real Prometheus.
+    let (expr, threshold, min, max) = scaled_object();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let stats = send(admin, "GET", "/stats", b"", &[]).await.unwrap();
+        let stats: Value = serde_json::from_slice(&stats.body).unwrap();
+        let upstreams = stats["upstreams"].as_array().unwrap();
+        let mut agreed = 0;
+        for u in upstreams {
+            let name = u["name"].as_str().unwrap();
+            let want = u["capacity"]["endpoints_needed"].as_f64().or_else(|| {
+                u["endpoints"]
+                    .as_array()
+                    .map(|e| e.iter().filter(|e| e["healthy"] == true).count() as f64)
+            });
+            let v = query(
+                web,
+                &expr.replace("upstream=\"vllm\"", &format!("upstream=\"{name}\"")),
+            )
+            .await;
+            assert_ne!(v["status"], "error", "{expr}: {v}");
+            let got = v["data"]["result"][0]["value"][1]
+                .as_str()
+                .and_then(|x| x.parse::<f64>().ok());
+            if got.is_some() && got == want {
+                let replicas = (got.unwrap() / threshold).ceil().clamp(min, max);
+                eprintln!(
+                    "KEDA would set {name} to {replicas} replicas (endpoints_needed {:?})",
+                    u["capacity"]["endpoints_needed"]
+                );
+                agreed += 1;
+            }
+        }
+        if agreed == upstreams.len() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the ScaledObject's query never matched /stats: {expr}"
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// The KEDA overlay's Prometheus trigger: its query, threshold, and the replica bounds.
+fn scaled_object() -> (String, f64, f64, f64) {
+    let text =
+        std::fs::read_to_string(deploy("kubernetes/overlays/keda/scaledobject.yaml")).unwrap();
+    let field = |key: &str| -> f64 {
+        let line = text
+            .lines()
+            .find(|l| l.trim_start().starts_with(key))
+            .unwrap();
+        line.split_once(':')
+            .unwrap()
+            .1
+            .trim()
+            .trim_matches('"')
+            .parse()
+            .unwrap()
+    };
+    // `query: >-`: the folded lines under it, joined by spaces.
+    let mut lines = text
+        .lines()
+        .skip_while(|l| !l.trim_start().starts_with("query: >-"));
+    let indent = |l: &str| l.len() - l.trim_start().len();
+    let head = indent(lines.next().unwrap());
+    let expr: Vec<&str> = lines
+        .take_while(|l| indent(l) > head)
+        .map(str::trim)
+        .collect();
+    let expr = expr.join(" ");
+    assert!(
+        expr.contains("tokentap_capacity_endpoints_needed"),
+        "{expr}"
+    );
+    (
+        expr,
+        field("threshold:"),
+        field("minReplicaCount:"),
+        field("maxReplicaCount:"),
+    )
 }
 
 /// `metrics.semconv`: the OpenTelemetry GenAI histograms, which `promtool check metrics`

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Checks the Kubernetes manifests offline, as a cluster would take them: each of base,
-# overlays/sidecar and overlays/redis through `kubectl kustomize`, then every resource
-# against the Kubernetes schemas (`kubernetes-validate --strict`, PyPI), the
+# overlays/sidecar, overlays/redis and overlays/keda through `kubectl kustomize`, then every
+# resource against the Kubernetes schemas (`kubernetes-validate --strict`, PyPI), the
 # ServiceMonitor against the Prometheus Operator CRD's schema (npm's
-# @kubernetes-models/prometheus-operator), and the tokentap.toml of each ConfigMap through
+# @kubernetes-models/prometheus-operator), KEDA's ScaledObject against KEDA's own CRD
+# (check/keda, kept with its source), and the tokentap.toml of each ConfigMap through
 # `tokentap check`. The tools go in target/deploy-check (pinned in check/). Run by .ci/run.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -24,19 +25,23 @@ cp check/servicemonitor.mjs "$tools/servicemonitor.mjs"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 version=1.33.0
-for overlay in base overlays/sidecar overlays/redis; do
+for overlay in base overlays/sidecar overlays/redis overlays/keda; do
   out=$work/$(basename "$overlay").yaml
   kubectl kustomize "$overlay" > "$out"
   report=$("$tools/venv/bin/kubernetes-validate" --strict -k "$version" "$out" 2>&1) || {
     echo "$report" >&2
     exit 1
   }
-  # Every kind but the ServiceMonitor must have been checked against a schema.
-  if echo "$report" | grep -v "kind ServiceMonitor" | grep -qE "WARN|ERROR"; then
+  # Every kind but the CRDs' (checked below) must have been checked against a schema.
+  if echo "$report" | grep -vE "kind (ServiceMonitor|ScaledObject)" | grep -qE "WARN|ERROR"; then
     echo "$report" >&2
     exit 1
   fi
   node "$tools/servicemonitor.mjs" "$out"
+  if grep -q "^kind: ScaledObject" "$out"; then
+    "$tools/venv/bin/python" check/keda.py "$out"
+    grep -q "tokentap_capacity_endpoints_needed" "$out" || { echo "$overlay: the ScaledObject's query does not name tokentap_capacity_endpoints_needed" >&2; exit 1; }
+  fi
   # The ConfigMap's tokentap.toml, its Secret's token where the pod mounts it.
   "$tools/venv/bin/python" - "$out" "$work/$(basename "$overlay")" <<'PY'
 import base64, os, sys, yaml

@@ -285,8 +285,8 @@ async fn the_rules_and_the_dashboard_against_a_real_prometheus() {
             let got = v["data"]["result"][0]["value"][1]
                 .as_str()
                 .and_then(|x| x.parse::<f64>().ok());
-            if got.is_some() && got == want {
-                let replicas = (got.unwrap() / threshold).ceil().clamp(min, max);
+            if let Some(got) = got.filter(|&g| Some(g) == want) {
+                let replicas = (got / threshold).ceil().clamp(min, max);
                 eprintln!(
                     "KEDA would set {name} to {replicas} replicas (endpoints_needed {:?})",
                     u["capacity"]["endpoints_needed"]

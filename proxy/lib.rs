@@ -61,6 +61,7 @@ pub mod meter;
 pub mod ndjson;
 pub mod pool;
 pub mod prefix;
+pub mod rollout;
 pub mod routing;
 pub mod server;
 pub mod service;

@@ -60,6 +60,7 @@ pub fn build(live: &Arc<Live>) -> (Server, Arc<Transport>) {
     let scraper = background_service("upstream upkeep", UpstreamUpkeep(Arc::clone(live)));
     let fleet = background_service("cluster", FleetKeeper(Arc::clone(live)));
     let watch = background_service("config watch", ConfigWatch(Arc::clone(live)));
+    let rollouts = background_service("rollouts", RolloutKeeper(Arc::clone(live)));
 
     server.add_service(proxy);
     server.add_service(admin);
@@ -69,6 +70,7 @@ pub fn build(live: &Arc<Live>) -> (Server, Arc<Transport>) {
     server.add_service(scraper);
     server.add_service(fleet);
     server.add_service(watch);
+    server.add_service(rollouts);
     (server, transport)
 }
 
@@ -101,6 +103,48 @@ impl BackgroundService for Upkeep {
                 }
                 _ = shutdown.changed() => return,
             }
+        }
+    }
+}
+
+/// Evaluates each route's rollout when it is due (`rollout`), looked at every second.
+struct RolloutKeeper(Arc<Live>);
+
+#[async_trait]
+impl BackgroundService for RolloutKeeper {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = shutdown.changed() => return,
+            }
+            let shared = self.0.load();
+            if shared.rollouts.is_empty() {
+                continue;
+            }
+            let now = shared.clock.now();
+            let counts = |u: usize| {
+                let s = shared.upstreams[u].meter.stats(now);
+                let slo = &s.slo_requests_total;
+                crate::rollout::judge::Counts {
+                    requests: s.requests_total,
+                    errors: s.errors_total,
+                    judged: slo.iter().map(|(_, n)| n).sum(),
+                    good: (slo.iter()).find(|(v, _)| *v == "good").map_or(0, |(_, n)| *n),
+                }
+            };
+            let compare = |r: &crate::rollout::Rollout, since: crate::meter::Nanos| {
+                let step = |u: usize| -> Vec<crate::meter::RequestSample> {
+                    let all = shared.upstreams[u].meter.samples(now);
+                    all.into_iter().filter(|s| s.at >= since).collect()
+                };
+                let secs = now.saturating_sub(since) / 1_000_000_000;
+                let (from, to) = (step(r.config.from), step(r.config.to));
+                crate::compare::compare(&r.from, &from, &r.to, &to, secs)
+            };
+            shared.rollouts.tick(now, counts, compare);
         }
     }
 }

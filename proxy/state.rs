@@ -45,6 +45,8 @@ pub struct Shared {
     pub tenants: Tenants,
     pub budgets: Arc<Budgets>,
     pub book: Arc<Book>,
+    /// Each route's rollout (kept across reloads while unchanged).
+    pub rollouts: crate::rollout::Rollouts,
 }
 
 /// Everything tokentap keeps for one upstream.
@@ -97,6 +99,7 @@ impl Shared {
             Arc::new(Telemetry::new()),
             cluster.clone(),
             (Arc::new(Budgets::new(cluster)), Arc::default()),
+            None,
             |_| None,
         )
     }
@@ -107,6 +110,7 @@ impl Shared {
         telemetry: Arc<Telemetry>,
         cluster: Option<Arc<FleetLink>>,
         (budgets, book): (Arc<Budgets>, Arc<Book>),
+        rollouts: Option<&crate::rollout::Rollouts>,
         kept: impl Fn(&str) -> Option<&'a Upstream>,
     ) -> Arc<Shared> {
         let upstreams = config
@@ -117,8 +121,17 @@ impl Shared {
                 None => Upstream::new(u, &config, clock, &telemetry, cluster.as_ref()),
             })
             .collect();
+        let names: Vec<String> = config.upstreams.iter().map(|u| u.name.clone()).collect();
+        let rollouts = crate::rollout::Rollouts::new(
+            &config.routes,
+            &names,
+            config.rollout_state_file.as_deref(),
+            rollouts,
+            clock.now(),
+        );
         Arc::new(Shared {
-            router: Router::new(&config.routes),
+            router: Router::new(&config.routes, &rollouts),
+            rollouts,
             upstreams,
             clock,
             telemetry,
@@ -173,6 +186,7 @@ impl Shared {
             Arc::clone(&self.telemetry),
             cluster,
             (Arc::clone(&self.budgets), Arc::clone(&self.book)),
+            Some(&self.rollouts),
             |name| self.upstream(name).map(|(_, u)| u),
         );
         (next, notes)

@@ -161,6 +161,8 @@ pub const FAMILIES: &[(&str, &str, &str)] = &[
     ("tokentap_backend_kv_cache_percent", "gauge", "The backend's KV-cache use, percent (vLLM)."),
     ("tokentap_backend_scrape_age_seconds", "gauge", "Since the last successful scrape of backend_metrics."),
     ("tokentap_backend_scrape_failures_total", "counter", "Scrapes of backend_metrics that failed (the curve falls back to tokentap's own in-flight count)."),
+    ("tokentap_rollout_percent", "gauge", "The share of the route's requests its rollout sends to `to`, percent (route[].rollout)."),
+    ("tokentap_rollout_state", "gauge", "1 for the state the route's rollout is in: running, paused, promoted or rolled_back."),
     ("tokentap_endpoints", "gauge", "The upstream's endpoints by state: healthy (taking requests), ejected (passively, for a while), unhealthy (failing active checks)."),
     ("tokentap_endpoint_healthy", "gauge", "1 while the endpoint takes requests (its checks pass and it is not ejected); endpoint = its URL (metrics.endpoint_labels)."),
     ("tokentap_endpoint_in_flight_requests", "gauge", "Generation requests on the endpoint."),

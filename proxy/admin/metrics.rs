@@ -34,7 +34,11 @@ pub fn render(
     connections: &ConnectionStats,
     meters: &[MeterParts<'_>],
     process: &Process,
-    (endpoint_labels, tenants): (usize, Option<&[crate::tenant::book::TenantStats]>),
+    (endpoint_labels, tenants, rollouts): (
+        usize,
+        Option<&[crate::tenant::book::TenantStats]>,
+        &[crate::rollout::RolloutSummary],
+    ),
 ) -> String {
     let mut text = telemetry.scrape(|| {});
     let mut x = Exposition::default();
@@ -52,6 +56,17 @@ pub fn render(
             &[("result", result)],
             n as f64,
         );
+    }
+    for r in rollouts {
+        x.add("tokentap_rollout_percent", &[("route", &r.route)], r.percent);
+        for state in crate::rollout::State::ALL {
+            let on = f64::from(u8::from(r.state == state));
+            x.add(
+                "tokentap_rollout_state",
+                &[("route", &r.route), ("state", state.label())],
+                on,
+            );
+        }
     }
     x.add(
         "tokentap_config_last_reload_success_timestamp_seconds",

@@ -1,12 +1,13 @@
 //! The admin listener: the dashboard (`/`), `/stats` (JSON), `/stats/history`, `/events`
-//! (server-sent snapshots), `/metrics` (Prometheus), `/compare`, `/healthz`. It reads the
-//! meter, never the proxy.
+//! (server-sent snapshots), `/metrics` (Prometheus), `/compare`, `/rollout`, `/healthz`. It
+//! reads the meter, never the proxy.
 
 mod dashboard;
 pub mod history;
 pub mod metrics;
 mod query;
 mod report;
+mod rollout;
 
 use query::paired_query;
 pub use query::{compare, default_paired, paired};
@@ -119,6 +120,9 @@ impl Admin {
         }
         if req.method == http::Method::POST && req.uri.path() == "/reload" {
             return self.reload().await;
+        }
+        if req.method == http::Method::POST && req.uri.path().starts_with("/rollout/") {
+            return rollout::steer(&shared, session).await;
         }
         if req.method != http::Method::HEAD {
             return self.serve(&shared, req);
@@ -323,7 +327,7 @@ impl Admin {
         if req.method != http::Method::GET && req.method != http::Method::HEAD {
             return json_error(
                 StatusCode::METHOD_NOT_ALLOWED,
-                "use GET or HEAD (or POST /reload, POST /compare/reset, POST /curve/reset)",
+                "use GET or HEAD (or POST /reload, POST /compare/reset, POST /curve/reset, POST /rollout/ROUTE)",
             );
         }
         match req.uri.path() {
@@ -376,7 +380,11 @@ impl Admin {
                     &stats.connections,
                     &meters,
                     &self.live.process(),
-                    (shared.config.endpoint_labels, tenants.as_deref()),
+                    (
+                        shared.config.endpoint_labels,
+                        tenants.as_deref(),
+                        &stats.rollouts,
+                    ),
                 );
                 respond(
                     StatusCode::OK,
@@ -395,12 +403,13 @@ impl Admin {
                 Ok(body) => respond(StatusCode::OK, "application/json", body),
                 Err(e) => json_error(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
             },
+            "/rollout" => rollout::list(shared),
             "/healthz" => respond(StatusCode::OK, "text/plain", b"ok\n".to_vec()),
             "/readyz" => readiness(&self.live, shared),
             path if dashboard::is_static(path) => dashboard::serve(path),
             other => json_error(
                 StatusCode::NOT_FOUND,
-                &format!("no such endpoint: {other} (try /, /stats, /stats/history, /events, /metrics, /compare, /healthz, /readyz)"),
+                &format!("no such endpoint: {other} (try /, /stats, /stats/history, /events, /metrics, /compare, /rollout, /healthz, /readyz)"),
             ),
         }
     }

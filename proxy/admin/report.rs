@@ -18,6 +18,8 @@ pub struct Stats {
     pub upstreams: Vec<UpstreamReport>,
     /// Per tenant, with `[tenants]`; `null` without.
     pub tenants: Option<TenantsReport>,
+    /// Each route's rollout (`GET /rollout` has their evaluations and history).
+    pub rollouts: Vec<crate::rollout::RolloutSummary>,
 }
 
 /// `/stats` `tenants`: the tenants with the most output tokens, the rest as `other`.
@@ -164,6 +166,7 @@ pub fn stats(shared: &Shared, transport: &Transport) -> Stats {
                 TENANTS_SHOWN,
             ),
         }),
+        rollouts: shared.rollouts.iter().map(|r| r.summary()).collect(),
     }
 }
 

@@ -42,6 +42,8 @@ pub struct Config {
     pub semconv: bool,
     /// Who a request belongs to, its priority and budget (`[tenants]`).
     pub tenants: crate::tenant::TenantsConfig,
+    /// Where the rollouts' state is kept across restarts (`rollouts.state_file`).
+    pub rollout_state_file: Option<std::path::PathBuf>,
     /// Caps shared by every replica through Redis (`[cluster]`).
     pub cluster: Option<Cluster>,
     /// Worker threads of the proxy service.
@@ -385,6 +387,8 @@ pub struct Route {
     pub spill: bool,
     /// Upstreams a share of its generation requests is copied to (shadow traffic).
     pub mirrors: Vec<Mirror>,
+    /// A progressive rollout between two upstreams of its split.
+    pub rollout: Option<crate::rollout::RolloutConfig>,
 }
 
 /// A route's mirror: a share of its generation requests sent to another upstream as well,

@@ -28,6 +28,8 @@ enum Kind {
     Map(&'static Kind),
     /// A list of texts (`["a", "b"]`).
     Texts,
+    /// A list of numbers (`[10, 50, 100]`).
+    Numbers(&'static str),
 }
 
 type Field = (&'static str, Kind);
@@ -101,6 +103,7 @@ const FILE: &[Field] = &[
             ),
         ]),
     ),
+    ("rollouts", Kind::Table(&[("state_file", Kind::Text)])),
     (
         "admin",
         Kind::Table(&[("token_file", Kind::Text), ("metrics_public", Kind::Bool)]),
@@ -212,6 +215,19 @@ const FILE: &[Field] = &[
                     ("sticky", Kind::Text),
                 ]),
             ),
+            (
+                "rollout",
+                Kind::Table(&[
+                    ("from", Kind::Text),
+                    ("to", Kind::Text),
+                    ("steps", Kind::Numbers("percentages")),
+                    ("every_secs", SECS),
+                    ("max_tpot_ratio", Kind::Number("a ratio")),
+                    ("max_ttft_ratio", Kind::Number("a ratio")),
+                    ("max_error_pct", Kind::Number("a percentage")),
+                    ("min_requests", COUNT),
+                ]),
+            ),
         ]),
     ),
 ];
@@ -257,6 +273,9 @@ fn value(v: &mut Value, kind: Kind, path: &str, p: &mut Problems, out: &mut Vec<
     let ok = match (kind, &mut *v) {
         (Kind::Text, Value::String(_)) | (Kind::Bool, Value::Boolean(_)) => true,
         (Kind::Texts, Value::Array(items)) => items.iter().all(Value::is_str),
+        (Kind::Numbers(_), Value::Array(items)) => {
+            (items.iter()).all(|v| v.is_integer() || v.is_float())
+        }
         (Kind::Count(_), Value::Integer(n)) => *n >= 0,
         (Kind::Number(_), Value::Integer(_) | Value::Float(_)) => true,
         (Kind::Table(fields), Value::Table(t)) => {
@@ -317,6 +336,7 @@ fn wanted(kind: Kind) -> String {
         Kind::TableOrTables(_) => "a table, or a list of them".into(),
         Kind::Map(_) => "a table such as { name = value }".into(),
         Kind::Texts => "a list of texts in quotes".into(),
+        Kind::Numbers(what) => format!("a list of numbers ({what})"),
     }
 }
 
@@ -402,6 +422,7 @@ mod tests {
         match kind {
             Kind::Text if key == "estimate" => Value::String("events".into()),
             Kind::Texts => Value::Array(vec![Value::String("x".into())]),
+            Kind::Numbers(_) => Value::Array(vec![Value::Integer(100)]),
             Kind::Text => Value::String("x".into()),
             Kind::Count(_) => Value::Integer(1),
             Kind::Number(_) => Value::Float(1.5),
@@ -511,6 +532,7 @@ mod tests {
             include_str!("file/upstream/economics.rs"),
             include_str!("file/upstream/pool.rs"),
             include_str!("file/route.rs"),
+            include_str!("file/rollout.rs"),
         ]
         .concat()
     }

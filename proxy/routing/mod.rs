@@ -1,12 +1,14 @@
 //! Upstream choice: the first matching route, then its split — smooth weighted round-robin
 //! (no A,A,A,B bursts), or a sticky key hashed into [0, 1) when the route names one and the
-//! request carries it. The sticky choice is a pure function of (key, weights).
+//! request carries it. The sticky choice is a pure function of (key, weights). A route
+//! with a rollout takes its two arms' weights from the rollout's share as it goes.
 
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use http::HeaderMap;
 
 use crate::config::Route;
+use crate::rollout::{Rollout, Rollouts};
 
 /// A request's header fields as routing reads them: the first value of a field, by a
 /// lowercase name (pingora's header map, or tokentap's own head).
@@ -23,6 +25,8 @@ impl Fields for HeaderMap {
 /// The routes of one config, with their round-robin state.
 pub struct Router {
     routes: Vec<(Route, Mutex<SmoothWrr>)>,
+    /// Each route's rollout, if it has one, and the share its weights were made for.
+    rollouts: Vec<Option<(Arc<Rollout>, Mutex<f64>)>>,
 }
 
 /// A routing decision.
@@ -35,7 +39,7 @@ pub struct Choice {
 // === impl Router ===
 
 impl Router {
-    pub fn new(routes: &[Route]) -> Self {
+    pub fn new(routes: &[Route], rollouts: &Rollouts) -> Self {
         Router {
             routes: routes
                 .iter()
@@ -44,7 +48,36 @@ impl Router {
                     (r.clone(), Mutex::new(SmoothWrr::new(weights)))
                 })
                 .collect(),
+            rollouts: (0..routes.len())
+                .map(|i| rollouts.of(i).map(|r| (Arc::clone(r), Mutex::new(f64::NAN))))
+                .collect(),
         }
+    }
+
+    /// Route `route`'s split as its rollout weighs it now: `to` its share of the two arms'
+    /// weight, `from` the rest, in hundredths (other arms' weights scaled alike).
+    fn rollout_split(&self, route: usize) -> Option<(f64, Vec<(usize, u32)>)> {
+        let (rollout, _) = self.rollouts.get(route)?.as_ref()?;
+        let (r, c) = (&self.routes[route].0, &rollout.config);
+        let p = rollout.percent();
+        let pair: u32 = (r.split.iter())
+            .filter(|&&(u, _)| u == c.from || u == c.to)
+            .map(|&(_, w)| w)
+            .sum::<u32>()
+            .max(1);
+        let split = (r.split.iter())
+            .map(|&(u, w)| {
+                let share = if u == c.to {
+                    p
+                } else if u == c.from {
+                    100.0 - p
+                } else {
+                    return (u, w.saturating_mul(100));
+                };
+                (u, (f64::from(pair) * share).round() as u32)
+            })
+            .collect();
+        Some((p, split))
     }
 
     /// The upstream for a request, or `None` when no route matches. On a route with
@@ -61,14 +94,26 @@ impl Router {
             .enumerate()
             .find(|(_, (r, _))| matches(r, path, headers))?;
         let key = r.sticky.as_ref().and_then(|h| headers.first(h.as_str()));
+        let rollout = self.rollout_split(route);
+        let split = rollout.as_ref().map_or(&r.split[..], |(_, s)| &s[..]);
         let arm = match key {
-            Some(key) => sticky_arm(key, &r.split),
-            None => wrr.lock().unwrap_or_else(PoisonError::into_inner).pick(),
+            Some(key) => sticky_arm(key, split),
+            None => {
+                let mut wrr = wrr.lock().unwrap_or_else(PoisonError::into_inner);
+                if let (Some((p, split)), Some(Some((_, made)))) = (&rollout, self.rollouts.get(route)) {
+                    // The share moved: the round-robin starts again on the new weights.
+                    let mut made = made.lock().unwrap_or_else(PoisonError::into_inner);
+                    if *made != *p {
+                        *made = *p;
+                        *wrr = SmoothWrr::new(split.iter().map(|&(_, w)| w).collect());
+                    }
+                }
+                wrr.pick()
+            }
         };
-        let mut upstream = r.split[arm].0;
+        let mut upstream = split[arm].0;
         if r.spill && !headroom(upstream) {
-            let spill = r
-                .split
+            let spill = split
                 .iter()
                 .filter(|&&(u, w)| u != upstream && w > 0 && headroom(u))
                 .max_by_key(|&&(_, w)| w);
@@ -198,9 +243,10 @@ mod tests {
             sticky: None,
             spill,
             mirrors: vec![],
+            rollout: None,
         };
         let headers = HeaderMap::new();
-        let r = Router::new(&[route(true)]);
+        let r = Router::new(&[route(true)], &Rollouts::default());
         // Arm 0 is full: its picks go to arm 2 (weight 40), never to the lighter arm 1.
         let picks: Vec<usize> = (0..10)
             .map(|_| {
@@ -215,7 +261,7 @@ mod tests {
             1,
             "arm 1 keeps its own share: {picks:?}"
         );
-        let r = Router::new(&[route(false)]);
+        let r = Router::new(&[route(false)], &Rollouts::default());
         let picks: Vec<usize> = (0..10)
             .map(|_| {
                 r.choose("/v1", &headers, |u| u != 0)
@@ -232,11 +278,14 @@ mod tests {
             r.choose("/elsewhere", &headers, |_| true).map(|c| c.route),
             Some(0)
         );
-        let none = Router::new(&[Route {
-            name: "/".into(),
-            path_prefix: "/v1/".into(),
-            ..route(false)
-        }]);
+        let none = Router::new(
+            &[Route {
+                name: "/".into(),
+                path_prefix: "/v1/".into(),
+                ..route(false)
+            }],
+            &Rollouts::default(),
+        );
         assert_eq!(none.choose("/health", &headers, |_| true), None);
     }
 

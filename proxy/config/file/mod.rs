@@ -5,6 +5,7 @@
 
 mod cluster;
 mod metrics;
+mod rollout;
 mod route;
 mod server;
 mod tenants;
@@ -16,6 +17,7 @@ use serde::Deserialize;
 
 pub use cluster::ClusterFile;
 pub use metrics::{CompareFile, MetricsFile};
+pub use rollout::{RolloutFile, RolloutsFile};
 pub use route::RouteFile;
 pub use server::{AdminFile, ListenFile, LogFile, ServerFile};
 pub use tenants::TenantsFile;
@@ -50,6 +52,8 @@ pub struct FileConfig {
     pub cluster: ClusterFile,
     #[serde(default)]
     pub tenants: TenantsFile,
+    #[serde(default)]
+    pub rollouts: RolloutsFile,
     #[serde(default)]
     pub upstream: Vec<UpstreamFile>,
     #[serde(default)]
@@ -100,6 +104,7 @@ impl FileConfig {
         let endpoint_labels = self.metrics.endpoint_labels;
         let tenant_labels = self.metrics.tenant_labels;
         let semconv = self.metrics.semconv;
+        let rollout_state_file = self.rollouts.state_file.clone();
         p.into_result(move || Config {
             listen: Listen {
                 // Both are Ok here: an Err added a problem.
@@ -116,6 +121,7 @@ impl FileConfig {
             tenant_labels,
             semconv,
             tenants,
+            rollout_state_file,
             cluster,
             threads,
             grace_period: Duration::from_secs(grace),
@@ -169,7 +175,10 @@ impl FileConfig {
         // serve real clients on another route.
         for (i, r) in routes.iter().enumerate() {
             for (j, m) in r.mirrors.iter().enumerate() {
-                let primary = |o: &Route| o.split.iter().any(|&(u, _)| u == m.upstream);
+                // A rollout's `to` takes copies on its own route (its shadow).
+                let shadow = |o: &Route| o.rollout.as_ref().is_some_and(|ro| ro.to == m.upstream);
+                let primary =
+                    |o: &Route| o.split.iter().any(|&(u, _)| u == m.upstream) && !shadow(o);
                 if let Some(k) = routes.iter().position(primary) {
                     p.add(
                         format!("route[{i}].mirror[{j}].upstream"),
@@ -196,6 +205,7 @@ impl FileConfig {
                 sticky: None,
                 spill: false,
                 mirrors: Vec::new(),
+                rollout: None,
             });
         }
         routes

@@ -40,6 +40,10 @@ pub struct RouteFile {
     /// or a list of them. Default: none.
     #[serde(default)]
     pub mirror: Vec<MirrorFile>,
+    /// A progressive rollout between two upstreams of the split, stepped on the measured
+    /// comparison: `{ from = "a", to = "b" }` and its bounds. Default: none.
+    #[serde(default)]
+    pub rollout: Option<super::RolloutFile>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -132,12 +136,19 @@ pub(super) fn route(
         Some(n) => n.clone(),
         None => unique_name(&r.path_prefix, earlier),
     };
-    let mirrors = r
-        .mirror
-        .iter()
-        .enumerate()
-        .filter_map(|(j, m)| mirror(&at(&format!("mirror[{j}]")), m, &split, &index, p))
+    let rollout = (r.rollout.as_ref())
+        .and_then(|ro| super::rollout::rollout(&at("rollout"), ro, &split, &index, p));
+    // A rollout's `to` may be mirrored to on its own route: that mirror is its shadow.
+    let shadow = rollout.as_ref().map(|ro| ro.to);
+    let mut mirrors: Vec<Mirror> = (r.mirror.iter().enumerate())
+        .filter_map(|(j, m)| {
+            let at = at(&format!("mirror[{j}]"));
+            mirror(&at, m, &split, &index, shadow, p)
+        })
         .collect();
+    if let Some(to) = shadow.filter(|&to| !mirrors.iter().any(|m| m.upstream == to)) {
+        mirrors.push(rollout_shadow(to));
+    }
     Route {
         name,
         path_prefix: r.path_prefix.clone(),
@@ -146,6 +157,24 @@ pub(super) fn route(
         sticky,
         spill: r.spill,
         mirrors,
+        rollout,
+    }
+}
+
+/// The shadow a rollout sends `to` when its route configures none: copies marked
+/// `x-tokentap-shadow: rollout`, run to their end, at most 256 in flight; their share set
+/// by the rollout as it goes.
+fn rollout_shadow(to: usize) -> Mirror {
+    Mirror {
+        upstream: to,
+        percent: MIRROR_PERCENT,
+        max_in_flight: 256,
+        set_headers: vec![(
+            HeaderName::from_static("x-tokentap-shadow"),
+            "rollout".to_owned(),
+        )],
+        cancel_with_client: false,
+        sticky: None,
     }
 }
 
@@ -157,6 +186,7 @@ pub(super) fn mirror(
     m: &MirrorFile,
     split: &[(usize, u32)],
     index: &impl Fn(&str) -> Option<usize>,
+    rollout_to: Option<usize>,
     p: &mut Problems,
 ) -> Option<Mirror> {
     let key = |f: &str| format!("{at}.{f}");
@@ -176,7 +206,7 @@ pub(super) fn mirror(
             );
             None
         }
-        Some(u) if split.iter().any(|&(s, _)| s == u) => {
+        Some(u) if split.iter().any(|&(s, _)| s == u) && rollout_to != Some(u) => {
             p.add(
                 key("upstream"),
                 format!(

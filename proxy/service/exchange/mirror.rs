@@ -117,8 +117,8 @@ fn side_of(s: &Summary, ok: bool) -> Side {
 
 /// Whether `m` samples the request: its share of them, drawn at random or, with `sticky`,
 /// from the key's hash (the same key always the same way).
-fn sampled(m: &Mirror, req: &RequestHead) -> bool {
-    if m.percent >= 100.0 {
+fn sampled(m: &Mirror, percent: f64, req: &RequestHead) -> bool {
+    if percent >= 100.0 {
         return true;
     }
     let point = match m.sticky.as_ref().and_then(|h| req.fields.get(h.as_str())) {
@@ -132,7 +132,7 @@ fn sampled(m: &Mirror, req: &RequestHead) -> bool {
         }
         None => rand::random::<f64>(),
     };
-    point * 100.0 < m.percent
+    point * 100.0 < percent
 }
 
 // === impl TokenTap ===
@@ -158,7 +158,20 @@ impl TokenTap {
         };
         let mut body_bytes: Option<Bytes> = None;
         for (j, m) in route.mirrors.iter().enumerate() {
-            if !sampled(m, req) {
+            // A rollout's shadow: copies of `from`'s requests only, as many as the rollout
+            // asks for now (none once `to` serves half or more).
+            let percent = match route.rollout.as_ref().filter(|ro| ro.to == m.upstream) {
+                Some(ro) => {
+                    let rollout = shared.rollouts.of(choice.route);
+                    let asked = rollout.map_or(0.0, |r| r.shadow_percent());
+                    if choice.upstream != ro.from || asked <= 0.0 {
+                        continue;
+                    }
+                    m.percent.min(asked)
+                }
+                None => m.percent,
+            };
+            if !sampled(m, percent, req) {
                 continue;
             }
             let shadow = &shared.upstreams[m.upstream].shadow;

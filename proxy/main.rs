@@ -148,6 +148,24 @@ fn check(path: PathBuf) -> ExitCode {
                 config.routes.len(),
                 if config.routes.len() == 1 { "" } else { "s" },
             );
+            // What each rollout will do, and its shadow (a mirror to its `to` is that).
+            for (i, r) in config.routes.iter().enumerate() {
+                let Some(ro) = &r.rollout else { continue };
+                let name = |u: usize| config.upstreams[u].name.as_str();
+                let shadow = r.mirrors.iter().position(|m| m.upstream == ro.to);
+                println!(
+                    "  route[{i}] ({}): rollout {} → {} at {:?}%, judged every {} s; while {} serves under half it also gets copies of {}'s requests (route[{i}].mirror[{}], at most {} in flight) so both run at the same load",
+                    r.name,
+                    name(ro.from),
+                    name(ro.to),
+                    ro.steps,
+                    ro.every.as_secs(),
+                    name(ro.to),
+                    name(ro.from),
+                    shadow.map_or(String::new(), |j| j.to_string()),
+                    shadow.map_or(0, |j| r.mirrors[j].max_in_flight),
+                );
+            }
             ExitCode::SUCCESS
         }
         Err(e) => {

@@ -132,7 +132,9 @@ impl BackgroundService for RolloutKeeper {
                     requests: s.requests_total,
                     errors: s.errors_total,
                     judged: slo.iter().map(|(_, n)| n).sum(),
-                    good: (slo.iter()).find(|(v, _)| *v == "good").map_or(0, |(_, n)| *n),
+                    good: (slo.iter())
+                        .find(|(v, _)| *v == "good")
+                        .map_or(0, |(_, n)| *n),
                 }
             };
             let compare = |r: &crate::rollout::Rollout, since: crate::meter::Nanos| {

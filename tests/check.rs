@@ -108,6 +108,56 @@ fn five_mistakes_are_five_problems_with_their_lines_and_a_suggestion() {
     }
 }
 
+/// A rollout's mistakes, each with its path; a mirror to its `to` is allowed (the
+/// rollout's shadow).
+#[test]
+fn a_rollouts_mistakes_are_named_with_their_paths() {
+    let path = std::env::temp_dir().join(format!("tokentap-rollout-{}.toml", std::process::id()));
+    let ups = "[[upstream]]\nname = \"a\"\nurl = \"http://127.0.0.1:8001\"\n\
+               [[upstream]]\nname = \"b\"\nurl = \"http://127.0.0.1:8002\"\n\
+               [[upstream]]\nname = \"c\"\nurl = \"http://127.0.0.1:8003\"\n";
+    let routes = [
+        r#"{ from = "a", to = "b", steps = [50, 10, 100] }"#,
+        r#"{ from = "a", to = "b", steps = [10, 150] }"#,
+        r#"{ from = "a", to = "a" }"#,
+        r#"{ from = "a", to = "c" }"#,
+        r#"{ from = "a", to = "b", max_tpot_ratio = 0.9, every_secs = 0 }"#,
+        r#"{ from = "a", to = "b", steps = [10, 50] }"#,
+    ];
+    let mut text = ups.to_owned();
+    for (i, r) in routes.iter().enumerate() {
+        text.push_str(&format!(
+            "[[route]]\nname = \"r{i}\"\npath_prefix = \"/{i}/\"\nsplit = {{ a = 1, b = 1 }}\nrollout = {r}\n"
+        ));
+    }
+    std::fs::write(&path, &text).unwrap();
+    let (ok, out) = check(&path);
+    assert!(!ok, "{out}");
+    for want in [
+        "route[0].rollout.steps: must increase: [50.0, 10.0, 100.0]",
+        "route[1].rollout.steps: each step must be above 0 and at most 100",
+        "route[2].rollout.to: is `from`",
+        "route[3].rollout.to: `c` is not in the route's split",
+        "route[4].rollout.max_tpot_ratio: must be between 1 and 10",
+        "route[4].rollout.every_secs: must be at least 1",
+        "route[5].rollout.steps: must end at 100",
+    ] {
+        assert!(out.contains(want), "missing {want:?} in:\n{out}");
+    }
+    // A mirror to the rollout's `to`, on its own route: allowed (its shadow).
+    std::fs::write(
+        &path,
+        format!(
+            "{ups}[[route]]\nsplit = {{ a = 1, b = 1 }}\nrollout = {{ from = \"a\", to = \"b\" }}\n\
+             mirror = {{ upstream = \"b\", max_in_flight = 8 }}\n"
+        ),
+    )
+    .unwrap();
+    let (ok, out) = check(&path);
+    std::fs::remove_file(&path).ok();
+    assert!(ok, "{out}");
+}
+
 #[test]
 fn run_refuses_an_address_in_use_before_it_says_it_is_up() {
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();

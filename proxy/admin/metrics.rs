@@ -58,7 +58,11 @@ pub fn render(
         );
     }
     for r in rollouts {
-        x.add("tokentap_rollout_percent", &[("route", &r.route)], r.percent);
+        x.add(
+            "tokentap_rollout_percent",
+            &[("route", &r.route)],
+            r.percent,
+        );
         for state in crate::rollout::State::ALL {
             let on = f64::from(u8::from(r.state == state));
             x.add(

@@ -9,7 +9,7 @@ use pingora::protocols::http::ServerSession;
 
 use super::query::bounded;
 use super::{json_error, respond};
-use crate::rollout::{Action, ActError};
+use crate::rollout::{ActError, Action};
 use crate::state::Shared;
 
 /// The longest steer body read.
@@ -99,7 +99,11 @@ fn decode(s: &str) -> String {
     let mut i = 0;
     while i < b.len() {
         let hex = |c: u8| (c as char).to_digit(16);
-        match (b[i], b.get(i + 1).copied().and_then(hex), b.get(i + 2).copied().and_then(hex)) {
+        match (
+            b[i],
+            b.get(i + 1).copied().and_then(hex),
+            b.get(i + 2).copied().and_then(hex),
+        ) {
             (b'%', Some(h), Some(l)) => {
                 out.push((h * 16 + l) as u8);
                 i += 3;

@@ -102,9 +102,8 @@ pub fn judge(
     let ttft = c
         .max_ttft_ratio
         .and_then(|max| ratio(&cmp.metrics.ttft_ms, max));
-    let goodput = (from.judged > 0 && to.judged > 0).then(|| {
-        [from, to].map(|n| (1000.0 * n.good as f64 / n.judged as f64).round() / 10.0)
-    });
+    let goodput = (from.judged > 0 && to.judged > 0)
+        .then(|| [from, to].map(|n| (1000.0 * n.good as f64 / n.judged as f64).round() / 10.0));
     let (decision, reason) = decide(c, cmp, from, to, tpot, ttft);
     Evaluation {
         at,

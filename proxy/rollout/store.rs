@@ -48,7 +48,11 @@ pub(super) fn load(path: &Path) -> HashMap<String, Saved> {
         }
     };
     match serde_json::from_slice::<File>(&text) {
-        Ok(f) => f.rollouts.into_iter().map(|s| (s.route.clone(), s)).collect(),
+        Ok(f) => f
+            .rollouts
+            .into_iter()
+            .map(|s| (s.route.clone(), s))
+            .collect(),
         Err(e) => {
             tracing::warn!(file = %path.display(), cause = %e, "rollouts: the state file is not tokentap's; every rollout starts afresh");
             HashMap::new()

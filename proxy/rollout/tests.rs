@@ -78,7 +78,14 @@ fn counts(requests: u64, errors: u64) -> Counts {
 fn slower_is_rolled_back_faster_advances_unsure_waits() {
     let c = config();
     let judged = |factor: f64, n: usize| {
-        let e = judge::judge(&c, 10.0, 0, &comparison(7, n, factor), counts(n as u64, 0), counts(n as u64, 0));
+        let e = judge::judge(
+            &c,
+            10.0,
+            0,
+            &comparison(7, n, factor),
+            counts(n as u64, 0),
+            counts(n as u64, 0),
+        );
         (e.decision, e.reason)
     };
     let (d, why) = judged(1.25, 300);
@@ -115,7 +122,11 @@ fn run(r: &Rollout, start: Nanos, secs: u64, factor: f64) -> Vec<f64> {
         .map(|s| {
             let now = start + s * SEC;
             let n = 100 * (s + 1);
-            r.tick(now, || (counts(n, 0), counts(n, 0)), |_| comparison(s, 200, factor));
+            r.tick(
+                now,
+                || (counts(n, 0), counts(n, 0)),
+                |_| comparison(s, 200, factor),
+            );
             r.percent()
         })
         .collect()
@@ -128,7 +139,10 @@ fn steps_advance_to_promoted_and_a_slower_one_rolls_back() {
     let seen = run(&r, 0, 20, 0.9);
     // Each evaluation 5 s apart; the first takes the step's counts, the next judges.
     assert_eq!(r.lock().state, State::Promoted, "{seen:?}");
-    assert!(seen.windows(2).all(|w| w[1] >= w[0]), "never back: {seen:?}");
+    assert!(
+        seen.windows(2).all(|w| w[1] >= w[0]),
+        "never back: {seen:?}"
+    );
     assert_eq!(r.shadow_percent(), 0.0);
     let history: Vec<f64> = r.stats().history.iter().map(|t| t.percent).collect();
     assert_eq!(history, vec![10.0, 50.0, 100.0]);
@@ -188,7 +202,13 @@ fn a_reload_keeps_an_unchanged_rollout_and_a_restart_resumes_from_the_file() {
     let resumed = Rollouts::new(&routes, &names(), Some(&file), None, 0);
     let r2 = resumed.of(0).unwrap();
     assert_eq!((r2.lock().state, r2.percent()), (State::Running, 50.0));
-    assert!(r2.stats().history.last().unwrap().why.starts_with("resumed from"));
+    assert!(r2
+        .stats()
+        .history
+        .last()
+        .unwrap()
+        .why
+        .starts_with("resumed from"));
     // A file that is not tokentap's: started afresh.
     std::fs::write(&file, "not json").unwrap();
     let afresh = Rollouts::new(&routes, &names(), Some(&file), None, 0);

@@ -49,7 +49,11 @@ impl Router {
                 })
                 .collect(),
             rollouts: (0..routes.len())
-                .map(|i| rollouts.of(i).map(|r| (Arc::clone(r), Mutex::new(f64::NAN))))
+                .map(|i| {
+                    rollouts
+                        .of(i)
+                        .map(|r| (Arc::clone(r), Mutex::new(f64::NAN)))
+                })
                 .collect(),
         }
     }
@@ -100,7 +104,9 @@ impl Router {
             Some(key) => sticky_arm(key, split),
             None => {
                 let mut wrr = wrr.lock().unwrap_or_else(PoisonError::into_inner);
-                if let (Some((p, split)), Some(Some((_, made)))) = (&rollout, self.rollouts.get(route)) {
+                if let (Some((p, split)), Some(Some((_, made)))) =
+                    (&rollout, self.rollouts.get(route))
+                {
                     // The share moved: the round-robin starts again on the new weights.
                     let mut made = made.lock().unwrap_or_else(PoisonError::into_inner);
                     if *made != *p {

@@ -44,6 +44,12 @@ pub struct SimStats {
     /// Prompt tokens of the requests admitted, and of those the ones the prefix cache held.
     pub prompt_tokens: u64,
     pub cached_prompt_tokens: u64,
+    /// Generation requests received, and those of them marked as shadow copies
+    /// (`x-tokentap-shadow`: a rollout's or a mirror's copy, never served to a client).
+    pub requests: u64,
+    pub shadow_requests: u64,
+    /// Requests answered 500 on purpose (`POST /sim/fail`).
+    pub failed: u64,
 }
 
 #[derive(Default)]
@@ -57,6 +63,11 @@ struct Counters {
     tokens: AtomicU64,
     prompt_tokens: AtomicU64,
     cached_prompt_tokens: AtomicU64,
+    requests: AtomicU64,
+    shadow_requests: AtomicU64,
+    failed: AtomicU64,
+    /// Percent of generation requests to answer 500 (an f64's bits).
+    fail_pct: AtomicU64,
 }
 
 pub struct Engine {
@@ -146,6 +157,28 @@ impl Engine {
     }
 
     /// Starts the peak batch again from the batch now (`POST /sim/peak/reset`).
+    /// A generation request arrived (`shadow`: marked as a copy); whether to fail it (500).
+    pub fn arrived(&self, shadow: bool) -> bool {
+        let c = &self.counters;
+        c.requests.fetch_add(1, Relaxed);
+        if shadow {
+            c.shadow_requests.fetch_add(1, Relaxed);
+        }
+        let pct = f64::from_bits(c.fail_pct.load(Relaxed));
+        let fail = pct > 0.0 && rand::random::<f64>() * 100.0 < pct;
+        if fail {
+            c.failed.fetch_add(1, Relaxed);
+        }
+        fail
+    }
+
+    /// From now on, `pct` percent of generation requests are answered 500.
+    pub fn set_fail(&self, pct: f64) {
+        self.counters
+            .fail_pct
+            .store(pct.clamp(0.0, 100.0).to_bits(), Relaxed);
+    }
+
     pub fn reset_peak(&self) {
         let c = &self.counters;
         let now = c.prefilling.load(Relaxed) + c.decoding.load(Relaxed);
@@ -164,6 +197,9 @@ impl Engine {
             tokens: c.tokens.load(Relaxed),
             prompt_tokens: c.prompt_tokens.load(Relaxed),
             cached_prompt_tokens: c.cached_prompt_tokens.load(Relaxed),
+            requests: c.requests.load(Relaxed),
+            shadow_requests: c.shadow_requests.load(Relaxed),
+            failed: c.failed.load(Relaxed),
         }
     }
 

@@ -133,6 +133,7 @@ async fn handle(
             json_response(StatusCode::OK, &json!(engine.stats()))
         }
         ("POST", "/sim/curve") => set_curve(&engine, req).await,
+        ("POST", "/sim/fail") => set_fail(&engine, req).await,
         ("POST", p) => match Api::route(engine.args.dialect, p) {
             Some(api) => generate(engine, req, api).await,
             None => error(
@@ -168,7 +169,32 @@ async fn set_curve(engine: &Engine, req: Request<Incoming>) -> Response<SimBody>
     }
 }
 
+/// `POST /sim/fail` with a percent (`0` to stop): that share of generation requests is
+/// answered 500 from now on.
+async fn set_fail(engine: &Engine, req: Request<Incoming>) -> Response<SimBody> {
+    let Ok(body) = req.into_body().collect().await else {
+        return error(StatusCode::BAD_REQUEST, "could not read the request body");
+    };
+    match String::from_utf8_lossy(&body.to_bytes())
+        .trim()
+        .parse::<f64>()
+    {
+        Ok(pct) if (0.0..=100.0).contains(&pct) => {
+            engine.set_fail(pct);
+            json_response(StatusCode::OK, &json!({"fail_pct": pct}))
+        }
+        _ => error(StatusCode::BAD_REQUEST, "the body is a percent, 0 to 100"),
+    }
+}
+
 async fn generate(engine: Arc<Engine>, req: Request<Incoming>, api: Api) -> Response<SimBody> {
+    let shadow = req.headers().contains_key("x-tokentap-shadow");
+    if engine.arrived(shadow) {
+        return json_response(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            &json!({"error": {"message": "the simulator fails this request (POST /sim/fail)", "type": "server_error", "code": null}}),
+        );
+    }
     let Ok(body) = req.into_body().collect().await else {
         return error(StatusCode::BAD_REQUEST, "could not read the request body");
     };

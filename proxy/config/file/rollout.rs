@@ -85,17 +85,26 @@ pub(super) fn rollout(
     };
     let (from, to) = (arm("from", &r.from), arm("to", &r.to));
     if from.is_some() && from == to {
-        p.add(key("to"), "is `from`: a rollout moves traffic between two upstreams");
+        p.add(
+            key("to"),
+            "is `from`: a rollout moves traffic between two upstreams",
+        );
     }
     let steps = r.steps.clone().unwrap_or_else(|| STEPS.to_vec());
     if steps.is_empty() {
         p.add(key("steps"), "names no step");
     } else if steps.iter().any(|&s| !(s > 0.0 && s <= 100.0)) {
-        p.add(key("steps"), "each step must be above 0 and at most 100 (percent)");
+        p.add(
+            key("steps"),
+            "each step must be above 0 and at most 100 (percent)",
+        );
     } else if steps.windows(2).any(|w| w[1] <= w[0]) {
         p.add(key("steps"), format!("must increase: {steps:?}"));
     } else if steps.last() != Some(&100.0) {
-        p.add(key("steps"), "must end at 100: a rollout ends with `to` serving everything");
+        p.add(
+            key("steps"),
+            "must end at 100: a rollout ends with `to` serving everything",
+        );
     }
     let every = r.every_secs.unwrap_or(60);
     if every == 0 {
@@ -103,7 +112,10 @@ pub(super) fn rollout(
     }
     let ratio = |f: &str, v: Option<f64>, p: &mut Problems| {
         if let Some(v) = v.filter(|v| !(*v >= 1.0 && *v <= 10.0)) {
-            p.add(key(f), format!("must be between 1 and 10 (a ratio of to's to from's), not {v}"));
+            p.add(
+                key(f),
+                format!("must be between 1 and 10 (a ratio of to's to from's), not {v}"),
+            );
         }
     };
     ratio("max_tpot_ratio", r.max_tpot_ratio, p);

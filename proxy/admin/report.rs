@@ -59,8 +59,8 @@ pub struct UpstreamReport {
     pub roofline: Option<crate::decide::RooflineStats>,
     /// The endpoints its demand needs at its SLO.
     pub capacity: crate::decide::CapacityStats,
-    /// A route mirrors to it: its requests are copies (shadow traffic), metered, their
-    /// answers discarded.
+    /// A route mirrors to it and none splits to it: its requests are copies (shadow
+    /// traffic), metered, their answers discarded.
     pub mirror: bool,
     /// Its shadow traffic, as a mirror; `null` otherwise.
     pub shadow: Option<ShadowStats>,
@@ -245,7 +245,7 @@ fn report(shared: &Shared, i: usize, u: &Upstream, now: crate::meter::Nanos) -> 
             .as_ref()
             .map(|r| r.stats(lowest, meter.single_stream_tps)),
         capacity,
-        mirror: is_mirror(shared, i),
+        mirror: only_mirror(shared, i),
         shadow: is_mirror(shared, i).then(|| {
             let s = &u.shadow;
             ShadowStats {
@@ -293,23 +293,40 @@ pub fn is_mirror(shared: &Shared, upstream: usize) -> bool {
         .any(|r| r.mirrors.iter().any(|m| m.upstream == upstream))
 }
 
-/// The routes that send `upstream` traffic, and its weight in each.
+/// Whether `upstream` takes copies only (a mirror that no route splits to; a rollout's
+/// `to` serves its share and takes copies besides).
+fn only_mirror(shared: &Shared, upstream: usize) -> bool {
+    is_mirror(shared, upstream)
+        && !(shared.config.routes.iter()).any(|r| r.split.iter().any(|&(u, _)| u == upstream))
+}
+
+/// The routes that send `upstream` traffic, and its weight in each (its share as a
+/// rollout has it now, on a route with one).
 fn arms(shared: &Shared, upstream: usize) -> Vec<Arm> {
     shared
         .config
         .routes
         .iter()
-        .flat_map(|r| {
-            let total: u64 = r.split.iter().map(|&(_, w)| u64::from(w)).sum();
-            r.split
-                .iter()
-                .filter(move |&&(u, _)| u == upstream)
-                .map(move |&(_, weight)| Arm {
+        .enumerate()
+        .flat_map(|(i, r)| {
+            let effective = shared.router.rollout_split(i).map(|(_, s)| s);
+            let split = effective.unwrap_or_else(|| r.split.clone());
+            let total: u64 = split.iter().map(|&(_, w)| u64::from(w)).sum();
+            let weight_of = |u: usize| {
+                r.split
+                    .iter()
+                    .find(|&&(x, _)| x == u)
+                    .map_or(0, |&(_, w)| w)
+            };
+            split
+                .into_iter()
+                .filter(move |&(u, _)| u == upstream)
+                .map(move |(u, effective)| Arm {
                     route: r.name.clone(),
                     path_prefix: r.path_prefix.clone(),
-                    weight,
+                    weight: weight_of(u),
                     share_pct: if total > 0 {
-                        100.0 * f64::from(weight) / total as f64
+                        100.0 * f64::from(effective) / total as f64
                     } else {
                         0.0
                     },

@@ -60,7 +60,7 @@ impl Router {
 
     /// Route `route`'s split as its rollout weighs it now: `to` its share of the two arms'
     /// weight, `from` the rest, in hundredths (other arms' weights scaled alike).
-    fn rollout_split(&self, route: usize) -> Option<(f64, Vec<(usize, u32)>)> {
+    pub fn rollout_split(&self, route: usize) -> Option<(f64, Vec<(usize, u32)>)> {
         let (rollout, _) = self.rollouts.get(route)?.as_ref()?;
         let (r, c) = (&self.routes[route].0, &rollout.config);
         let p = rollout.percent();

@@ -163,6 +163,45 @@ pub struct TenantView {
     pub refused_total: u64,
 }
 
+/// A route's rollout, as `top` shows it.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct RolloutView {
+    pub route: String,
+    pub from: String,
+    pub to: String,
+    pub state: String,
+    pub percent: f64,
+    pub shadow_percent: f64,
+    pub last: Option<LastEvaluation>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct LastEvaluation {
+    pub decision: String,
+    pub reason: String,
+}
+
+impl RolloutView {
+    /// `chat: stable → candidate running at 10% (shadow 88.9%); wait: …`.
+    pub fn line(&self) -> String {
+        let mut out = format!(
+            "{}: {} → {} {} at {}%",
+            self.route,
+            self.from,
+            self.to,
+            self.state.replace('_', " "),
+            self.percent
+        );
+        if self.shadow_percent > 0.0 {
+            out.push_str(&format!(" (shadow {}%)", self.shadow_percent));
+        }
+        if let Some(e) = &self.last {
+            out.push_str(&format!("; {}: {}", e.decision.replace('_', " "), e.reason));
+        }
+        out
+    }
+}
+
 #[derive(Debug, Clone, Default, Deserialize)]
 struct Tenants {
     top: Vec<TenantView>,
@@ -174,6 +213,8 @@ struct Stats {
     upstreams: Vec<UpstreamView>,
     #[serde(default)]
     tenants: Option<Tenants>,
+    #[serde(default)]
+    rollouts: Vec<RolloutView>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -218,6 +259,8 @@ pub struct Board {
     pub upstreams: Vec<UpstreamView>,
     /// The tenants with the most output tokens, with `[tenants]` (else none).
     pub tenants: Vec<TenantView>,
+    /// Each route's rollout.
+    pub rollouts: Vec<RolloutView>,
     /// The A/B verdict; `None` when no route splits traffic.
     pub verdict: Option<String>,
     /// The paired verdict of the first route's mirror (shadow traffic); `None` without.
@@ -307,6 +350,7 @@ async fn follow(source: &Source, tx: &watch::Sender<Arc<Board>>) -> anyhow::Resu
             board.window_secs = snap.stats.window_secs;
             board.upstreams = snap.stats.upstreams;
             board.tenants = snap.stats.tenants.map(|t| t.top).unwrap_or_default();
+            board.rollouts = snap.stats.rollouts;
             board.verdict = snap.compare.map(|c| c.verdict);
             board.shadow = snap.shadow.map(|c| c.verdict);
             board.problem = None;

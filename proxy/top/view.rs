@@ -69,6 +69,9 @@ pub fn plain_line(board: &Board, note: &str) -> String {
             let _ = write!(out, " endpoints {healthy}/{} healthy", u.endpoints.len());
         }
     }
+    for r in &board.rollouts {
+        let _ = write!(out, " | rollout {}", r.line());
+    }
     for (i, t) in board.tenants.iter().take(TENANT_LINES).enumerate() {
         out.push_str(if i == 0 { " | tenants: " } else { ", " });
         let _ = write!(
@@ -160,7 +163,7 @@ pub fn draw(frame: &mut Frame<'_>, title: &str, note: &str, board: &Board) {
     if tenants > 0 {
         rows.push(Constraint::Length(2 + tenants as u16));
     }
-    rows.push(Constraint::Length(5));
+    rows.push(Constraint::Length(5 + board.rollouts.len() as u16));
     rows.push(Constraint::Min(0));
     let areas = Layout::default()
         .direction(Direction::Vertical)
@@ -216,6 +219,9 @@ pub fn draw(frame: &mut Frame<'_>, title: &str, note: &str, board: &Board) {
     });
     if let Some(shadow) = &board.shadow {
         verdict = format!("{verdict}\nshadow: {shadow}");
+    }
+    for r in &board.rollouts {
+        verdict = format!("{verdict}\nrollout {}", r.line());
     }
     let block = Block::default()
         .borders(Borders::ALL)

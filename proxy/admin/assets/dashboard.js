@@ -164,6 +164,7 @@ function render() {
     renderUpstreams(s);
     renderVerdict(s.compare);
     renderTenants(s.stats.tenants);
+    renderRollouts(s.stats.rollouts);
     $("shadow").hidden = !s.shadow;
     if (s.shadow) $("shadow-text").textContent = s.shadow.verdict;
   }
@@ -292,6 +293,24 @@ function renderTenants(t) {
   const notes = [`${t.tracked} tracked`, `${t.budgets} budget bucket(s)`];
   if (t.invalid_priority_total) notes.push(`${t.invalid_priority_total} request(s) with an unknown priority (served as normal)`);
   $("tenants-table").innerHTML = `<table class="pct tenants"><tr><th>tenant</th><th>requests</th><th>output tokens</th><th>share of output</th><th>output T/s</th><th>TTFT p50</th><th>TTFT p90</th><th>TPOT p50</th><th>% good</th><th>queue wait (ms)</th><th>refused</th></tr>${rows}</table><p class="key">${notes.join(" · ")}</p>`;
+}
+
+// Each route's rollout: where it is, to's share (and its shadow copies), the last evaluation.
+function renderRollouts(list) {
+  const any = Array.isArray(list) && list.length > 0;
+  $("rollouts").hidden = !any;
+  if (!any) return;
+  const rows = list
+    .map((r) => {
+      const last = r.last ? `${esc(r.last.decision.replace(/_/g, " "))}: ${esc(r.last.reason)}` : "no evaluation yet";
+      return `<tr class="rollout" data-route="${esc(r.route)}"><td>${esc(r.route)}</td><td>${esc(r.from)} → ${esc(r.to)}</td>
+        <td data-rfig="state" data-value="${esc(r.state)}" class="state-${esc(r.state)}">${esc(r.state.replace(/_/g, " "))}</td>
+        <td data-rfig="percent" data-value="${r.percent}">${fmt(r.percent)}%<div class="share"><div style="width:${r.percent}%"></div></div></td>
+        <td data-rfig="shadow_percent" data-value="${r.shadow_percent}">${r.shadow_percent > 0 ? fmt(r.shadow_percent) + "%" : "–"}</td>
+        <td class="key">${last}</td></tr>`;
+    })
+    .join("");
+  $("rollouts-table").innerHTML = `<table class="pct rollouts"><tr><th>route</th><th>from → to</th><th>state</th><th>to's share</th><th>shadow copies of from's</th><th>last evaluation</th></tr>${rows}</table>`;
 }
 
 function renderVerdict(c) {

@@ -388,7 +388,21 @@ pub struct Route {
     /// Upstreams a share of its generation requests is copied to (shadow traffic).
     pub mirrors: Vec<Mirror>,
     /// A progressive rollout between two upstreams of its split.
-    pub rollout: Option<crate::rollout::RolloutConfig>,
+    pub rollout: Option<RolloutConfig>,
+}
+
+/// A route's rollout as configured (`route[].rollout`; run by [`crate::rollout`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RolloutConfig {
+    /// Upstreams of the route's split, by their place.
+    pub from: usize,
+    pub to: usize,
+    pub steps: Vec<f64>,
+    pub every: Duration,
+    pub max_tpot_ratio: f64,
+    pub max_ttft_ratio: Option<f64>,
+    pub max_error_pct: f64,
+    pub min_requests: u64,
 }
 
 /// A route's mirror: a share of its generation requests sent to another upstream as well,

@@ -26,26 +26,14 @@ mod store;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::config::RolloutConfig;
 use crate::config::Route;
 use crate::meter::Nanos;
 use judge::{Counts, Decision, Evaluation};
-
-/// A route's rollout as configured.
-#[derive(Debug, Clone, PartialEq)]
-pub struct RolloutConfig {
-    pub from: usize,
-    pub to: usize,
-    pub steps: Vec<f64>,
-    pub every: Duration,
-    pub max_tpot_ratio: f64,
-    pub max_ttft_ratio: Option<f64>,
-    pub max_error_pct: f64,
-    pub min_requests: u64,
-}
 
 /// Where a rollout is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

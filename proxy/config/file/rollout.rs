@@ -6,8 +6,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::config::Problems;
-use crate::rollout::RolloutConfig;
+use crate::config::{Problems, RolloutConfig};
 
 /// The default of `rollout.steps`: `to`'s share of the route's requests at each step.
 pub(crate) const STEPS: [f64; 3] = [10.0, 50.0, 100.0];

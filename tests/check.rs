@@ -123,6 +123,7 @@ fn a_rollouts_mistakes_are_named_with_their_paths() {
         r#"{ from = "a", to = "c" }"#,
         r#"{ from = "a", to = "b", max_tpot_ratio = 0.9, every_secs = 0 }"#,
         r#"{ from = "a", to = "b", steps = [10, 50] }"#,
+        r#"{ from = "a", to = "b", steps = [100] }"#,
     ];
     let mut text = ups.to_owned();
     for (i, r) in routes.iter().enumerate() {
@@ -141,6 +142,7 @@ fn a_rollouts_mistakes_are_named_with_their_paths() {
         "route[4].rollout.max_tpot_ratio: must be between 1 and 10",
         "route[4].rollout.every_secs: must be at least 1",
         "route[5].rollout.steps: must end at 100",
+        "route[6].rollout.steps: needs a step below 100 first",
     ] {
         assert!(out.contains(want), "missing {want:?} in:\n{out}");
     }
@@ -154,8 +156,22 @@ fn a_rollouts_mistakes_are_named_with_their_paths() {
     )
     .unwrap();
     let (ok, out) = check(&path);
-    std::fs::remove_file(&path).ok();
     assert!(ok, "{out}");
+    // Another route's mirror to it is not: `b` serves real clients on route[0].
+    std::fs::write(
+        &path,
+        format!(
+            "{ups}[[route]]\npath_prefix = \"/v1/\"\nsplit = {{ a = 1, b = 1 }}\nrollout = {{ from = \"a\", to = \"b\" }}\n\
+             [[route]]\nsplit = {{ c = 1 }}\nmirror = {{ upstream = \"b\" }}\n"
+        ),
+    )
+    .unwrap();
+    let (ok, out) = check(&path);
+    std::fs::remove_file(&path).ok();
+    assert!(
+        !ok && out.contains("route[1].mirror[0].upstream: `b` is in route[0]'s split"),
+        "{out}"
+    );
 }
 
 #[test]

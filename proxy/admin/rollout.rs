@@ -34,10 +34,15 @@ pub(super) async fn steer(shared: &Shared, session: &mut ServerSession) -> Respo
     };
     let body = match read_body(session).await {
         Ok(b) => b,
-        Err(resp) => return resp,
+        Err(resp) => {
+            // What is left of the body is not drained: the connection closes.
+            session.set_keepalive(None);
+            return resp;
+        }
     };
     let from_query = (query.as_deref().unwrap_or("").split('&'))
         .find_map(|kv| kv.strip_prefix("action="))
+        .filter(|a| !a.is_empty())
         .map(str::to_owned);
     let text = String::from_utf8_lossy(&body);
     let from_body = serde_json::from_str::<serde_json::Value>(&text)

@@ -129,9 +129,10 @@ fn decide(
     ttft: Option<Ratio>,
 ) -> (Decision, String) {
     use Decision::*;
-    // Failing is judged on what there is: a backend answering 500s has no TPOT to compare.
-    let excess = to.error_pct() - from.error_pct();
-    if to.errors > 0 && excess > c.max_error_pct {
+    // Failing is judged on what there is (a backend answering 500s has no TPOT to
+    // compare), with 95% confidence: the low end of `to`'s error rate past `from`'s and the
+    // allowance (Wilson's interval), so one error in 30 is not a rollback and 12 in 12 is.
+    if wilson_low(to.errors, to.requests) * 100.0 > from.error_pct() + c.max_error_pct {
         return (
             RollBack,
             format!(
@@ -200,6 +201,17 @@ fn decide(
             tpot.ratio, tpot.ci95[1], tpot.max
         ),
     )
+}
+
+/// The low end of the one-sided 95% Wilson interval of `k` in `n`.
+fn wilson_low(k: u64, n: u64) -> f64 {
+    if n == 0 {
+        return 0.0;
+    }
+    let (z, n, p) = (1.645_f64, n as f64, k as f64 / n as f64);
+    let centre = p + z * z / (2.0 * n);
+    let spread = z * (p * (1.0 - p) / n + z * z / (4.0 * n * n)).sqrt();
+    ((centre - spread) / (1.0 + z * z / n)).max(0.0)
 }
 
 /// Whether `to`'s share of good requests is below `from`'s with 95% confidence (a

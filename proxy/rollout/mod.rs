@@ -230,6 +230,29 @@ impl Rollout {
         r
     }
 
+    /// This rollout under `route`'s config as reloaded (the same rollout, its upstreams
+    /// perhaps at other places): its state carried over.
+    fn successor(&self, route: &Route, c: &RolloutConfig, names: &[String]) -> Rollout {
+        let old = self.lock();
+        Rollout {
+            route: route.name.clone(),
+            from: names[c.from].clone(),
+            to: names[c.to].clone(),
+            config: c.clone(),
+            fingerprint: self.fingerprint.clone(),
+            percent: AtomicU64::new(self.percent.load(Relaxed)),
+            inner: Mutex::new(Inner {
+                state: old.state,
+                step: old.step,
+                since: old.since,
+                base: old.base,
+                last_evaluation: old.last_evaluation,
+                evaluations: old.evaluations.clone(),
+                history: old.history.clone(),
+            }),
+        }
+    }
+
     /// `to`'s share of the route's requests now, percent.
     pub fn percent(&self) -> f64 {
         f64::from_bits(self.percent.load(Relaxed))
@@ -289,20 +312,28 @@ impl Rollout {
         counts: impl FnOnce() -> (Counts, Counts),
         compare: impl FnOnce(Nanos) -> crate::compare::Comparison,
     ) -> bool {
-        let mut inner = self.lock();
         let every = u64::try_from(self.config.every.as_nanos()).unwrap_or(u64::MAX);
-        if inner.state != State::Running || now.saturating_sub(inner.last_evaluation) < every {
-            return false;
-        }
-        inner.last_evaluation = now;
+        let (step, base, since) = {
+            let mut inner = self.lock();
+            if inner.state != State::Running || now.saturating_sub(inner.last_evaluation) < every {
+                return false;
+            }
+            inner.last_evaluation = now;
+            (inner.step, inner.base, inner.since)
+        };
+        // Read and compared without the lock: every request to `from` asks it for the
+        // shadow's share.
         let (f, t) = counts();
-        let Some((bf, bt)) = inner.base else {
+        let Some((bf, bt)) = base else {
             // The step's counts start here (after a resume, a restart or a reload).
-            inner.base = Some((f, t));
-            inner.since = now;
+            let mut inner = self.lock();
+            if inner.state == State::Running && inner.step == step && inner.base.is_none() {
+                inner.base = Some((f, t));
+                inner.since = now;
+            }
             return false;
         };
-        let cmp = compare(inner.since);
+        let cmp = compare(since);
         let e = judge::judge(
             &self.config,
             self.percent(),
@@ -311,12 +342,16 @@ impl Rollout {
             f.since(bf),
             t.since(bt),
         );
+        let mut inner = self.lock();
+        if inner.state != State::Running || inner.step != step {
+            // Steered while it was judged: the steer stands.
+            return false;
+        }
         let (decision, why) = (e.decision, e.reason.clone());
         if inner.evaluations.len() == KEPT {
             inner.evaluations.pop_front();
         }
         inner.evaluations.push_back(e);
-        let step = inner.step;
         match decision {
             Decision::Wait => return false,
             Decision::RollBack => self.enter(&mut inner, State::RolledBack, step, now, why),
@@ -406,6 +441,9 @@ pub struct Rollouts {
     file: Option<std::path::PathBuf>,
 }
 
+/// One writer of the state file at a time (the evaluator and a steer may both move).
+static SAVING: Mutex<()> = Mutex::new(());
+
 impl Rollouts {
     /// The rollouts of `routes` at `now`: each kept from `old` when unchanged (a reload),
     /// else resumed from the state file when it holds it unchanged (a restart), else new.
@@ -429,7 +467,7 @@ impl Rollouts {
                     .flat_map(|o| o.by_route.iter().flatten())
                     .find(|o| o.route == r.name && o.fingerprint == fp);
                 if let Some(kept) = kept {
-                    return Some(Arc::clone(kept));
+                    return Some(Arc::new(kept.successor(r, c, names)));
                 }
                 let resumed = (saved.get(&r.name))
                     .filter(|s| s.fingerprint == fp)
@@ -490,6 +528,7 @@ impl Rollouts {
 
     fn save(&self) {
         if let Some(path) = &self.file {
+            let _one = SAVING.lock().unwrap_or_else(PoisonError::into_inner);
             store::save(path, self.iter().map(|r| store::Saved::of(r)));
         }
     }

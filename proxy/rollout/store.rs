@@ -65,7 +65,9 @@ pub(super) fn save(path: &Path, rollouts: impl Iterator<Item = Saved>) {
     let file = File {
         rollouts: rollouts.collect(),
     };
-    let tmp = path.with_extension("tmp");
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".writing");
+    let tmp = std::path::PathBuf::from(tmp);
     let written = serde_json::to_vec_pretty(&file)
         .map_err(std::io::Error::other)
         .and_then(|bytes| std::fs::write(&tmp, bytes))

@@ -113,6 +113,12 @@ fn a_failing_to_is_rolled_back_on_few_requests() {
     // Within the allowance: not failing.
     let e = judge::judge(&c, 50.0, 0, &cmp, counts(1000, 10), counts(1000, 15));
     assert_ne!(e.decision, Decision::RollBack, "{}", e.reason);
+    // One error in 30 (3.3%, past 1 point) is not shown past it with 95% confidence.
+    let e = judge::judge(&c, 50.0, 0, &cmp, counts(300, 0), counts(30, 1));
+    assert_ne!(e.decision, Decision::RollBack, "{}", e.reason);
+    // Every request failing, however few: rolled back.
+    let e = judge::judge(&c, 50.0, 0, &cmp, counts(300, 0), counts(4, 4));
+    assert_eq!(e.decision, Decision::RollBack, "{}", e.reason);
 }
 
 /// Ticks `r` every second from `start` for `secs`, its counts growing and the comparison
@@ -190,7 +196,20 @@ fn a_reload_keeps_an_unchanged_rollout_and_a_restart_resumes_from_the_file() {
     first.save();
     // A reload with the same rollout: the same one, its state kept.
     let kept = Rollouts::new(&routes, &names(), Some(&file), Some(&first), 13 * SEC);
-    assert!(Arc::ptr_eq(kept.of(0).unwrap(), r));
+    let k = kept.of(0).unwrap();
+    assert_eq!((k.lock().state, k.percent()), (State::Running, 50.0));
+    assert_eq!(k.stats().history, r.stats().history);
+    // The same rollout with its upstreams at other places (one added before them): kept,
+    // on the new places.
+    let moved = [route(RolloutConfig {
+        from: 1,
+        to: 2,
+        ..config()
+    })];
+    let three = vec!["z".to_owned(), "a".into(), "b".into()];
+    let m = Rollouts::new(&moved, &three, Some(&file), Some(&first), 13 * SEC);
+    let m = m.of(0).unwrap();
+    assert_eq!((m.percent(), m.config.from, m.config.to), (50.0, 1, 2));
     // Changed: afresh.
     let changed = [route(RolloutConfig {
         max_tpot_ratio: 1.1,

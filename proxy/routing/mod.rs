@@ -59,7 +59,8 @@ impl Router {
     }
 
     /// Route `route`'s split as its rollout weighs it now: `to` its share of the two arms'
-    /// weight, `from` the rest, in hundredths (other arms' weights scaled alike).
+    /// weight, `from` the rest, in ten-thousandths (other arms' weights scaled alike), so a
+    /// share of 0.5% is not rounded away.
     pub fn rollout_split(&self, route: usize) -> Option<(f64, Vec<(usize, u32)>)> {
         let (rollout, _) = self.rollouts.get(route)?.as_ref()?;
         let (r, c) = (&self.routes[route].0, &rollout.config);
@@ -76,9 +77,14 @@ impl Router {
                 } else if u == c.from {
                     100.0 - p
                 } else {
-                    return (u, w.saturating_mul(100));
+                    return (u, w.saturating_mul(10_000));
                 };
-                (u, (f64::from(pair) * share).round() as u32)
+                (
+                    u,
+                    (f64::from(pair) * share * 100.0)
+                        .round()
+                        .min(f64::from(u32::MAX)) as u32,
+                )
             })
             .collect();
         Some((p, split))

@@ -175,11 +175,12 @@ impl FileConfig {
         // serve real clients on another route.
         for (i, r) in routes.iter().enumerate() {
             for (j, m) in r.mirrors.iter().enumerate() {
-                // A rollout's `to` takes copies on its own route (its shadow).
-                let shadow = |o: &Route| o.rollout.as_ref().is_some_and(|ro| ro.to == m.upstream);
-                let primary =
-                    |o: &Route| o.split.iter().any(|&(u, _)| u == m.upstream) && !shadow(o);
-                if let Some(k) = routes.iter().position(primary) {
+                // A rollout's `to` takes copies on its own route only (its shadow).
+                let shadow = r.rollout.as_ref().is_some_and(|ro| ro.to == m.upstream);
+                let primary = |(k, o): &(usize, &Route)| {
+                    o.split.iter().any(|&(u, _)| u == m.upstream) && !(shadow && *k == i)
+                };
+                if let Some((k, _)) = routes.iter().enumerate().find(primary) {
                     p.add(
                         format!("route[{i}].mirror[{j}].upstream"),
                         format!(

@@ -104,6 +104,11 @@ pub(super) fn rollout(
             key("steps"),
             "must end at 100: a rollout ends with `to` serving everything",
         );
+    } else if steps.len() == 1 {
+        p.add(
+            key("steps"),
+            "needs a step below 100 first: `from` must serve a share for `to` to be compared with",
+        );
     }
     let every = r.every_secs.unwrap_or(60);
     if every == 0 {

@@ -104,19 +104,24 @@ impl BlockLru {
 /// fields before it (model, limits, sampling) do not split one conversation into many.
 /// `None` when the body names none of them.
 pub fn prompt_start(body: &[u8]) -> Option<&[u8]> {
+    use memchr::memmem::Finder;
     // The likeliest first; each later key is looked for only before the earliest found,
-    // so a long prompt is not searched five times.
-    const KEYS: [&[u8]; 5] = [
-        b"\"messages\"",
-        b"\"prompt\"",
-        b"\"input\"",
-        b"\"system\"",
-        b"\"instructions\"",
-    ];
+    // so a long prompt is not searched five times. The searchers are built once: building
+    // one costs more than running it over a short body.
+    static KEYS: std::sync::LazyLock<[Finder<'static>; 5]> = std::sync::LazyLock::new(|| {
+        [
+            &b"\"messages\""[..],
+            b"\"prompt\"",
+            b"\"input\"",
+            b"\"system\"",
+            b"\"instructions\"",
+        ]
+        .map(Finder::new)
+    });
     let mut first: Option<usize> = None;
-    for key in KEYS {
+    for key in KEYS.iter() {
         let upto = first.map_or(body.len(), |at| at);
-        if let Some(at) = memchr::memmem::find(&body[..upto], key) {
+        if let Some(at) = key.find(&body[..upto]) {
             first = Some(at);
         }
     }

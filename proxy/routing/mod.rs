@@ -25,9 +25,13 @@ impl Fields for HeaderMap {
 /// The routes of one config, with their round-robin state.
 pub struct Router {
     routes: Vec<(Route, Mutex<SmoothWrr>)>,
-    /// Each route's rollout, if it has one, and the share its weights were made for.
-    rollouts: Vec<Option<(Arc<Rollout>, Mutex<f64>)>>,
+    /// Each route's rollout, if it has one, and the share its split was weighed at, and
+    /// that split (made again only when the share moves: no allocation a request).
+    rollouts: Vec<Option<(Arc<Rollout>, Mutex<RolloutSplit>)>>,
 }
+
+/// A rollout route's split at a share.
+type RolloutSplit = (f64, Vec<(usize, u32)>);
 
 /// A routing decision.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,9 +54,8 @@ impl Router {
                 .collect(),
             rollouts: (0..routes.len())
                 .map(|i| {
-                    rollouts
-                        .of(i)
-                        .map(|r| (Arc::clone(r), Mutex::new(f64::NAN)))
+                    let made = (f64::NAN, Vec::new());
+                    rollouts.of(i).map(|r| (Arc::clone(r), Mutex::new(made)))
                 })
                 .collect(),
         }
@@ -104,24 +107,31 @@ impl Router {
             .enumerate()
             .find(|(_, (r, _))| matches(r, path, headers))?;
         let key = r.sticky.as_ref().and_then(|h| headers.first(h.as_str()));
-        let rollout = self.rollout_split(route);
-        let split = rollout.as_ref().map_or(&r.split[..], |(_, s)| &s[..]);
-        let arm = match key {
-            Some(key) => sticky_arm(key, split),
-            None => {
-                let mut wrr = wrr.lock().unwrap_or_else(PoisonError::into_inner);
-                if let (Some((p, split)), Some(Some((_, made)))) =
-                    (&rollout, self.rollouts.get(route))
-                {
-                    // The share moved: the round-robin starts again on the new weights.
-                    let mut made = made.lock().unwrap_or_else(PoisonError::into_inner);
-                    if *made != *p {
-                        *made = *p;
-                        *wrr = SmoothWrr::new(split.iter().map(|&(_, w)| w).collect());
+        // A rollout's split, weighed again (and the round-robin started again) only when
+        // its share moved; held for the rest of the choice.
+        let mut made;
+        let split = match self.rollouts.get(route).and_then(Option::as_ref) {
+            Some((rollout, cell)) => {
+                made = cell.lock().unwrap_or_else(PoisonError::into_inner);
+                if made.0 != rollout.percent() {
+                    if let Some((at, split)) = self.rollout_split(route) {
+                        let weights = split.iter().map(|&(_, w)| w).collect();
+                        *wrr.lock().unwrap_or_else(PoisonError::into_inner) =
+                            SmoothWrr::new(weights);
+                        *made = (at, split);
                     }
                 }
-                wrr.pick()
+                if made.1.is_empty() {
+                    &r.split[..]
+                } else {
+                    &made.1[..]
+                }
             }
+            None => &r.split[..],
+        };
+        let arm = match key {
+            Some(key) => sticky_arm(key, split),
+            None => wrr.lock().unwrap_or_else(PoisonError::into_inner).pick(),
         };
         let mut upstream = split[arm].0;
         if r.spill && !headroom(upstream) {

@@ -32,7 +32,8 @@
 //! **tls** a TLS origin (tokentap `https://`, nginx `proxy_pass https://` with
 //! `proxy_ssl_session_reuse on`; neither verifies the origin's certificate); **short**
 //! 16-token replies sent at once, on 64 keep-alive client connections, as many requests
-//! as the load side sustains: requests/s and CPU per request. `--shapes` applies to every
+//! as the load side sustains: requests/s and CPU per request; **short-log** the same with
+//! an access log to a file on both. `--shapes` applies to every
 //! streaming scenario (default: plain gets 1x20,512x20,4000x160,9900x400, the others
 //! 512x20).
 //!
@@ -105,6 +106,8 @@ enum Scenario {
     Many,
     Tls,
     Short,
+    /// Short replies with the access log on (no scrapes).
+    ShortLog,
     Pool,
 }
 
@@ -116,9 +119,20 @@ impl Scenario {
             "many" => Scenario::Many,
             "tls" => Scenario::Tls,
             "short" => Scenario::Short,
+            "short-log" => Scenario::ShortLog,
             "pool" => Scenario::Pool,
-            _ => panic!("unknown scenario {s}: plain, ops, many, tls, short or pool"),
+            _ => panic!("unknown scenario {s}: plain, ops, many, tls, short, short-log or pool"),
         }
+    }
+
+    /// Short replies, many a second (requests/s and CPU per request).
+    fn short(self) -> bool {
+        matches!(self, Scenario::Short | Scenario::ShortLog)
+    }
+
+    /// An access log to a file, on both proxies.
+    fn logs(self) -> bool {
+        matches!(self, Scenario::Ops | Scenario::ShortLog)
     }
 
     fn name(self) -> &'static str {
@@ -128,6 +142,7 @@ impl Scenario {
             Scenario::Many => "many (100 upstreams, 20 routes)",
             Scenario::Tls => "tls (TLS origin)",
             Scenario::Short => "short (16-token replies, 64 keep-alive connections)",
+            Scenario::ShortLog => "short-log (short replies, an access log to a file)",
             Scenario::Pool => "pool (three endpoints of one origin: 127.0.0.1, .2, .3)",
         }
     }
@@ -243,7 +258,7 @@ fn main() -> anyhow::Result<()> {
     for scenario in scenarios {
         let shapes = match (&shapes, scenario) {
             // One load: as many short requests as it sustains.
-            (_, Scenario::Short) => vec![Shape {
+            (_, s) if s.short() => vec![Shape {
                 streams: SHORT_CLIENTS,
                 interval_ms: 0,
             }],
@@ -331,7 +346,7 @@ fn table(shape: Shape, scenario: Scenario, runs: &[(Mode, Run)]) -> String {
         .unwrap_or(0);
     let base50 = of(Mode::Direct, &|r| r.p50_us);
     let base99 = of(Mode::Direct, &|r| r.p99_us);
-    let mut out = if scenario == Scenario::Short {
+    let mut out = if scenario.short() {
         format!(
             "{}: {SHORT_EVENTS}-event replies on {} connections (medians of {reps} runs)\n{:>9} | {:>11} | {:>14} | {:>22} | {:>6}\n",
             scenario.name(), shape.streams, "", "requests/s", "CPU µs/request", "added request p50/p99", "errors"
@@ -350,7 +365,7 @@ fn table(shape: Shape, scenario: Scenario, runs: &[(Mode, Run)]) -> String {
         if !runs.iter().any(|(x, _)| *x == m) {
             continue;
         }
-        if scenario == Scenario::Short {
+        if scenario.short() {
             let _ = writeln!(
                 out,
                 "{:>9} | {:>11.0} | {:>14} | {:>22} | {:>6}",
@@ -385,13 +400,9 @@ fn table(shape: Shape, scenario: Scenario, runs: &[(Mode, Run)]) -> String {
         );
     }
     // tokentap against nginx, run by run (each pair ran back to back), then the median.
-    let unit = if scenario == Scenario::Short {
-        "request"
-    } else {
-        "event"
-    };
+    let unit = if scenario.short() { "request" } else { "event" };
     let cost = |r: &Run| {
-        if scenario == Scenario::Short {
+        if scenario.short() {
             r.cpu_us_per_request
         } else {
             r.cpu_us_per_event
@@ -465,7 +476,7 @@ fn table(shape: Shape, scenario: Scenario, runs: &[(Mode, Run)]) -> String {
         "load side: CPU share {:.0}%, origin sends late by p99 {late:.2} ms",
         share * 100.0
     );
-    if scenario != Scenario::Short && (share > 0.85 || late > shape.interval_ms as f64 / 4.0) {
+    if !scenario.short() && (share > 0.85 || late > shape.interval_ms as f64 / 4.0) {
         let _ = writeln!(
             out,
             "WARNING: the load generator itself was saturated; the figures above are bounded by it"
@@ -871,7 +882,7 @@ async fn start_proxy(
                     std::env::var("TOKENTAP_OVERHEAD_UPSTREAM").unwrap_or_default(),
                 ),
             };
-            let log = if scenario == Scenario::Ops {
+            let log = if scenario.logs() {
                 format!("[log]\naccess = \"{}\"\n", dir.join("access.log").display())
             } else {
                 String::new()
@@ -922,7 +933,7 @@ async fn start_proxy(
                     format!("location / {{ proxy_pass {scheme}://origin; }}\n"),
                 ),
             };
-            let access = if scenario == Scenario::Ops {
+            let access = if scenario.logs() {
                 format!("access_log {d}/access.log;\n")
             } else {
                 "access_log off;\n".into()
@@ -1125,7 +1136,7 @@ async fn run_once(
 ) -> anyhow::Result<Run> {
     let interval = Duration::from_millis(shape.interval_ms);
     let epoch = Instant::now();
-    let short = scenario == Scenario::Short;
+    let short = scenario.short();
     let tls = (scenario == Scenario::Tls).then(tls_acceptor);
     let pool = scenario == Scenario::Pool;
     let origin = origin(interval, shape.streams, epoch, tls, short, pool).await;

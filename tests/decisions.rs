@@ -248,8 +248,9 @@ async fn capacity_says_how_many_endpoints_the_demand_needs() {
         let open = Mode::Open { rate: 100.0 / 3.0 };
         run(url, open, 22.0, 30, &[], &Options::default()).await
     });
+    // The held figure settles on 4 (a start that reads high is not held).
     let over = stats_when(&tap, |u| {
-        u["capacity"]["endpoints_needed"].is_number() && u["requests_total"].as_u64().unwrap() > 150
+        u["capacity"]["endpoints_needed"] == 4 && u["requests_total"].as_u64().unwrap() > 150
     })
     .await;
     let c = &over["upstreams"][0]["capacity"];
@@ -322,8 +323,9 @@ async fn endpoints_needed_holds_still_under_a_steady_load_and_follows_a_step() {
         })
     };
     let first = open(100.0);
+    // Past the figure's first seconds (it settles on 10 samples of a second).
     stats_when(&tap, |u| {
-        u["capacity"]["endpoints_needed"].is_number() && u["requests_total"].as_u64().unwrap() > 300
+        u["capacity"]["endpoints_needed"].is_number() && u["requests_total"].as_u64().unwrap() > 600
     })
     .await;
     let (mut held, mut now) = (Vec::new(), Vec::new());

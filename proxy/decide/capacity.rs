@@ -39,7 +39,11 @@ const SAMPLE_EVERY: Nanos = 900_000_000;
 /// The median must be this far past the held figure to raise it.
 pub const UP_MARGIN: f64 = 0.1;
 /// One endpoint fewer must leave this much spare to lower it.
-pub const DOWN_MARGIN: f64 = 0.3;
+pub const DOWN_MARGIN: f64 = 0.1;
+/// Samples before the held figure keeps to its margins: until then (the first seconds,
+/// when the window's figures are young) it follows the median, so a start that reads high
+/// is not held.
+const SETTLED: usize = 10;
 
 /// What capacity is computed from.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -203,9 +207,12 @@ impl Steady {
         needs.sort_by(f64::total_cmp);
         // The upper median: one of the needs seen, never a mean of two.
         let median = needs.get(needs.len() / 2).copied();
+        let settled = st.samples.len() >= SETTLED;
         st.held = median.map(|m| match st.held {
             // Kept while the median is not past it and one fewer would not leave room.
-            Some(n) if m <= n as f64 + UP_MARGIN && m > n as f64 - 1.0 - DOWN_MARGIN => n,
+            Some(n) if settled && m <= n as f64 + UP_MARGIN && m > n as f64 - 1.0 - DOWN_MARGIN => {
+                n
+            }
             _ => whole(m),
         });
         c.endpoints_needed = st.held;
@@ -340,9 +347,9 @@ mod tests {
                 steady.hold(i * SEC, stats(need)).endpoints_needed
             })
             .collect();
-        // Each second alone reads 4, 5 or 2; held: one value after the first seconds.
-        assert!(held[3..].iter().all(|&n| n == held[3]), "{held:?}");
-        assert!(matches!(held[3], Some(4 | 5)), "{held:?}");
+        // Each second alone reads 4, 5 or 2; held: one value once settled.
+        assert!(held[12..].iter().all(|&n| n == held[12]), "{held:?}");
+        assert!(matches!(held[12], Some(4 | 5)), "{held:?}");
         // The load doubles: the held figure follows within the median's half-window.
         let moved = (60..120u64)
             .find(|&i| steady.hold(i * SEC, stats(Some(8.3))).endpoints_needed == Some(9))
@@ -350,9 +357,9 @@ mod tests {
         assert!(moved - 60 <= STEADY_OVER / SEC / 2 + 1, "{moved}");
         let c = steady.hold(121 * SEC, stats(Some(8.3)));
         assert_eq!(c.advice.as_deref(), Some("add 6"));
-        // And back down when one fewer is clearly enough: 8.3 → 7.5 holds 9 → 8.
+        // And back down when one fewer is clearly enough: 8.3 → 7.8 holds 9 → 8.
         let down = (122..200u64)
-            .find(|&i| steady.hold(i * SEC, stats(Some(7.5))).endpoints_needed == Some(8))
+            .find(|&i| steady.hold(i * SEC, stats(Some(7.8))).endpoints_needed == Some(8))
             .expect("it comes down");
         assert!(down - 122 <= STEADY_OVER / SEC / 2 + 1, "{down}");
         // Asked many times a second, it samples once a second.

@@ -112,41 +112,22 @@ struct RolloutKeeper(Arc<Live>);
 
 #[async_trait]
 impl BackgroundService for RolloutKeeper {
-    async fn start(&self, mut shutdown: ShutdownWatch) {
-        let mut tick = tokio::time::interval(Duration::from_secs(1));
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
-        loop {
-            tokio::select! {
-                _ = tick.tick() => {}
-                _ = shutdown.changed() => return,
-            }
-            let shared = self.0.load();
-            if shared.rollouts.is_empty() {
-                continue;
-            }
-            let now = shared.clock.now();
-            let counts = |u: usize| {
-                let s = shared.upstreams[u].meter.stats(now);
-                let slo = &s.slo_requests_total;
-                crate::rollout::judge::Counts {
-                    requests: s.requests_total,
-                    errors: s.errors_total,
-                    judged: slo.iter().map(|(_, n)| n).sum(),
-                    good: (slo.iter())
-                        .find(|(v, _)| *v == "good")
-                        .map_or(0, |(_, n)| *n),
-                }
-            };
-            let compare = |r: &crate::rollout::Rollout, since: crate::meter::Nanos| {
-                let step = |u: usize| -> Vec<crate::meter::RequestSample> {
-                    let all = shared.upstreams[u].meter.samples(now);
-                    all.into_iter().filter(|s| s.at >= since).collect()
-                };
-                let secs = now.saturating_sub(since) / 1_000_000_000;
-                let (from, to) = (step(r.config.from), step(r.config.to));
-                crate::compare::compare(&r.from, &from, &r.to, &to, secs)
-            };
-            shared.rollouts.tick(now, counts, compare);
+    async fn start(&self, shutdown: ShutdownWatch) {
+        every(Duration::from_secs(1), shutdown, || {
+            self.0.load().tick_rollouts();
+        })
+        .await;
+    }
+}
+
+/// Runs `f` every `period` (a tick missed is skipped, not made up) until shutdown.
+async fn every(period: Duration, mut shutdown: ShutdownWatch, mut f: impl FnMut()) {
+    let mut tick = tokio::time::interval(period);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => f(),
+            _ = shutdown.changed() => return,
         }
     }
 }
@@ -168,14 +149,8 @@ struct UpstreamUpkeep(Arc<Live>);
 
 #[async_trait]
 impl BackgroundService for UpstreamUpkeep {
-    async fn start(&self, mut shutdown: ShutdownWatch) {
-        let mut tick = tokio::time::interval(Duration::from_millis(100));
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
-        loop {
-            tokio::select! {
-                _ = tick.tick() => {}
-                _ = shutdown.changed() => return,
-            }
+    async fn start(&self, shutdown: ShutdownWatch) {
+        every(Duration::from_millis(100), shutdown, || {
             let shared = self.0.load();
             for u in &shared.upstreams {
                 if let Some(b) = &u.backend {
@@ -187,7 +162,8 @@ impl BackgroundService for UpstreamUpkeep {
                     &u.meter,
                 );
             }
-        }
+        })
+        .await;
     }
 }
 

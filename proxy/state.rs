@@ -192,6 +192,37 @@ impl Shared {
         (next, notes)
     }
 
+    /// Evaluates each rollout that is due, on its upstreams' counters and the comparison of
+    /// the samples of its step.
+    pub fn tick_rollouts(&self) {
+        if self.rollouts.is_empty() {
+            return;
+        }
+        let now = self.clock.now();
+        let counts = |u: usize| {
+            let s = self.upstreams[u].meter.stats(now);
+            let slo = &s.slo_requests_total;
+            crate::rollout::judge::Counts {
+                requests: s.requests_total,
+                errors: s.errors_total,
+                judged: slo.iter().map(|(_, n)| n).sum(),
+                good: (slo.iter())
+                    .find(|(v, _)| *v == "good")
+                    .map_or(0, |(_, n)| *n),
+            }
+        };
+        let compare = |r: &crate::rollout::Rollout, since: crate::meter::Nanos| {
+            let step = |u: usize| -> Vec<crate::meter::RequestSample> {
+                let all = self.upstreams[u].meter.samples(now);
+                all.into_iter().filter(|s| s.at >= since).collect()
+            };
+            let secs = now.saturating_sub(since) / 1_000_000_000;
+            let (from, to) = (step(r.config.from), step(r.config.to));
+            crate::compare::compare(&r.from, &from, &r.to, &to, secs)
+        };
+        self.rollouts.tick(now, counts, compare);
+    }
+
     /// The upstream called `name`, and its place.
     pub fn upstream(&self, name: &str) -> Option<(usize, &Upstream)> {
         self.upstreams

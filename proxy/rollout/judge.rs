@@ -143,10 +143,7 @@ fn decide(
             ),
         );
     }
-    let worse = [("TPOT", tpot), ("TTFT", ttft)]
-        .into_iter()
-        .find_map(|(name, r)| r.filter(|r| r.ci95[0] > r.max).map(|r| (name, r)));
-    if let Some((name, r)) = worse {
+    if let Some((name, r)) = past(tpot, ttft, 0) {
         return (
             RollBack,
             format!(
@@ -176,10 +173,7 @@ fn decide(
     if c.max_ttft_ratio.is_some() && ttft.is_none() {
         return (Wait, "no TTFT verdict at matched concurrency yet".into());
     }
-    let unsure = [("TPOT", Some(tpot)), ("TTFT", ttft)]
-        .into_iter()
-        .find_map(|(name, r)| r.filter(|r| r.ci95[1] > r.max).map(|r| (name, r)));
-    if let Some((name, r)) = unsure {
+    if let Some((name, r)) = past(Some(tpot), ttft, 1) {
         return (
             Wait,
             format!(
@@ -201,6 +195,13 @@ fn decide(
             tpot.ratio, tpot.ci95[1], tpot.max
         ),
     )
+}
+
+/// The first of TPOT and TTFT whose interval's `end` (0: low, 1: high) is past its bound.
+fn past(tpot: Option<Ratio>, ttft: Option<Ratio>, end: usize) -> Option<(&'static str, Ratio)> {
+    [("TPOT", tpot), ("TTFT", ttft)]
+        .into_iter()
+        .find_map(|(name, r)| r.filter(|r| r.ci95[end] > r.max).map(|r| (name, r)))
 }
 
 /// The low end of the one-sided 95% Wilson interval of `k` in `n`.

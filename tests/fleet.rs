@@ -931,7 +931,8 @@ async fn two_tokentaps_agree_where_a_prefix_lives() {
         "hit rate from the replicas' caches: one tokentap {one:.1}%, two alone {alone:.1}%, two through Redis {two:.1}%"
     );
     assert!(two >= 80.0, "two tokentaps through Redis: {two:.1}%");
-    // Within the runs' own spread on two cores (one tokentap read 80.5–92.5%).
+    // Within the runs' own spread on two cores (eight runs: one tokentap 87.1–95.1%, two
+    // through Redis 89.5–94.3%).
     assert!(two >= one - 8.0, "two {two:.1}% against one {one:.1}%");
 }
 

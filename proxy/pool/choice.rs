@@ -238,12 +238,13 @@ impl Pool {
         // held).
         let bound = (3 * (total + 1)).div_ceil(2 * n.max(1)) + 2;
         let bound = each.map_or(bound, |cap| bound.min(cap));
+        let mut most = 0;
         let mut ranked: Vec<(usize, u64, &Arc<Endpoint>)> = (open.into_iter())
-            .filter(|e| e.in_flight() < bound)
-            .map(|e| {
+            .filter_map(|e| {
                 let held = lock(&e.prefixes).leading(&chain);
+                most = most.max(held);
                 let tie = rendezvous(&first.to_le_bytes(), &e.at);
-                (held, tie, e)
+                (e.in_flight() < bound).then_some((held, tie, e))
             })
             .collect();
         ranked.sort_unstable_by_key(|&(held, tie, _)| std::cmp::Reverse((held, tie)));
@@ -254,8 +255,14 @@ impl Pool {
         if ranked.first().is_some_and(|r| r.0 == 0) {
             lighter_first(&mut ranked, |r| r.2);
         }
-        let (_, _, chosen) = ranked.into_iter().find(|(_, _, e)| room(e))?;
-        lock(&chosen.prefixes).admit(chain);
+        let (held, _, chosen) = ranked.into_iter().find(|(_, _, e)| room(e))?;
+        // A spill (another endpoint holds more of it) is not learnt: the prefix's home
+        // stays where it was, the same in every tokentap (learnt, a spill to an endpoint
+        // that ranks higher by rendezvous would move the prefix there for good in this
+        // tokentap alone, and two tokentaps would split it over two replicas).
+        if held == most {
+            lock(&chosen.prefixes).admit(chain);
+        }
         Some(chosen)
     }
 }
@@ -282,15 +289,14 @@ impl Pool {
         if open.len() < 2 || open.iter().any(|e| lock(&e.prefixes).leading(&[first]) > 0) {
             return;
         }
-        // This tokentap's choice, as `by_prefix` makes it.
+        // Its two rendezvous choices, as `by_prefix` ranks them; the fleet weighs the two.
         let mut ranked: Vec<(u64, &Arc<Endpoint>)> = (open.iter())
             .map(|e| (rendezvous(&first.to_le_bytes(), &e.at), *e))
             .collect();
         ranked.sort_unstable_by_key(|r| std::cmp::Reverse(r.0));
-        lighter_first(&mut ranked, |r| r.1);
-        let choice = ranked[0].1;
+        let choices = [ranked[0].1.at.url.as_str(), ranked[1].1.at.url.as_str()];
         let urls: Vec<&str> = open.iter().map(|e| e.at.url.as_str()).collect();
-        let placed = cluster.place_prefix(&self.name, first, &choice.at.url, &urls);
+        let placed = cluster.place_prefix(&self.name, first, choices, &urls);
         if let Ok(url) = placed.await {
             if let Some(e) = open.iter().find(|e| e.at.url == url) {
                 lock(&e.prefixes).admit([first]);

@@ -9,28 +9,71 @@
 //! rewritten is forwarded event by event rather than fragment by fragment.
 
 use bytes::{Bytes, BytesMut};
+use serde::Deserialize;
+use serde_json::value::RawValue;
 use serde_json::Value;
 
 use crate::dialect::Dialect;
 use crate::sse::SseParser;
 
 /// The request body with usage asked for, or `None` to leave it alone (not JSON, not
-/// streaming, or usage already asked for either way).
+/// streaming, or usage already asked for either way). The client's bytes are kept as they
+/// came, with `"stream_options":{"include_usage":true},` (or `"include_usage":true` in its
+/// own `stream_options`) written in: one pass over the body that builds nothing of it (a
+/// long prompt is skipped over, not parsed into values) and one copy.
 pub fn request_with_usage(body: &[u8]) -> Option<Bytes> {
-    let mut v: Value = serde_json::from_slice(body).ok()?;
-    let obj = v.as_object_mut()?;
-    if obj.get("stream").and_then(Value::as_bool) != Some(true) {
+    let top: Top = serde_json::from_slice(body).ok()?;
+    if top.stream != Some(true) {
         return None;
     }
-    let options = obj
-        .entry("stream_options")
-        .or_insert_with(|| Value::Object(Default::default()));
-    let options = options.as_object_mut()?;
-    if options.contains_key("include_usage") {
-        return None; // the client decided; its answer stands
+    // An object (a struct reads from an array too).
+    let open = body.iter().position(|b| !b.is_ascii_whitespace())?;
+    if body[open] != b'{' {
+        return None;
     }
-    options.insert("include_usage".into(), Value::Bool(true));
-    serde_json::to_vec(&v).ok().map(Bytes::from)
+    let (at, insert): (usize, &[u8]) = match top.stream_options.0 {
+        None => (open + 1, br#""stream_options":{"include_usage":true},"#),
+        Some(raw) => {
+            let options: serde_json::Map<String, Value> = serde_json::from_str(raw.get()).ok()?;
+            if options.contains_key("include_usage") {
+                return None; // the client decided; its answer stands
+            }
+            let start = (raw.get().as_ptr() as usize).checked_sub(body.as_ptr() as usize)?;
+            if body.get(start) != Some(&b'{') {
+                return None;
+            }
+            let insert: &[u8] = if options.is_empty() {
+                br#""include_usage":true"#
+            } else {
+                br#""include_usage":true,"#
+            };
+            (start + 1, insert)
+        }
+    };
+    let mut out = BytesMut::with_capacity(body.len() + insert.len());
+    out.extend_from_slice(&body[..at]);
+    out.extend_from_slice(insert);
+    out.extend_from_slice(&body[at..]);
+    Some(out.freeze())
+}
+
+/// What usage injection reads of a request body: the rest is skipped, never built.
+#[derive(Deserialize)]
+struct Top<'a> {
+    #[serde(default)]
+    stream: Option<bool>,
+    #[serde(default, borrow)]
+    stream_options: Present<'a>,
+}
+
+/// A field as it came, `null` included (an `Option` would read `null` as absent).
+#[derive(Default)]
+struct Present<'a>(Option<&'a RawValue>);
+
+impl<'de: 'a, 'a> Deserialize<'de> for Present<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        <&RawValue>::deserialize(d).map(|raw| Present(Some(raw)))
+    }
 }
 
 /// Removes usage-only events from an SSE response, holding back only the bytes of an
@@ -140,6 +183,42 @@ mod tests {
             "malformed bodies go untouched"
         );
         assert!(request_with_usage(b"[1,2]").is_none());
+        assert!(
+            request_with_usage(b"[true]").is_none(),
+            "an array is no request"
+        );
+        assert!(
+            request_with_usage(br#"{"stream":true,"stream_options":null}"#).is_none(),
+            "a stream_options that is there stays the client's"
+        );
+        assert!(
+            request_with_usage(br#"{"stream":true,"stream":true}"#).is_none(),
+            "a duplicate key is left to the upstream"
+        );
+    }
+
+    #[test]
+    fn the_client_bytes_are_kept_with_the_option_written_in() {
+        let got = |body: &[u8]| request_with_usage(body).map(|b| b.to_vec());
+        assert_eq!(
+            got(b" {\"model\":\"m\", \"temperature\":0.70,\"stream\":true}").as_deref(),
+            Some(&b" {\"stream_options\":{\"include_usage\":true},\"model\":\"m\", \"temperature\":0.70,\"stream\":true}"[..])
+        );
+        assert_eq!(
+            got(b"{\"stream\":true,\"stream_options\": { } }").as_deref(),
+            Some(&b"{\"stream\":true,\"stream_options\": {\"include_usage\":true } }"[..])
+        );
+        // A long prompt goes through as it came, keys in their order, escapes as written.
+        let prompt = "word \\u00e9 ".repeat(20_000);
+        let body = format!(
+            "{{\"messages\":[{{\"role\":\"user\",\"content\":\"{prompt}\"}}],\"stream\":true,\"stream_options\":{{\"continuous_usage_stats\":false}}}}"
+        );
+        let out = got(body.as_bytes()).expect("rewritten");
+        let want = body.replace(
+            "\"stream_options\":{",
+            "\"stream_options\":{\"include_usage\":true,",
+        );
+        assert_eq!(out, want.as_bytes());
     }
 
     #[test]

@@ -259,8 +259,8 @@ fn chat(prompt: &str) -> Vec<u8> {
     .into_bytes()
 }
 
-/// `sticky`: a key is mirrored always or never; a body over the read-ahead is not
-/// mirrored, and counted; a copy goes on when its primary's client leaves, unless
+/// `sticky`: a key is mirrored always or never; a long prompt is copied whole, one over
+/// 8 MiB is not copied, and counted; a copy goes on when its primary's client leaves, unless
 /// `cancel_with_client`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sampling_is_sticky_long_bodies_are_counted_and_copies_outlive_their_clients() {
@@ -285,19 +285,33 @@ async fn sampling_is_sticky_long_bodies_are_counted_and_copies_outlive_their_cli
     let copies = upstream(&s, "b")["requests_total"].as_u64().unwrap();
     assert_eq!(copies % 3, 0, "each key all or nothing: {copies}");
     assert!((30..=90).contains(&copies), "about half the keys: {copies}");
-    // Past the read-ahead (64 KiB; more when it came at once): sent on, not copied, and
-    // counted.
+    // A long prompt (900 KiB, past the 64 KiB read ahead) is read whole and copied, the
+    // copy the same prompt; past 8 MiB it is sent on as it comes, not copied, and counted.
     let every = proxy(&[], &config(a.addr, b.addr, "max_in_flight = 4")).await;
+    let prompts = |s: &tokentap::sim::Sim| s.engine.stats().prompt_tokens;
+    let before = (prompts(&a), prompts(&b));
     let long = "x".repeat(900 << 10);
     let r = common::send(proxy_addr(&every), "POST", CHAT, &chat(&long), &[]).await;
     assert_eq!(r.unwrap().status, 200);
+    stats_where(&every, |s| {
+        upstream(s, "b")["requests_total"] == 1 && upstream(s, "b")["shadow"]["in_flight"] == 0
+    })
+    .await;
+    let sent = (prompts(&a) - before.0, prompts(&b) - before.1);
+    assert!(
+        sent.0 > 200_000 && sent.0 == sent.1,
+        "prompt tokens {sent:?}"
+    );
+    let longer = "x".repeat(9 << 20);
+    let r = common::send(proxy_addr(&every), "POST", CHAT, &chat(&longer), &[]).await;
+    assert_eq!(r.unwrap().status, 200);
     let s = stats_where(&every, |s| {
-        upstream(s, "a")["in_flight"] == 0 && upstream(s, "b")["shadow"]["in_flight"] == 0
+        upstream(s, "a")["in_flight"] == 0 && upstream(s, "a")["requests_total"] == 2
     })
     .await;
     let skipped = &upstream(&s, "b")["shadow"]["skipped_total"];
     assert_eq!(skipped["body_unread"], 1, "{skipped}");
-    assert_eq!(upstream(&s, "b")["requests_total"], 0);
+    assert_eq!(upstream(&s, "b")["requests_total"], 1);
 
     // A client that leaves mid-stream: its copy runs to its end by default…
     let (slow_a, slow_b) = (

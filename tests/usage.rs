@@ -69,6 +69,65 @@ async fn injected_usage_is_counted_and_hidden() {
     assert_eq!(u["estimated_output_tokens_total"], 0);
 }
 
+/// A long prompt (200 KB, past the 64 KiB read ahead), with a length or chunked: read
+/// whole, usage asked for in it (the client's bytes otherwise as they came), counted
+/// exactly, and the usage chunk kept from the client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_prompt_is_counted_exactly_too() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let sim = Sim::start(SimArgs {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        tpot_curve: "1:2".parse().unwrap(),
+        ttft_ms: 1.0,
+        ..SimArgs::defaults()
+    })
+    .await
+    .unwrap();
+    let tap = proxy(&[("sim", sim.addr)], "inject_usage = true\n").await;
+    let path = "/v1/chat/completions";
+    let prompt = "a long prompt ".repeat(200_000 / 14);
+    let body = format!(
+        r#"{{"model":"m","stream":true,"max_tokens":9,"messages":[{{"role":"user","content":"{prompt}"}}]}}"#
+    );
+    let via = fetch(proxy_addr(&tap), "POST", path, body.as_bytes()).await;
+    assert_eq!(via.status, 200);
+    assert!(events(&via.body).iter().all(|e| e.get("usage").is_none()));
+    // Chunked, in 16 KiB chunks written one by one.
+    let mut conn = tokio::net::TcpStream::connect(proxy_addr(&tap))
+        .await
+        .unwrap();
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+         transfer-encoding: chunked\r\nconnection: close\r\n\r\n"
+    );
+    conn.write_all(head.as_bytes()).await.unwrap();
+    for piece in body.as_bytes().chunks(16 << 10) {
+        let mut chunk = format!("{:x}\r\n", piece.len()).into_bytes();
+        chunk.extend_from_slice(piece);
+        chunk.extend_from_slice(b"\r\n");
+        conn.write_all(&chunk).await.unwrap();
+    }
+    conn.write_all(b"0\r\n\r\n").await.unwrap();
+    let mut answer = Vec::new();
+    conn.read_to_end(&mut answer).await.unwrap();
+    let text = String::from_utf8_lossy(&answer);
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    assert!(
+        text.contains("[DONE]") && !text.contains("\"usage\":{"),
+        "{text}"
+    );
+
+    let s = stats_when(&tap, |u| u["requests_total"] == 2).await;
+    let u = &s["upstreams"][0];
+    assert_eq!(u["output_tokens_total"], 18, "{u:#}");
+    assert_eq!(u["counts_exact"], true, "{u:#}");
+    assert_eq!(u["estimated_output_tokens_total"], 0);
+    assert!(
+        u["input_tokens_total"].as_u64().unwrap() > 2 * 40_000,
+        "{u:#}"
+    );
+}
+
 /// Cached prompt tokens, as the backend reports them, per upstream and per endpoint: none
 /// reported, no hit rate (never a guess); reported, the window's hit rate is the cached
 /// share of the prompt tokens of the requests that said.

@@ -146,7 +146,7 @@ impl TokenTap {
         ctx: &mut Ctx,
         choice: Choice,
         req: &RequestHead,
-        body: Option<&[u8]>,
+        body: Option<&Bytes>,
     ) {
         let shared = Arc::clone(&ctx.shared);
         let Some(dialect) = ctx.dialect else { return };
@@ -156,7 +156,6 @@ impl TokenTap {
             meetings: Vec::new(),
             cancel: None,
         };
-        let mut body_bytes: Option<Bytes> = None;
         for (j, m) in route.mirrors.iter().enumerate() {
             // A rollout's shadow: copies of `from`'s requests only, as many as the rollout
             // asks for now (none once `to` serves half or more).
@@ -196,9 +195,7 @@ impl TokenTap {
                 },
                 mirror: j,
                 head: req.clone(),
-                body: body_bytes
-                    .get_or_insert_with(|| Bytes::copy_from_slice(body))
-                    .clone(),
+                body: body.clone(),
                 request_id: ctx.request_id.clone(),
                 dialect,
                 meeting: Arc::clone(&meeting),

@@ -38,7 +38,7 @@ use super::failure::{self, Failure};
 use super::http1::answer::{self, error_body, json_response};
 use super::http1::conn::Io;
 use super::http1::io::watching;
-use super::http1::request::{Ahead, Checked, ClientError, Rest};
+use super::http1::request::{self, Ahead, Checked, ClientError, Rest};
 use super::record::{self, model_of, RequestId, Seen, REQUEST_ID_HEADER};
 use super::{TokenTap, UPSTREAM_HEADER};
 use crate::dialect::Dialect;
@@ -49,7 +49,7 @@ use crate::pool::{Keyed, Unplaced};
 use crate::routing::Choice;
 use admission::{over_budget, reject, route};
 use relay::{health_after_body, Relay};
-use upstream::{send_rest, Outgoing};
+use upstream::{needs_whole, send_rest, Outgoing, WHOLE_BODY_BYTES};
 
 mod admission;
 mod mirror;
@@ -333,19 +333,43 @@ impl TokenTap {
         shutdown: bool,
     ) -> Prepared {
         let Incoming {
-            checked, ahead, t0, ..
+            checked,
+            mut ahead,
+            t0,
+            ..
         } = *incoming;
         let Checked {
             req, body: kind, ..
         } = checked;
+        let shared = Arc::clone(&ctx.shared);
+        let limits = shared.config.limits;
+        if req.method == http::Method::POST {
+            ctx.dialect = Dialect::from_path(req.uri.path());
+        }
+        let routed = route(&shared, &req);
+        // Usage asked for and a mirror's copy need the body whole: a long prompt's rest is
+        // read before it is sent (the upstream would read it all before its first token).
+        if routed.is_some_and(|c| needs_whole(&shared, c, ctx.dialect)) {
+            let read = request::read_whole(client, &mut ahead, WHOLE_BODY_BYTES, &limits);
+            match read.await {
+                Ok(true) => {}
+                Ok(false) => return Prepared::Done(After::Close, None),
+                Err(mistake) => {
+                    ctx.status = mistake.status();
+                    let cwt = limits.client_write_timeout;
+                    ctx.bytes_out += answer::refuse(client, mistake, cwt).await;
+                    return Prepared::Done(After::Linger, None);
+                }
+            }
+        }
         let Ahead {
             bytes,
             rest,
             mut leftover,
         } = ahead;
-        let shared = Arc::clone(&ctx.shared);
-        let limits = shared.config.limits;
         let read_whole = matches!(rest, Rest::Done);
+        // Shared, not copied, with a mirror's copies.
+        let bytes = bytes.freeze();
         let keep_alive = !shutdown && req.http11 && !req.fields.has_token("connection", "close");
         // An answer tokentap makes itself keeps the connection only when the request was
         // read whole and nothing came after it; the answer's `Connection`, and what follows.
@@ -361,10 +385,7 @@ impl TokenTap {
             (keep, after)
         };
         ctx.t0 = t0;
-        if req.method == http::Method::POST {
-            ctx.dialect = Dialect::from_path(req.uri.path());
-        }
-        let Some(choice) = route(&shared, &req) else {
+        let Some(choice) = routed else {
             let body = error_body(
                 "tokentap: no route matches this request",
                 "invalid_request_error",
@@ -478,7 +499,7 @@ impl TokenTap {
             }
         }
         if !shared.config.routes[choice.route].mirrors.is_empty() {
-            self.mirror(ctx, choice, &req, read_whole.then_some(&bytes[..]));
+            self.mirror(ctx, choice, &req, read_whole.then_some(&bytes));
         }
         let outgoing = Outgoing {
             req,

@@ -48,7 +48,7 @@ pub(super) enum UpBody {
 pub(super) struct Outgoing {
     pub(super) req: RequestHead,
     pub(super) kind: BodyKind,
-    pub(super) body: BytesMut,
+    pub(super) body: bytes::Bytes,
     pub(super) rest: Rest,
 }
 
@@ -75,7 +75,7 @@ impl TokenTap {
         let http10 = !req.http11;
         let head_request = req.method == http::Method::HEAD;
         let keep_alive = !shutdown && !http10 && !req.fields.has_token("connection", "close");
-        let mut body = body.freeze();
+        let mut body = body;
         let read_whole = matches!(rest, Rest::Done);
         let shared = Arc::clone(&ctx.shared);
         let upstream = &shared.upstreams[choice.upstream];
@@ -230,6 +230,26 @@ impl TokenTap {
             }
         }
     }
+}
+
+/// The most of a body read whole before it is sent, when something needs it whole (8 MiB:
+/// a prompt of some two million tokens); the rest of a longer one is streamed, and it goes
+/// without usage asked for and without its mirrors' copies (counted as skipped).
+pub(super) const WHOLE_BODY_BYTES: usize = 8 << 20;
+
+/// Whether a request routed to `choice` needs its body whole: a metered request to an
+/// upstream that asks OpenAI requests for usage, or on a route with mirrors.
+pub(super) fn needs_whole(
+    shared: &crate::state::Shared,
+    choice: Choice,
+    dialect: Option<Dialect>,
+) -> bool {
+    let Some(dialect) = dialect else {
+        return false;
+    };
+    let upstream = &shared.upstreams[choice.upstream].config;
+    let usage = dialect == Dialect::OpenAi && upstream.inject_usage;
+    usage || !shared.config.routes[choice.route].mirrors.is_empty()
 }
 
 /// The body with `stream_options.include_usage` asked for, when the upstream injects usage

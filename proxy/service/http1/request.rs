@@ -262,6 +262,71 @@ pub(crate) async fn read_ahead(
         .unwrap_or(Err(ClientError::BodyTimeout))
 }
 
+/// Reads the rest of a body read ahead, when all of it fits in `bound` bytes (a chunked
+/// body: until it ends, or once past `bound`), within `server.request_body_timeout_secs`:
+/// for what needs the body whole (usage asked for, a mirror's copy). A longer body keeps
+/// its rest to be streamed. A known length is read into room made once for it.
+/// `Ok(false)`: the client went away.
+pub(crate) async fn read_whole(
+    client: &mut Io,
+    ahead: &mut Ahead,
+    bound: usize,
+    limits: &Limits,
+) -> Result<bool, ClientError> {
+    let Ahead {
+        bytes,
+        rest,
+        leftover,
+    } = ahead;
+    let max_body = limits.max_request_body_bytes;
+    let reading = async {
+        match rest {
+            Rest::Done => Ok(true),
+            Rest::Length(left) => {
+                let whole = bytes.len() as u64 + *left;
+                if whole > bound as u64 {
+                    return Ok(true);
+                }
+                let whole = whole as usize; // within `bound`
+                bytes.reserve(whole - bytes.len());
+                while bytes.len() < whole {
+                    if !more(client, bytes).await {
+                        return Ok(false);
+                    }
+                }
+                *leftover = bytes.split_off(whole);
+                *rest = Rest::Done;
+                Ok(true)
+            }
+            Rest::Chunked(decoder) => {
+                let mut read = BytesMut::new();
+                while bytes.len() <= bound {
+                    if !more(client, &mut read).await {
+                        return Ok(false);
+                    }
+                    let used = decoder
+                        .feed(&read, |p| bytes.extend_from_slice(p))
+                        .map_err(|_| ClientError::BadChunk)?;
+                    read.advance(used);
+                    if bytes.len() as u64 > max_body {
+                        return Err(ClientError::BodyTooLarge);
+                    }
+                    if decoder.done() {
+                        *leftover = read;
+                        *rest = Rest::Done;
+                        return Ok(true);
+                    }
+                    read.clear(); // all of it was fed
+                }
+                Ok(true)
+            }
+        }
+    };
+    tokio::time::timeout(limits.request_body_timeout, reading)
+        .await
+        .unwrap_or(Err(ClientError::BodyTimeout))
+}
+
 /// Reads more of the client's bytes onto `read`; false at its end or on an error.
 async fn more(client: &mut Io, read: &mut BytesMut) -> bool {
     matches!(read_more(client, read).await, Ok(n) if n > 0)

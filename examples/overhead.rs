@@ -33,7 +33,13 @@
 //! `proxy_ssl_session_reuse on`; neither verifies the origin's certificate); **short**
 //! 16-token replies sent at once, on 64 keep-alive client connections, as many requests
 //! as the load side sustains: requests/s and CPU per request; **short-log** the same with
-//! an access log to a file on both. `--shapes` applies to every
+//! an access log to a file on both; **long** 200 KB prompts (16 system prompts of ~200 KB,
+//! a question of each request's own) on 64 keep-alive connections, each client waiting
+//! 100 ms between a reply and its next request, to a pool of three endpoints: tokentap with
+//! `inject_usage`, a mirror of every request and `balance = "prefix"`, nginx with its mirror
+//! module (the body in memory); "added request p50/p99" is the TTFT added, the reply being
+//! sent at once (`TOKENTAP_OVERHEAD_LONG=usage,mirror,prefix` chooses which are on; nginx
+//! mirrors when `mirror` is). `--shapes` applies to every
 //! streaming scenario (default: plain gets 1x20,512x20,4000x160,9900x400, the others
 //! 512x20).
 //!
@@ -109,6 +115,9 @@ enum Scenario {
     /// Short replies with the access log on (no scrapes).
     ShortLog,
     Pool,
+    /// Long prompts: 200 KB request bodies, with usage asked for, a mirror and prefix
+    /// balance on.
+    Long,
 }
 
 impl Scenario {
@@ -121,13 +130,21 @@ impl Scenario {
             "short" => Scenario::Short,
             "short-log" => Scenario::ShortLog,
             "pool" => Scenario::Pool,
-            _ => panic!("unknown scenario {s}: plain, ops, many, tls, short, short-log or pool"),
+            "long" => Scenario::Long,
+            _ => panic!(
+                "unknown scenario {s}: plain, ops, many, tls, short, short-log, pool or long"
+            ),
         }
     }
 
     /// Short replies, many a second (requests/s and CPU per request).
     fn short(self) -> bool {
-        matches!(self, Scenario::Short | Scenario::ShortLog)
+        matches!(self, Scenario::Short | Scenario::ShortLog | Scenario::Long)
+    }
+
+    /// The origin on three addresses (127.0.0.1, .2, .3), a pool of three endpoints.
+    fn pool(self) -> bool {
+        matches!(self, Scenario::Pool | Scenario::Long)
     }
 
     /// An access log to a file, on both proxies.
@@ -144,6 +161,7 @@ impl Scenario {
             Scenario::Short => "short (16-token replies, 64 keep-alive connections)",
             Scenario::ShortLog => "short-log (short replies, an access log to a file)",
             Scenario::Pool => "pool (three endpoints of one origin: 127.0.0.1, .2, .3)",
+            Scenario::Long => "long (200 KB prompts, inject_usage, a mirror, balance = prefix)",
         }
     }
 }
@@ -152,6 +170,13 @@ impl Scenario {
 const SHORT_CLIENTS: usize = 64;
 /// Events in one short reply.
 const SHORT_EVENTS: usize = 16;
+/// The long scenario's request body, bytes, and the distinct prompt prefixes it draws from.
+const LONG_BYTES: usize = 200_000;
+const LONG_PREFIXES: usize = 16;
+/// What each long-prompt client waits between a reply and its next request: the load side
+/// (client and origin on one core, each body written and read on loopback) stays below
+/// saturation, so the added latency is the proxy's, not a queue's.
+const LONG_THINK: Duration = Duration::from_millis(100);
 
 /// One run's figures.
 #[derive(Clone, Debug, Default)]
@@ -872,6 +897,19 @@ async fn start_proxy(
                 Scenario::Pool => format!(
                     "[[upstream]]\nname = \"origin\"\nendpoints = [\"http://127.0.0.1:{port}\", \"http://127.0.0.2:{port}\", \"http://127.0.0.3:{port}\"]\n"
                 ),
+                Scenario::Long => format!(
+                    "[[upstream]]\nname = \"origin\"\nendpoints = [\"http://127.0.0.1:{port}\", \"http://127.0.0.2:{port}\", \"http://127.0.0.3:{port}\"]\n\
+                     balance = \"{}\"\ninject_usage = {}\n\
+                     [[upstream]]\nname = \"shadow\"\nurl = \"http://127.0.0.1:{port}\"\n\
+                     [[route]]\nsplit = {{ origin = 1 }}\n{}",
+                    if long_on("prefix") { "prefix" } else { "least_loaded" },
+                    long_on("usage"),
+                    if long_on("mirror") {
+                        "mirror = { upstream = \"shadow\", max_in_flight = 64 }\n"
+                    } else {
+                        ""
+                    },
+                ),
                 _ => format!(
                     "[[upstream]]\nname = \"origin\"\nurl = \"{url}\"\n{}{}{}\n",
                     if tls { "tls_verify = false\n" } else { "" },
@@ -927,6 +965,19 @@ async fn start_proxy(
                 Scenario::Pool => (
                     format!("upstream origin {{ server 127.0.0.1:{port}; server 127.0.0.2:{port}; server 127.0.0.3:{port}; keepalive 1024; keepalive_requests 1000000; }}\n"),
                     format!("location / {{ proxy_pass {scheme}://origin; }}\n"),
+                ),
+                // Its mirror module copies each request (the body held in memory: 1 MiB
+                // of buffer, no temporary file); it has no usage to ask for, nor prefixes.
+                Scenario::Long => (
+                    format!("upstream origin {{ server 127.0.0.1:{port}; server 127.0.0.2:{port}; server 127.0.0.3:{port}; keepalive 1024; keepalive_requests 1000000; }}\n\
+                             upstream shadow {{ server 127.0.0.1:{port}; keepalive 1024; keepalive_requests 1000000; }}\n\
+                             client_body_buffer_size 1m; client_max_body_size 16m;\n"),
+                    if long_on("mirror") {
+                        format!("location / {{ mirror /mirror; mirror_request_body on; proxy_pass {scheme}://origin; }}\n\
+                                 location = /mirror {{ internal; proxy_pass {scheme}://shadow$request_uri; }}\n")
+                    } else {
+                        format!("location / {{ proxy_pass {scheme}://origin; }}\n")
+                    },
                 ),
                 _ => (
                     format!("upstream origin {{ server {origin}; keepalive 1024; keepalive_requests 1000000; }}\n"),
@@ -1138,8 +1189,7 @@ async fn run_once(
     let epoch = Instant::now();
     let short = scenario.short();
     let tls = (scenario == Scenario::Tls).then(tls_acceptor);
-    let pool = scenario == Scenario::Pool;
-    let origin = origin(interval, shape.streams, epoch, tls, short, pool).await;
+    let origin = origin(interval, shape.streams, epoch, tls, short, scenario.pool()).await;
     let queued = mode == Mode::Tokentap && std::env::var_os("TOKENTAP_OVERHEAD_QUEUED").is_some();
     let proxy = start_proxy(
         mode,
@@ -1182,7 +1232,7 @@ async fn run_once(
         );
         tasks.push(tokio::spawn(async move {
             if short {
-                short_client(target, tally, measuring, stop).await;
+                short_client(target, scenario, tally, measuring, stop).await;
             } else {
                 client(target, interval, epoch, tally, measuring, stop, sem).await;
             }
@@ -1622,16 +1672,27 @@ async fn admin_get(at: SocketAddr, path: &str) -> Option<Vec<u8>> {
 /// (reconnecting, not counted as an error, when the server closes between replies).
 async fn short_client(
     target: SocketAddr,
+    scenario: Scenario,
     tally: Arc<Mutex<Tally>>,
     measuring: Arc<std::sync::atomic::AtomicBool>,
     stop: Arc<tokio::sync::Notify>,
 ) {
-    let body = br#"{"model":"m","stream":true,"max_tokens":16,"messages":[{"role":"user","content":"hi"}]}"#;
+    let long = scenario == Scenario::Long;
     let path =
         std::env::var("TOKENTAP_OVERHEAD_PATH").unwrap_or_else(|_| "/v1/chat/completions".into());
-    let req = format!("POST {path} HTTP/1.1\r\nhost: origin\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n", body.len());
-    let mut wire = req.into_bytes();
-    wire.extend_from_slice(body);
+    let mut asked = 0u64;
+    let mut wire = || {
+        asked += 1;
+        let body = if long {
+            long_body(asked)
+        } else {
+            br#"{"model":"m","stream":true,"max_tokens":16,"messages":[{"role":"user","content":"hi"}]}"#.to_vec()
+        };
+        let req = format!("POST {path} HTTP/1.1\r\nhost: origin\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n", body.len());
+        let mut wire = req.into_bytes();
+        wire.extend_from_slice(&body);
+        wire
+    };
     let stopped = stop.notified();
     tokio::pin!(stopped);
     let mut buf = vec![0u8; 16 * 1024];
@@ -1642,6 +1703,7 @@ async fn short_client(
         };
         let _ = s.set_nodelay(true);
         loop {
+            let wire = wire();
             let sent = Instant::now();
             if s.write_all(&wire).await.is_err() {
                 continue 'connect;
@@ -1675,25 +1737,68 @@ async fn short_client(
             let done = Instant::now();
             let events = memchr::memmem::find_iter(&got, b"\"t\":").count() as u64;
             let ok = got.starts_with(b"HTTP/1.1 200") && events == SHORT_EVENTS as u64;
-            let mut t = tally.lock().unwrap();
-            if !ok {
-                t.errors += 1;
+            let counted = {
+                let mut t = tally.lock().unwrap();
+                count(&mut t, ok, first, sent, done, events, &measuring)
+            };
+            if !counted {
                 continue;
             }
-            if let Some(f) = first {
-                if t.ttft.len() < 100_000 {
-                    t.ttft.push(f.duration_since(sent).as_micros() as u64);
+            if long {
+                tokio::select! {
+                    () = tokio::time::sleep(LONG_THINK) => {}
+                    _ = &mut stopped => return,
                 }
-            }
-            if measuring.load(Relaxed) {
-                let us = done.duration_since(sent).as_micros().max(1) as u64;
-                let _ = t.lat.record(us);
-                let _ = t.app_lat.record(us);
-                t.events += events;
-                t.requests += 1;
             }
         }
     }
+}
+
+/// Tallies one short reply: false when it was not whole (an error).
+fn count(
+    t: &mut Tally,
+    ok: bool,
+    first: Option<Instant>,
+    sent: Instant,
+    done: Instant,
+    events: u64,
+    measuring: &std::sync::atomic::AtomicBool,
+) -> bool {
+    if !ok {
+        t.errors += 1;
+        return false;
+    }
+    if let Some(f) = first {
+        if t.ttft.len() < 100_000 {
+            t.ttft.push(f.duration_since(sent).as_micros() as u64);
+        }
+    }
+    if measuring.load(Relaxed) {
+        let us = done.duration_since(sent).as_micros().max(1) as u64;
+        let _ = t.lat.record(us);
+        let _ = t.app_lat.record(us);
+        t.events += events;
+        t.requests += 1;
+    }
+    true
+}
+
+/// Whether the long scenario has `feature` on (`TOKENTAP_OVERHEAD_LONG`, a list of `usage`,
+/// `mirror` and `prefix`; all three when unset).
+fn long_on(feature: &str) -> bool {
+    std::env::var("TOKENTAP_OVERHEAD_LONG").map_or(true, |on| on.split(',').any(|f| f == feature))
+}
+
+/// A long prompt's request body ([`LONG_BYTES`]): one of [`LONG_PREFIXES`] system prompts
+/// (an agent's tools and context), then a short question of its own.
+fn long_body(n: u64) -> Vec<u8> {
+    let prefix = n % LONG_PREFIXES as u64;
+    let words = format!("context {prefix} tool schema and documents ");
+    let system = words.repeat(LONG_BYTES / words.len());
+    format!(
+        r#"{{"model":"m","stream":true,"max_tokens":16,"messages":[{{"role":"system","content":"{system}"}},{{"role":"user","content":"question {n}"}}]}}"#
+    )
+    .into_bytes()
 }
 
 /// One read, with the kernel's receive stamp of its last segment (none when the kernel

@@ -16,12 +16,32 @@ use serde_json::Value;
 use crate::dialect::Dialect;
 use crate::sse::SseParser;
 
+/// Where usage is asked for in a request body: `text` written in at byte `at`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Insertion {
+    pub at: usize,
+    pub text: &'static [u8],
+}
+
 /// The request body with usage asked for, or `None` to leave it alone (not JSON, not
+/// streaming, or usage already asked for either way): the body as it came with
+/// [`insertion`]'s text written in.
+pub fn request_with_usage(body: &[u8]) -> Option<Bytes> {
+    let Insertion { at, text } = insertion(body)?;
+    let mut out = BytesMut::with_capacity(body.len() + text.len());
+    out.extend_from_slice(&body[..at]);
+    out.extend_from_slice(text);
+    out.extend_from_slice(&body[at..]);
+    Some(out.freeze())
+}
+
+/// Where to ask for usage in a request body, or `None` to leave it alone (not JSON, not
 /// streaming, or usage already asked for either way). The client's bytes are kept as they
 /// came, with `"stream_options":{"include_usage":true},` (or `"include_usage":true` in its
 /// own `stream_options`) written in: one pass over the body that builds nothing of it (a
-/// long prompt is skipped over, not parsed into values) and one copy.
-pub fn request_with_usage(body: &[u8]) -> Option<Bytes> {
+/// long prompt is skipped over, not parsed into values), and no copy (the caller sends the
+/// body's two parts around the text).
+pub fn insertion(body: &[u8]) -> Option<Insertion> {
     let top: Top = serde_json::from_slice(body).ok()?;
     if top.stream != Some(true) {
         return None;
@@ -31,8 +51,11 @@ pub fn request_with_usage(body: &[u8]) -> Option<Bytes> {
     if body[open] != b'{' {
         return None;
     }
-    let (at, insert): (usize, &[u8]) = match top.stream_options.0 {
-        None => (open + 1, br#""stream_options":{"include_usage":true},"#),
+    match top.stream_options.0 {
+        None => Some(Insertion {
+            at: open + 1,
+            text: br#""stream_options":{"include_usage":true},"#,
+        }),
         Some(raw) => {
             let options: serde_json::Map<String, Value> = serde_json::from_str(raw.get()).ok()?;
             if options.contains_key("include_usage") {
@@ -42,19 +65,17 @@ pub fn request_with_usage(body: &[u8]) -> Option<Bytes> {
             if body.get(start) != Some(&b'{') {
                 return None;
             }
-            let insert: &[u8] = if options.is_empty() {
+            let text: &[u8] = if options.is_empty() {
                 br#""include_usage":true"#
             } else {
                 br#""include_usage":true,"#
             };
-            (start + 1, insert)
+            Some(Insertion {
+                at: start + 1,
+                text,
+            })
         }
-    };
-    let mut out = BytesMut::with_capacity(body.len() + insert.len());
-    out.extend_from_slice(&body[..at]);
-    out.extend_from_slice(insert);
-    out.extend_from_slice(&body[at..]);
-    Some(out.freeze())
+    }
 }
 
 /// What usage injection reads of a request body: the rest is skipped, never built.

@@ -17,7 +17,7 @@ use bytes::{Bytes, BytesMut};
 use pingora::prelude::*;
 use tokio::sync::watch;
 
-use super::upstream::{upstream_id, upstream_request, usage_asked, UpBody};
+use super::upstream::{upstream_id, upstream_request, usage_asked, UpBody, Wire};
 use super::{ClientSide, Sent};
 use crate::compare::paired::{Meeting, Side};
 use crate::config::Mirror;
@@ -246,9 +246,10 @@ impl TokenTap {
         ctx.endpoint = Some(held);
         // Counted exactly where the mirror upstream asks for usage (its chunk is read with
         // the rest, and goes nowhere).
-        let body = usage_asked(&ctx, upstream, &body).unwrap_or(body);
+        let insertion = usage_asked(&ctx, upstream, &body);
+        let body_len = body.len() + insertion.map_or(0, |i| i.text.len());
         let operation = dialect.operation(head.uri.path());
-        let mut wire = BytesMut::with_capacity(512 + body.len());
+        let mut wire = BytesMut::with_capacity(512);
         // `set_headers`: out of the copied head, and written with tokentap's own.
         let sets = &shared.config.routes[choice.route].mirrors[mirror].set_headers;
         for (name, _) in sets {
@@ -262,11 +263,11 @@ impl TokenTap {
             head,
             &endpoint.at.host_header,
             upstream_id(&ctx),
-            UpBody::Length(body.len() as u64),
+            UpBody::Length(body_len as u64),
             &extra,
             &mut wire,
         );
-        wire.extend_from_slice(&body);
+        let wire = Wire::new(wire, &body, insertion);
         self.begin_record(&mut ctx, upstream, &endpoint, Some(&body), Some(operation));
         drop(body);
 
@@ -314,7 +315,7 @@ impl TokenTap {
 
     /// Connects, sends `wire`, reads the answer and discards it, metered: the primary's
     /// response path with no client.
-    async fn copy_exchange(&self, ctx: &mut Ctx, choice: Choice, wire: BytesMut) -> Result<()> {
+    async fn copy_exchange(&self, ctx: &mut Ctx, choice: Choice, wire: Wire) -> Result<()> {
         let shared = Arc::clone(&ctx.shared);
         let upstream = &shared.upstreams[choice.upstream];
         let up = self.connect_and_write(upstream, ctx, wire).await?;

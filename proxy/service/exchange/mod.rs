@@ -82,7 +82,7 @@ pub(super) enum After {
 /// A request routed and admitted, its bytes for the upstream made: to connect and send.
 struct Ready {
     /// The request head with the body read so far, as the upstream gets them.
-    wire: BytesMut,
+    wire: upstream::Wire,
     /// The rest of the body, still to read from the client.
     rest: Rest,
     sent_so_far: u64,

@@ -3,10 +3,10 @@
 //! connector), a connect that failed tried once more, the head written for the upstream
 //! with the body read ahead, and the rest of the body streamed.
 
-use std::io::{self, Write as _};
+use std::io::{self, IoSlice, Write as _};
 use std::time::Duration;
 
-use bytes::BytesMut;
+use bytes::{Bytes, BytesMut};
 use pingora::prelude::*;
 use pingora::upstreams::peer::HttpPeer;
 use tokio::io::AsyncWriteExt;
@@ -29,7 +29,7 @@ use crate::service::http1::request::{ClientError, Rest};
 use crate::service::record::REQUEST_ID_HEADER;
 use crate::service::TokenTap;
 use crate::state::Upstream;
-use crate::usage::{self, UsageStripper};
+use crate::usage::{self, Insertion, UsageStripper};
 
 /// Attempts at connecting: a connect that failed in a way pingora marks retryable is tried
 /// once more. A request that was sent is never sent again (a generation would run twice),
@@ -44,11 +44,54 @@ pub(super) enum UpBody {
     Chunked,
 }
 
+/// A request's bytes as the upstream gets them: its head (with a chunked body's first
+/// chunk), then its body in up to three parts, written with one vectored write: the body as
+/// read, or its two parts around usage asked for (the client's bytes never copied again,
+/// whatever their length, for the request or a mirror's copy of it).
+pub(super) struct Wire {
+    pub(super) head: BytesMut,
+    pub(super) body: [Bytes; 3],
+}
+
+impl Wire {
+    /// `head`, then `body` with `insertion` written in.
+    pub(super) fn new(head: BytesMut, body: &Bytes, insertion: Option<Insertion>) -> Wire {
+        let body = match insertion {
+            None => [body.clone(), Bytes::new(), Bytes::new()],
+            Some(Insertion { at, text }) => {
+                [body.slice(..at), Bytes::from_static(text), body.slice(at..)]
+            }
+        };
+        Wire { head, body }
+    }
+
+    /// Writes it all to `up`: one system call unless the socket takes less.
+    async fn write_to(&self, up: &mut Io) -> io::Result<()> {
+        let parts = [&self.head[..], &self.body[0], &self.body[1], &self.body[2]];
+        let total: usize = parts.iter().map(|p| p.len()).sum();
+        let mut done = 0;
+        while done < total {
+            let mut skip = done;
+            let mut slices = [IoSlice::new(&[]); 4];
+            for (slice, part) in slices.iter_mut().zip(parts) {
+                let from = skip.min(part.len());
+                skip -= from;
+                *slice = IoSlice::new(&part[from..]);
+            }
+            match up.write_vectored(&slices).await? {
+                0 => return Err(io::ErrorKind::WriteZero.into()),
+                n => done += n,
+            }
+        }
+        Ok(())
+    }
+}
+
 /// What goes upstream: the client's head and body as read so far.
 pub(super) struct Outgoing {
     pub(super) req: RequestHead,
     pub(super) kind: BodyKind,
-    pub(super) body: bytes::Bytes,
+    pub(super) body: Bytes,
     pub(super) rest: Rest,
 }
 
@@ -75,18 +118,17 @@ impl TokenTap {
         let http10 = !req.http11;
         let head_request = req.method == http::Method::HEAD;
         let keep_alive = !shutdown && !http10 && !req.fields.has_token("connection", "close");
-        let mut body = body;
         let read_whole = matches!(rest, Rest::Done);
         let shared = Arc::clone(&ctx.shared);
         let upstream = &shared.upstreams[choice.upstream];
-        if let Some(asked) = read_whole
+        let insertion = read_whole
             .then(|| usage_asked(ctx, upstream, &body))
-            .flatten()
-        {
-            body = asked;
+            .flatten();
+        if insertion.is_some() {
             // The client gets no usage chunk it did not ask for.
             ctx.strip_usage = Some(UsageStripper::new(shared.config.max_event_bytes));
         }
+        let body_len = (body.len() + insertion.map_or(0, |i| i.text.len())) as u64;
         let expects_body = matches!(
             req.method,
             http::Method::POST | http::Method::PUT | http::Method::PATCH
@@ -96,7 +138,7 @@ impl TokenTap {
             // answer 411 without one).
             (BodyKind::None, _) if expects_body => UpBody::Length(0),
             (BodyKind::None, _) => UpBody::None,
-            (_, Rest::Done) => UpBody::Length(body.len() as u64),
+            (_, Rest::Done) => UpBody::Length(body_len),
             (BodyKind::Length(n), _) => UpBody::Length(n),
             (BodyKind::Chunked, _) => UpBody::Chunked,
         };
@@ -107,14 +149,14 @@ impl TokenTap {
                 "a request sent with no endpoint",
             ));
         };
-        let mut wire = BytesMut::with_capacity(512 + body.len());
-        upstream_request(req, &endpoint.at.host_header, id, up_body, &[], &mut wire);
-        if up_body == UpBody::Chunked {
-            body::put_chunk(&mut wire, &body);
+        let mut head = BytesMut::with_capacity(512);
+        upstream_request(req, &endpoint.at.host_header, id, up_body, &[], &mut head);
+        let wire = if up_body == UpBody::Chunked {
+            body::put_chunk(&mut head, &body); // the read-ahead, under 64 KiB and a line
+            Wire::new(head, &Bytes::new(), None)
         } else {
-            wire.extend_from_slice(&body);
-        }
-        let sent_so_far = body.len() as u64;
+            Wire::new(head, &body, insertion)
+        };
         if ctx.dialect.is_some() {
             self.begin_record(ctx, upstream, &endpoint, Some(&body), operation);
         }
@@ -122,7 +164,7 @@ impl TokenTap {
         Ok(Ready {
             wire,
             rest,
-            sent_so_far,
+            sent_so_far: body_len,
             watch,
             leftover,
             client_side: ClientSide {
@@ -184,7 +226,7 @@ impl TokenTap {
         &self,
         upstream: &Upstream,
         ctx: &mut Ctx,
-        mut wire: BytesMut,
+        mut wire: Wire,
     ) -> Result<Io> {
         let (pool, queue_timeout) = (&upstream.pool, upstream.config.queue_timeout);
         let (held, stream) = (&mut ctx.endpoint, &mut ctx.stream);
@@ -200,7 +242,11 @@ impl TokenTap {
             let peer = endpoint.peer();
             let mut e = match self.connect(endpoint.at.addr, &peer).await {
                 Ok(mut up) => {
-                    write_up(&mut up, &wire, peer.options.write_timeout).await?;
+                    let write = async {
+                        wire.write_to(&mut up).await?;
+                        up.flush().await
+                    };
+                    within(peer.options.write_timeout, write).await?;
                     return Ok(up);
                 }
                 Err(e) => e,
@@ -223,7 +269,7 @@ impl TokenTap {
                 let next = pool.lease(next, self.now(), None).await;
                 let (from, to) = (&endpoint.at.host_header, &next.endpoint.at.host_header);
                 if from != to {
-                    wire = rehost(&wire, from, to);
+                    wire.head = rehost(&wire.head, from, to);
                 }
                 TokenTap::moved(stream, &next.endpoint);
                 *held = Some(next); // the first endpoint's slot is freed
@@ -252,11 +298,11 @@ pub(super) fn needs_whole(
     usage || !shared.config.routes[choice.route].mirrors.is_empty()
 }
 
-/// The body with `stream_options.include_usage` asked for, when the upstream injects usage
-/// and the request is OpenAI's: counted exactly from the stream's own usage chunk.
-pub(super) fn usage_asked(ctx: &Ctx, upstream: &Upstream, body: &[u8]) -> Option<bytes::Bytes> {
+/// Where the body gets `stream_options.include_usage`, when the upstream injects usage and
+/// the request is OpenAI's: counted exactly from the stream's own usage chunk.
+pub(super) fn usage_asked(ctx: &Ctx, upstream: &Upstream, body: &[u8]) -> Option<Insertion> {
     let ask = ctx.dialect == Some(Dialect::OpenAi) && upstream.config.inject_usage;
-    ask.then(|| usage::request_with_usage(body)).flatten()
+    ask.then(|| usage::insertion(body)).flatten()
 }
 
 /// tokentap's request id for the upstream: the client's own goes as it came (in its
@@ -334,10 +380,18 @@ pub(super) fn upstream_request(
 
 /// Writes to the upstream within its write timeout.
 async fn write_up(up: &mut Io, bytes: &[u8], write_timeout: Option<Duration>) -> Result<()> {
-    let write = async {
+    within(write_timeout, async {
         up.write_all(bytes).await?;
         up.flush().await
-    };
+    })
+    .await
+}
+
+/// An upstream write, within its write timeout.
+async fn within(
+    write_timeout: Option<Duration>,
+    write: impl std::future::Future<Output = io::Result<()>>,
+) -> Result<()> {
     match write_timeout {
         Some(t) => match timeout(t, write).await {
             Ok(r) => r.map_err(|e| up_io(WriteError, e)),
@@ -444,5 +498,37 @@ mod tests {
             ),
             "GET /v1/models HTTP/1.1\r\nHost: up:8000\r\n\r\n"
         );
+    }
+
+    /// A long body with usage asked for in it goes out as head, body before, the text and
+    /// body after, whole, however little the socket takes at a time (the reader starts late:
+    /// the socket's buffer fills and the write goes in pieces).
+    #[tokio::test]
+    async fn a_wire_is_written_whole_in_pieces() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let body = Bytes::from(format!(
+            "{{\"stream\":true,\"prompt\":\"{}\"}}",
+            "long ".repeat(800_000)
+        ));
+        let insertion = usage::insertion(&body).unwrap();
+        let head = BytesMut::from(&b"POST / HTTP/1.1\r\n\r\n"[..]);
+        let want = [&head[..], &usage::request_with_usage(&body).unwrap()[..]].concat();
+        let reader = tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            let mut got = Vec::new();
+            tokio::io::AsyncReadExt::read_to_end(&mut s, &mut got)
+                .await
+                .unwrap();
+            got
+        });
+        let mut up = Io::Tcp(tokio::net::TcpStream::connect(addr).await.unwrap());
+        Wire::new(head, &body, Some(insertion))
+            .write_to(&mut up)
+            .await
+            .unwrap();
+        drop(up);
+        assert!(reader.await.unwrap() == want, "the bytes as sent");
     }
 }

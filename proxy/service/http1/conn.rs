@@ -71,6 +71,24 @@ impl AsyncWrite for Io {
         }
     }
 
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Io::Tcp(tcp) => Pin::new(tcp).poll_write_vectored(cx, bufs),
+            Io::Pingora(stream) => Pin::new(stream).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            Io::Tcp(tcp) => tcp.is_write_vectored(),
+            Io::Pingora(stream) => stream.is_write_vectored(),
+        }
+    }
+
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         match self.get_mut() {
             Io::Tcp(_) => Poll::Ready(Ok(())), // nothing buffered

@@ -5,6 +5,7 @@
 //! client got wrong is a [`ClientError`], which knows its status and its error body.
 
 use bytes::{Buf, BytesMut};
+use tokio::io::AsyncReadExt as _;
 
 use super::body::Chunked;
 use super::conn::Io;
@@ -204,8 +205,10 @@ pub(crate) async fn read_ahead(
             })),
             BodyKind::Length(n) => {
                 let want = n.min(READ_AHEAD as u64) as usize;
+                read.reserve(want.saturating_sub(read.len()));
                 while read.len() < want {
-                    if !more(client, &mut read).await {
+                    // Straight into the room made (no scratch buffer between).
+                    if !matches!(client.read_buf(&mut read).await, Ok(n) if n > 0) {
                         return Ok(None);
                     }
                 }
@@ -265,7 +268,8 @@ pub(crate) async fn read_ahead(
 /// Reads the rest of a body read ahead, when all of it fits in `bound` bytes (a chunked
 /// body: until it ends, or once past `bound`), within `server.request_body_timeout_secs`:
 /// for what needs the body whole (usage asked for, a mirror's copy). A longer body keeps
-/// its rest to be streamed. A known length is read into room made once for it.
+/// its rest to be streamed. A known length is read into room made once for it, straight
+/// from the socket.
 /// `Ok(false)`: the client went away.
 pub(crate) async fn read_whole(
     client: &mut Io,
@@ -290,7 +294,8 @@ pub(crate) async fn read_whole(
                 let whole = whole as usize; // within `bound`
                 bytes.reserve(whole - bytes.len());
                 while bytes.len() < whole {
-                    if !more(client, bytes).await {
+                    // Straight into the room made (no scratch buffer between).
+                    if !matches!(client.read_buf(bytes).await, Ok(n) if n > 0) {
                         return Ok(false);
                     }
                 }

@@ -536,6 +536,8 @@ struct Serve {
     epoch: Instant,
     late: Arc<Mutex<Histogram<u64>>>,
     short: bool,
+    /// Long prompts come in: read them in large reads.
+    long: bool,
 }
 
 async fn origin(
@@ -543,7 +545,8 @@ async fn origin(
     streams: usize,
     epoch: Instant,
     tls: Option<TlsAcceptor>,
-    short: bool,
+    // Short replies (the scenario they are for), or streams.
+    short: Option<Scenario>,
     pool: bool,
 ) -> Origin {
     // A backlog as deep as the kernel allows (`somaxconn`): `TcpListener::bind`'s 128
@@ -562,7 +565,8 @@ async fn origin(
         streams,
         epoch,
         late: Arc::clone(&late),
-        short,
+        short: short.is_some(),
+        long: short == Some(Scenario::Long),
     });
     let n = Arc::new(AtomicU64::new(0));
     // A pool's other endpoints: the same origin on 127.0.0.2 and 127.0.0.3, same port.
@@ -611,8 +615,13 @@ async fn origin(
 }
 
 /// Reads one request (head and a `Content-Length` body) into `got`; false at the end.
-async fn read_request<S: AsyncRead + Unpin>(sock: &mut S, got: &mut Vec<u8>) -> bool {
-    let mut buf = [0u8; 4096];
+/// `buf` is the connection's (64 KiB for long prompts: few reads, not fifty wake-ups a
+/// request on the load side's core).
+async fn read_request<S: AsyncRead + Unpin>(
+    sock: &mut S,
+    got: &mut Vec<u8>,
+    buf: &mut [u8],
+) -> bool {
     loop {
         if let Some(h) = got.windows(4).position(|w| w == b"\r\n\r\n") {
             let head = String::from_utf8_lossy(&got[..h]).to_ascii_lowercase();
@@ -625,7 +634,7 @@ async fn read_request<S: AsyncRead + Unpin>(sock: &mut S, got: &mut Vec<u8>) -> 
                 return true;
             }
         }
-        match sock.read(&mut buf).await {
+        match sock.read(buf).await {
             Ok(0) | Err(_) => return false,
             Ok(r) => got.extend_from_slice(&buf[..r]),
         }
@@ -671,8 +680,9 @@ fn header_value<'a>(head: &'a [u8], name: &str) -> Option<&'a str> {
 /// `x-overhead-events` events and its end, or a stream without end.
 async fn connection<S: AsyncRead + AsyncWrite + Unpin>(mut sock: S, serve: &Serve, k: u64) {
     let mut got = Vec::new();
+    let mut buf = vec![0u8; if serve.long { 64 << 10 } else { 4 << 10 }];
     loop {
-        if !read_request(&mut sock, &mut got).await {
+        if !read_request(&mut sock, &mut got, &mut buf).await {
             return;
         }
         let head_end = got
@@ -1189,7 +1199,16 @@ async fn run_once(
     let epoch = Instant::now();
     let short = scenario.short();
     let tls = (scenario == Scenario::Tls).then(tls_acceptor);
-    let origin = origin(interval, shape.streams, epoch, tls, short, scenario.pool()).await;
+    let replies = short.then_some(scenario);
+    let origin = origin(
+        interval,
+        shape.streams,
+        epoch,
+        tls,
+        replies,
+        scenario.pool(),
+    )
+    .await;
     let queued = mode == Mode::Tokentap && std::env::var_os("TOKENTAP_OVERHEAD_QUEUED").is_some();
     let proxy = start_proxy(
         mode,
@@ -1443,7 +1462,7 @@ async fn soak(length: Duration, streams: usize, rate: u64, bin: &Path) -> anyhow
     const EVENTS: u64 = 500;
     let interval = Duration::from_millis(20);
     let epoch = Instant::now();
-    let origin = origin(interval, streams, epoch, None, false, false).await;
+    let origin = origin(interval, streams, epoch, None, None, false).await;
     let proxy = start_proxy(Mode::Tokentap, Scenario::Ops, origin.addr, bin, None)
         .await
         .ok_or_else(|| anyhow::anyhow!("tokentap did not start"))?;

@@ -71,14 +71,18 @@ impl Wire {
         let total: usize = parts.iter().map(|p| p.len()).sum();
         let mut done = 0;
         while done < total {
-            let mut skip = done;
+            // What is left of the parts, empty ones left out.
+            let (mut skip, mut n) = (done, 0);
             let mut slices = [IoSlice::new(&[]); 4];
-            for (slice, part) in slices.iter_mut().zip(parts) {
+            for part in parts {
                 let from = skip.min(part.len());
                 skip -= from;
-                *slice = IoSlice::new(&part[from..]);
+                if from < part.len() {
+                    slices[n] = IoSlice::new(&part[from..]);
+                    n += 1;
+                }
             }
-            match up.write_vectored(&slices).await? {
+            match up.write_vectored(&slices[..n]).await? {
                 0 => return Err(io::ErrorKind::WriteZero.into()),
                 n => done += n,
             }

@@ -39,7 +39,9 @@
 //! `inject_usage`, a mirror of every request and `balance = "prefix"`, nginx with its mirror
 //! module (the body in memory); "added request p50/p99" is the TTFT added, the reply being
 //! sent at once (`TOKENTAP_OVERHEAD_LONG=usage,mirror,prefix` chooses which are on; nginx
-//! mirrors when `mirror` is). `--shapes` applies to every
+//! mirrors when `mirror` is); **idle** keep-alive client connections (5,000 by default,
+//! `--shapes 10000x0` for another count), each after one short reply, opened 64 at a
+//! time: memory per idle connection. `--shapes` applies to every
 //! streaming scenario (default: plain gets 1x20,512x20,4000x160,9900x400, the others
 //! 512x20).
 //!
@@ -118,6 +120,9 @@ enum Scenario {
     /// Long prompts: 200 KB request bodies, with usage asked for, a mirror and prefix
     /// balance on.
     Long,
+    /// Idle keep-alive client connections, each after one short reply: memory per
+    /// connection.
+    Idle,
 }
 
 impl Scenario {
@@ -131,15 +136,19 @@ impl Scenario {
             "short-log" => Scenario::ShortLog,
             "pool" => Scenario::Pool,
             "long" => Scenario::Long,
+            "idle" => Scenario::Idle,
             _ => panic!(
-                "unknown scenario {s}: plain, ops, many, tls, short, short-log, pool or long"
+                "unknown scenario {s}: plain, ops, many, tls, short, short-log, pool, long or idle"
             ),
         }
     }
 
     /// Short replies, many a second (requests/s and CPU per request).
     fn short(self) -> bool {
-        matches!(self, Scenario::Short | Scenario::ShortLog | Scenario::Long)
+        matches!(
+            self,
+            Scenario::Short | Scenario::ShortLog | Scenario::Long | Scenario::Idle
+        )
     }
 
     /// The origin on three addresses (127.0.0.1, .2, .3), a pool of three endpoints.
@@ -162,6 +171,7 @@ impl Scenario {
             Scenario::ShortLog => "short-log (short replies, an access log to a file)",
             Scenario::Pool => "pool (three endpoints of one origin: 127.0.0.1, .2, .3)",
             Scenario::Long => "long (200 KB prompts, inject_usage, a mirror, balance = prefix)",
+            Scenario::Idle => "idle (keep-alive client connections after one short reply)",
         }
     }
 }
@@ -283,6 +293,8 @@ fn main() -> anyhow::Result<()> {
     for scenario in scenarios {
         let shapes = match (&shapes, scenario) {
             // One load: as many short requests as it sustains.
+            (Some(list), Scenario::Idle) => parse_shapes(list),
+            (None, Scenario::Idle) => parse_shapes("5000x0"),
             (_, s) if s.short() => vec![Shape {
                 streams: SHORT_CLIENTS,
                 interval_ms: 0,
@@ -369,6 +381,25 @@ fn table(shape: Shape, scenario: Scenario, runs: &[(Mode, Run)]) -> String {
         .map(|mode| runs.iter().filter(|(m, _)| m == mode).count())
         .max()
         .unwrap_or(0);
+    if scenario == Scenario::Idle {
+        let mut out = format!(
+            "{}: {} connections (medians of {reps} runs)\n{:>9} | {:>28} | {:>6}\n",
+            scenario.name(),
+            shape.streams,
+            "",
+            "RSS KiB per idle connection",
+            "errors"
+        );
+        for m in [Mode::Tokentap, Mode::TokentapB, Mode::Nginx] {
+            if runs.iter().any(|(x, _)| *x == m) {
+                let rss = of(m, &|r| r.rss_kib_per_stream.unwrap_or(f64::NAN));
+                let errors = of(m, &|r| r.errors as f64);
+                let _ = writeln!(out, "{:>9} | {:>28} | {errors:>6}", m.name(), f(rss));
+            }
+        }
+        out.push('\n');
+        return out;
+    }
     let base50 = of(Mode::Direct, &|r| r.p50_us);
     let base99 = of(Mode::Direct, &|r| r.p99_us);
     let mut out = if scenario.short() {
@@ -1715,6 +1746,13 @@ async fn short_client(
     let stopped = stop.notified();
     tokio::pin!(stopped);
     let mut buf = vec![0u8; 16 * 1024];
+    // Idle connections open 64 at a time, as they gather in life: the memory they hold
+    // idle, not a burst's high-water mark (the allocator keeps a burst's pages).
+    static IDLE_GATE: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(64);
+    let gate = match scenario {
+        Scenario::Idle => IDLE_GATE.acquire().await.ok(),
+        _ => None,
+    };
     'connect: loop {
         let Ok(mut s) = TcpStream::connect(target).await else {
             tally.lock().unwrap().errors += 1;
@@ -1762,6 +1800,12 @@ async fn short_client(
             };
             if !counted {
                 continue;
+            }
+            if scenario == Scenario::Idle {
+                // Idle from now on, the connection kept.
+                drop(gate);
+                stopped.as_mut().await;
+                return;
             }
             if long {
                 tokio::select! {

@@ -76,7 +76,20 @@ impl Front {
         loop {
             // Boxed, as is serving it: reading and checking a request is ~2 KiB of state
             // needed until it is served, and inline every open stream would keep its room.
-            let next = Box::pin(self.next_request(&mut client, peer, &shutdown, wait)).await;
+            if let (Wait::Idle(keeper), Io::Tcp(tcp)) = (wait, &client) {
+                // Idle, it holds this wait alone (a few hundred bytes, the task's own), not
+                // the ~1 KiB of reading a head: that is made once a byte has come.
+                let limit = self.tap.live.load().config.limits.keepalive_timeout;
+                if !idle(tcp, &shutdown, keeper, limit).await {
+                    return;
+                }
+                wait = Wait::First(Instant::now());
+            }
+            // Made in a statement of its own, as serving below: a future built in the
+            // statement that awaits it keeps its room in the connection's own state
+            // (the task was 1,736 bytes an idle connection, 608 after).
+            let next = Box::pin(self.next_request(&mut client, peer, &shutdown, wait));
+            let next = next.await;
             let connections = &self.tap.transport.connections;
             wait = Wait::Idle(keeper.get_or_insert_with(|| connections.keeper()));
             let incoming = match next {
@@ -92,8 +105,8 @@ impl Front {
                 Next::Closed => return,
             };
             let shutting_down = *shutdown.borrow();
-            let serve = self.tap.serve(&mut client, incoming, shutting_down);
-            match Box::pin(serve).await {
+            let serve = Box::pin(self.tap.serve(&mut client, incoming, shutting_down));
+            match serve.await {
                 After::KeepAlive => {}
                 After::Close => return,
                 After::Linger => return Box::pin(linger(client)).await,
@@ -280,6 +293,30 @@ async fn read_head(
             Head::Invalid => return Err(ClientError::BadHead),
         }
     }
+}
+
+/// A keep-alive connection between requests: waits for its next request's first byte.
+/// False when it idled out (`keepalive_timeout`), was closed for a new client or the server
+/// shuts down.
+async fn idle(
+    tcp: &tokio::net::TcpStream,
+    shutdown: &ShutdownWatch,
+    keeper: &Keeper<'_>,
+    limit: Duration,
+) -> bool {
+    let mut stop = shutdown.clone();
+    if *stop.borrow_and_update() {
+        return false;
+    }
+    let since = keeper.go_idle();
+    let readable = tokio::select! {
+        biased;
+        r = tokio::time::timeout(limit, tcp.readable()) => matches!(r, Ok(Ok(()))),
+        _ = stop.changed() => false,
+        () = keeper.evicted() => false,
+    };
+    // Busy again, unless it was closed for a new client as its bytes came.
+    readable && keeper.leave(since)
 }
 
 /// After a response the client was sent past its request: the connection's write side is

@@ -123,6 +123,9 @@ enum Scenario {
     /// Idle keep-alive client connections, each after one short reply: memory per
     /// connection.
     Idle,
+    /// Short non-streamed replies (one JSON body with its usage): as many as the proxy's
+    /// one core sustains, or `--rate` a second in all, open loop.
+    Json,
 }
 
 impl Scenario {
@@ -137,8 +140,9 @@ impl Scenario {
             "pool" => Scenario::Pool,
             "long" => Scenario::Long,
             "idle" => Scenario::Idle,
+            "json" => Scenario::Json,
             _ => panic!(
-                "unknown scenario {s}: plain, ops, many, tls, short, short-log, pool, long or idle"
+                "unknown scenario {s}: plain, ops, many, tls, short, short-log, pool, long, idle or json"
             ),
         }
     }
@@ -147,7 +151,7 @@ impl Scenario {
     fn short(self) -> bool {
         matches!(
             self,
-            Scenario::Short | Scenario::ShortLog | Scenario::Long | Scenario::Idle
+            Scenario::Short | Scenario::ShortLog | Scenario::Long | Scenario::Idle | Scenario::Json
         )
     }
 
@@ -172,6 +176,7 @@ impl Scenario {
             Scenario::Pool => "pool (three endpoints of one origin: 127.0.0.1, .2, .3)",
             Scenario::Long => "long (200 KB prompts, inject_usage, a mirror, balance = prefix)",
             Scenario::Idle => "idle (keep-alive client connections after one short reply)",
+            Scenario::Json => "json (short non-streamed replies, 64 keep-alive connections)",
         }
     }
 }
@@ -180,6 +185,8 @@ impl Scenario {
 const SHORT_CLIENTS: usize = 64;
 /// Events in one short reply.
 const SHORT_EVENTS: usize = 16;
+/// `--rate`: the json scenario's requests a second in all, open loop (unset: closed loop).
+static RATE: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
 /// The long scenario's request body, bytes, and the distinct prompt prefixes it draws from.
 const LONG_BYTES: usize = 200_000;
 const LONG_PREFIXES: usize = 16;
@@ -257,6 +264,9 @@ fn main() -> anyhow::Result<()> {
         .map(Scenario::parse)
         .collect();
     let secs: u64 = opt("--secs").map_or(10, |s| s.parse().expect("secs"));
+    if let Some(rate) = opt("--rate") {
+        let _ = RATE.set(rate.parse().expect("requests a second"));
+    }
     let reps: usize = opt("--reps").map_or(3, |s| s.parse().expect("reps"));
     let only = opt("--modes");
     let (soft, hard) = rlimit::getrlimit(rlimit::Resource::NOFILE)?;
@@ -569,6 +579,8 @@ struct Serve {
     short: bool,
     /// Long prompts come in: read them in large reads.
     long: bool,
+    /// Short replies are one JSON body, not a stream.
+    json: bool,
 }
 
 async fn origin(
@@ -598,6 +610,7 @@ async fn origin(
         late: Arc::clone(&late),
         short: short.is_some(),
         long: short == Some(Scenario::Long),
+        json: short == Some(Scenario::Json),
     });
     let n = Arc::new(AtomicU64::new(0));
     // A pool's other endpoints: the same origin on 127.0.0.2 and 127.0.0.3, same port.
@@ -696,6 +709,20 @@ fn short_reply(serve: &Serve) -> String {
     whole + "0\r\n\r\n"
 }
 
+/// A non-streamed reply of `SHORT_EVENTS` tokens, stamped once, with its usage.
+fn json_reply(serve: &Serve) -> String {
+    let t = serve.epoch.elapsed().as_nanos();
+    let body = format!(
+        "{{\"id\":\"chatcmpl-overhead\",\"object\":\"chat.completion\",\"model\":\"m\",\"choices\":[{{\"index\":0,\"message\":{{\"role\":\"assistant\",\"content\":\"{}\"}},\"finish_reason\":\"stop\"}}],\"usage\":{{\"prompt_tokens\":9,\"completion_tokens\":{SHORT_EVENTS},\"total_tokens\":{}}},\"t\":{t}}}",
+        " tok".repeat(SHORT_EVENTS),
+        9 + SHORT_EVENTS
+    );
+    format!(
+        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+}
+
 /// The value of header `name` (lower case, with its colon) in a request head.
 fn header_value<'a>(head: &'a [u8], name: &str) -> Option<&'a str> {
     let head = std::str::from_utf8(head).ok()?;
@@ -722,6 +749,12 @@ async fn connection<S: AsyncRead + AsyncWrite + Unpin>(mut sock: S, serve: &Serv
             .unwrap_or(got.len());
         let head = got[..head_end].to_vec();
         got.clear();
+        if serve.json {
+            if sock.write_all(json_reply(serve).as_bytes()).await.is_err() {
+                return;
+            }
+            continue;
+        }
         if serve.short || header_value(&head, "x-overhead-short").is_some() {
             if sock.write_all(short_reply(serve).as_bytes()).await.is_err() {
                 return;
@@ -1273,7 +1306,7 @@ async fn run_once(
         // Every slot is held before the measured streams arrive.
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    for _ in 0..shape.streams {
+    for k in 0..shape.streams {
         let (tally, measuring, stop, sem) = (
             Arc::clone(&tally),
             Arc::clone(&measuring),
@@ -1281,7 +1314,9 @@ async fn run_once(
             Arc::clone(&sem),
         );
         tasks.push(tokio::spawn(async move {
-            if short {
+            if scenario == Scenario::Json {
+                json_client(target, k, shape.streams, tally, measuring, stop).await;
+            } else if short {
                 short_client(target, scenario, tally, measuring, stop).await;
             } else {
                 client(target, interval, epoch, tally, measuring, stop, sem).await;
@@ -1815,6 +1850,93 @@ async fn short_client(
             }
         }
     }
+}
+
+/// Non-streamed short replies on one connection: back to back, or with `--rate`, client
+/// `k` of `clients` sending at its share of the rate, staggered, each request's latency
+/// counted from when it was due (a late reply delays the next request, and that delay is
+/// counted, not hidden).
+async fn json_client(
+    target: SocketAddr,
+    k: usize,
+    clients: usize,
+    tally: Arc<Mutex<Tally>>,
+    measuring: Arc<std::sync::atomic::AtomicBool>,
+    stop: Arc<tokio::sync::Notify>,
+) {
+    let body = br#"{"model":"m","stream":false,"max_tokens":16,"messages":[{"role":"user","content":"hi"}]}"#;
+    let mut wire = format!("POST /v1/chat/completions HTTP/1.1\r\nhost: origin\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n", body.len()).into_bytes();
+    wire.extend_from_slice(body);
+    let every = RATE
+        .get()
+        .map(|rate| Duration::from_secs_f64(clients as f64 / rate));
+    let start = tokio::time::Instant::now();
+    let mut due = start + every.map_or(Duration::ZERO, |e| e.mul_f64(k as f64 / clients as f64));
+    let stopped = stop.notified();
+    tokio::pin!(stopped);
+    let mut buf = vec![0u8; 16 * 1024];
+    'connect: loop {
+        let Ok(mut s) = TcpStream::connect(target).await else {
+            tally.lock().unwrap().errors += 1;
+            return;
+        };
+        let _ = s.set_nodelay(true);
+        loop {
+            let sent = match every {
+                Some(every) => {
+                    tokio::select! {
+                        () = tokio::time::sleep_until(due) => {}
+                        _ = &mut stopped => return,
+                    }
+                    let at = due.into_std();
+                    due += every;
+                    at
+                }
+                None => Instant::now(),
+            };
+            if s.write_all(&wire).await.is_err() {
+                continue 'connect;
+            }
+            let mut got: Vec<u8> = Vec::new();
+            let mut first = None;
+            let whole = loop {
+                if let Some(n) = response_length(&got) {
+                    if got.len() >= n {
+                        break n;
+                    }
+                }
+                let n = tokio::select! {
+                    r = s.read(&mut buf) => r.unwrap_or(0),
+                    _ = &mut stopped => return,
+                };
+                if n == 0 {
+                    tally.lock().unwrap().errors += 1;
+                    continue 'connect;
+                }
+                first.get_or_insert_with(Instant::now);
+                got.extend_from_slice(&buf[..n]);
+            };
+            let done = Instant::now();
+            let ok = got.starts_with(b"HTTP/1.1 200")
+                && memchr::memmem::find(&got[..whole], b"\"t\":").is_some();
+            let counted = {
+                let mut t = tally.lock().unwrap();
+                count(&mut t, ok, first, sent, done, 1, &measuring)
+            };
+            if !counted {
+                continue 'connect;
+            }
+        }
+    }
+}
+
+/// A response's whole length, head and `Content-Length` body, once its head is in.
+fn response_length(got: &[u8]) -> Option<usize> {
+    let head = memchr::memmem::find(got, b"\r\n\r\n")? + 4;
+    let len = header_value(&got[..head], "content-length")?
+        .parse::<usize>()
+        .ok()?;
+    Some(head + len)
 }
 
 /// Tallies one short reply: false when it was not whole (an error).

@@ -41,7 +41,10 @@
 //! sent at once (`TOKENTAP_OVERHEAD_LONG=usage,mirror,prefix` chooses which are on; nginx
 //! mirrors when `mirror` is); **idle** keep-alive client connections (5,000 by default,
 //! `--shapes 10000x0` for another count), each after one short reply, opened 64 at a
-//! time: memory per idle connection. `--shapes` applies to every
+//! time: memory per idle connection; **json** short non-streamed replies (one JSON body with
+//! its usage) on 64 keep-alive connections, as many as the proxy sustains, or with
+//! `--rate R` R requests a second in all, open loop, latency from when each was due.
+//! `--shapes` applies to every
 //! streaming scenario (default: plain gets 1x20,512x20,4000x160,9900x400, the others
 //! 512x20).
 //!

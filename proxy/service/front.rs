@@ -309,9 +309,11 @@ async fn idle(
         return false;
     }
     let since = keeper.go_idle();
+    // A byte there, or the end (a readiness that brought neither is waited past, idle).
+    let mut byte = [0u8; 1];
     let readable = tokio::select! {
         biased;
-        r = tokio::time::timeout(limit, tcp.readable()) => matches!(r, Ok(Ok(()))),
+        r = tokio::time::timeout(limit, tcp.peek(&mut byte)) => matches!(r, Ok(Ok(_))),
         _ = stop.changed() => false,
         () = keeper.evicted() => false,
     };

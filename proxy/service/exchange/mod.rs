@@ -366,10 +366,11 @@ impl TokenTap {
             bytes,
             rest,
             mut leftover,
+            room,
         } = ahead;
         let read_whole = matches!(rest, Rest::Done);
         // Shared, not copied, with a mirror's copies.
-        let bytes = bytes.freeze();
+        let bytes = Ahead::into_bytes(bytes, room);
         let keep_alive = !shutdown && req.http11 && !req.fields.has_token("connection", "close");
         // An answer tokentap makes itself keeps the connection only when the request was
         // read whole and nothing came after it; the answer's `Connection`, and what follows.

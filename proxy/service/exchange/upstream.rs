@@ -155,11 +155,18 @@ impl TokenTap {
         };
         let mut head = BytesMut::with_capacity(512);
         upstream_request(req, &endpoint.at.host_header, id, up_body, &[], &mut head);
-        let wire = if up_body == UpBody::Chunked {
-            body::put_chunk(&mut head, &body); // the read-ahead, under 64 KiB and a line
-            Wire::new(head, &Bytes::new(), None)
-        } else {
-            Wire::new(head, &body, insertion)
+        let wire = match up_body {
+            // The body so far as its first chunk: its size line in the head, its bytes as
+            // they are (up to 8 MiB read for a mirror, not copied into the head).
+            UpBody::Chunked if !body.is_empty() => {
+                let _ = std::fmt::Write::write_fmt(&mut head, format_args!("{:x}\r\n", body.len()));
+                Wire {
+                    head,
+                    body: [body.clone(), Bytes::from_static(b"\r\n"), Bytes::new()],
+                }
+            }
+            UpBody::Chunked => Wire::new(head, &Bytes::new(), None),
+            _ => Wire::new(head, &body, insertion),
         };
         if ctx.dialect.is_some() {
             self.begin_record(ctx, upstream, &endpoint, Some(&body), operation);

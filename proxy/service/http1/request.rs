@@ -4,7 +4,9 @@
 //! decoded when chunked — before the upstream is chosen, the rest left to stream. What a
 //! client got wrong is a [`ClientError`], which knows its status and its error body.
 
-use bytes::{Buf, BytesMut};
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+
+use bytes::{Buf, Bytes, BytesMut};
 use tokio::io::AsyncReadExt as _;
 
 use super::body::Chunked;
@@ -168,6 +170,63 @@ pub(crate) struct Ahead {
     pub(crate) rest: Rest,
     /// Bytes the client sent past its body (a pipelined next request).
     pub(crate) leftover: BytesMut,
+    /// What a body read whole ([`read_whole`]) holds of [`WHOLE_BODIES_BYTES`].
+    pub(crate) room: Option<Room>,
+}
+
+/// What the bodies read whole may hold at once, in all: past it a long body streams on as
+/// it comes (without usage asked for or a mirror's copy, as one over the bound), so that
+/// clients declaring long bodies cannot make the proxy hold their bytes without end.
+pub(crate) const WHOLE_BODIES_BYTES: usize = 256 << 20;
+
+static WHOLE_HELD: AtomicUsize = AtomicUsize::new(0);
+
+/// Room taken of [`WHOLE_BODIES_BYTES`], given back when dropped (with the last of the
+/// body's bytes: see [`Ahead::into_bytes`]).
+#[derive(Debug)]
+pub(crate) struct Room(usize);
+
+impl Room {
+    /// `n` more bytes of room, if there is that much left.
+    fn grow(&mut self, n: usize) -> bool {
+        let taken = WHOLE_HELD.fetch_update(Relaxed, Relaxed, |held| {
+            let more = held.checked_add(n)?;
+            (more <= WHOLE_BODIES_BYTES).then_some(more)
+        });
+        if taken.is_ok() {
+            self.0 += n;
+        }
+        taken.is_ok()
+    }
+}
+
+impl Drop for Room {
+    fn drop(&mut self) {
+        WHOLE_HELD.fetch_sub(self.0, Relaxed);
+    }
+}
+
+/// A body's bytes with the room they hold.
+struct Held {
+    bytes: BytesMut,
+    _room: Room,
+}
+
+impl AsRef<[u8]> for Held {
+    fn as_ref(&self) -> &[u8] {
+        &self.bytes
+    }
+}
+
+impl Ahead {
+    /// The body read so far, shared (a mirror's copy takes it too): a body read whole
+    /// gives its room back with the last of its bytes.
+    pub(crate) fn into_bytes(bytes: BytesMut, room: Option<Room>) -> Bytes {
+        match room {
+            Some(room) if room.0 > 0 => Bytes::from_owner(Held { bytes, _room: room }),
+            _ => bytes.freeze(),
+        }
+    }
 }
 
 /// Reads the body ahead: until it ends or [`READ_AHEAD`] bytes of it are in, within
@@ -202,6 +261,7 @@ pub(crate) async fn read_ahead(
                 bytes: BytesMut::new(),
                 rest: Rest::Done,
                 leftover: read,
+                room: None,
             })),
             BodyKind::Length(n) => {
                 let want = n.min(READ_AHEAD as u64) as usize;
@@ -218,6 +278,7 @@ pub(crate) async fn read_ahead(
                         bytes: read,
                         rest: Rest::Done,
                         leftover,
+                        room: None,
                     }));
                 }
                 let left = n - read.len() as u64;
@@ -225,6 +286,7 @@ pub(crate) async fn read_ahead(
                     bytes: read,
                     rest: Rest::Length(left),
                     leftover: BytesMut::new(),
+                    room: None,
                 }))
             }
             BodyKind::Chunked => {
@@ -243,6 +305,7 @@ pub(crate) async fn read_ahead(
                             bytes,
                             rest: Rest::Done,
                             leftover: read,
+                            room: None,
                         }));
                     }
                     if bytes.len() >= READ_AHEAD {
@@ -250,6 +313,7 @@ pub(crate) async fn read_ahead(
                             bytes,
                             rest: Rest::Chunked(decoder),
                             leftover: BytesMut::new(),
+                            room: None,
                         }));
                     }
                     read.clear(); // all of it was fed
@@ -265,12 +329,12 @@ pub(crate) async fn read_ahead(
         .unwrap_or(Err(ClientError::BodyTimeout))
 }
 
-/// Reads the rest of a body read ahead, when all of it fits in `bound` bytes (a chunked
-/// body: until it ends, or once past `bound`), within `server.request_body_timeout_secs`:
-/// for what needs the body whole (usage asked for, a mirror's copy). A longer body keeps
-/// its rest to be streamed. A known length is read into room made once for it, straight
-/// from the socket.
-/// `Ok(false)`: the client went away.
+/// Reads the rest of a body read ahead, when all of it fits in `bound` bytes and in what is
+/// left of [`WHOLE_BODIES_BYTES`] (a chunked body: until it ends, or once past either),
+/// each read within `server.request_body_timeout_secs`: for what needs the body whole
+/// (usage asked for, a mirror's copy). A longer body keeps its rest to be streamed. A known
+/// length is read into room made once for it, straight from the socket. `Ok(false)`: the
+/// client went away.
 pub(crate) async fn read_whole(
     client: &mut Io,
     ahead: &mut Ahead,
@@ -281,55 +345,74 @@ pub(crate) async fn read_whole(
         bytes,
         rest,
         leftover,
+        room,
     } = ahead;
     let max_body = limits.max_request_body_bytes;
-    let reading = async {
-        match rest {
-            Rest::Done => Ok(true),
-            Rest::Length(left) => {
-                let whole = bytes.len() as u64 + *left;
-                if whole > bound as u64 {
+    let t = limits.request_body_timeout;
+    match rest {
+        Rest::Done => Ok(true),
+        Rest::Length(left) => {
+            let whole = bytes.len() as u64 + *left;
+            let whole = usize::try_from(whole).unwrap_or(usize::MAX);
+            if whole > bound || !room.get_or_insert(Room(0)).grow(whole) {
+                return Ok(true);
+            }
+            bytes.reserve(whole - bytes.len());
+            while bytes.len() < whole {
+                // Straight into the room made (no scratch buffer between).
+                if !within(t, client.read_buf(bytes)).await? {
+                    return Ok(false);
+                }
+            }
+            *leftover = bytes.split_off(whole);
+            *rest = Rest::Done;
+            Ok(true)
+        }
+        Rest::Chunked(decoder) => {
+            let mut read = BytesMut::new();
+            let held = room.get_or_insert(Room(0));
+            if !held.grow(bytes.len()) {
+                return Ok(true); // the read-ahead's bytes, held from now on too
+            }
+            while bytes.len() <= bound {
+                if !within(t, read_more(client, &mut read)).await? {
+                    return Ok(false);
+                }
+                let before = bytes.len();
+                let used = decoder
+                    .feed(&read, |p| bytes.extend_from_slice(p))
+                    .map_err(|_| ClientError::BadChunk)?;
+                read.advance(used);
+                // Past what is left of the room, the rest streams (this read's bytes held).
+                let roomy = held.grow(bytes.len() - before);
+                if bytes.len() as u64 > max_body {
+                    return Err(ClientError::BodyTooLarge);
+                }
+                if decoder.done() {
+                    *leftover = read;
+                    *rest = Rest::Done;
                     return Ok(true);
                 }
-                let whole = whole as usize; // within `bound`
-                bytes.reserve(whole - bytes.len());
-                while bytes.len() < whole {
-                    // Straight into the room made (no scratch buffer between).
-                    if !matches!(client.read_buf(bytes).await, Ok(n) if n > 0) {
-                        return Ok(false);
-                    }
+                read.clear(); // all of it was fed
+                if !roomy {
+                    break;
                 }
-                *leftover = bytes.split_off(whole);
-                *rest = Rest::Done;
-                Ok(true)
             }
-            Rest::Chunked(decoder) => {
-                let mut read = BytesMut::new();
-                while bytes.len() <= bound {
-                    if !more(client, &mut read).await {
-                        return Ok(false);
-                    }
-                    let used = decoder
-                        .feed(&read, |p| bytes.extend_from_slice(p))
-                        .map_err(|_| ClientError::BadChunk)?;
-                    read.advance(used);
-                    if bytes.len() as u64 > max_body {
-                        return Err(ClientError::BodyTooLarge);
-                    }
-                    if decoder.done() {
-                        *leftover = read;
-                        *rest = Rest::Done;
-                        return Ok(true);
-                    }
-                    read.clear(); // all of it was fed
-                }
-                Ok(true)
-            }
+            Ok(true)
         }
-    };
-    tokio::time::timeout(limits.request_body_timeout, reading)
-        .await
-        .unwrap_or(Err(ClientError::BodyTimeout))
+    }
+}
+
+/// A read of the body's rest within the body timeout: whether it brought bytes.
+async fn within(
+    t: std::time::Duration,
+    read: impl std::future::Future<Output = std::io::Result<usize>>,
+) -> Result<bool, ClientError> {
+    match tokio::time::timeout(t, read).await {
+        Ok(Ok(n)) => Ok(n > 0),
+        Ok(Err(_)) => Ok(false),
+        Err(_) => Err(ClientError::BodyTimeout),
+    }
 }
 
 /// Reads more of the client's bytes onto `read`; false at its end or on an error.
@@ -340,6 +423,23 @@ async fn more(client: &mut Io, read: &mut BytesMut) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Room for bodies read whole is taken while there is some, and given back with the
+    /// last of a body's bytes.
+    #[test]
+    fn room_for_whole_bodies_is_bounded_and_given_back() {
+        let mut room = Room(0);
+        assert!(!room.grow(WHOLE_BODIES_BYTES + 1), "more than all of it");
+        assert!(room.grow(1000));
+        let held = WHOLE_HELD.load(Relaxed);
+        let bytes = Ahead::into_bytes(BytesMut::from(&b"body"[..]), Some(room));
+        let copy = bytes.clone();
+        drop(bytes);
+        assert_eq!(WHOLE_HELD.load(Relaxed), held, "a copy still holds it");
+        assert_eq!(&copy[..], b"body");
+        drop(copy);
+        assert_eq!(WHOLE_HELD.load(Relaxed), held - 1000);
+    }
 
     fn head(raw: &str) -> Result<Checked, ClientError> {
         match RequestHead::read(&mut BytesMut::from(raw)) {

@@ -135,11 +135,37 @@ fn sampled(m: &Mirror, percent: f64, req: &RequestHead) -> bool {
     point * 100.0 < percent
 }
 
+/// Which of the route's mirrors copy a request routed to `choice` (bit `j`: mirror `j`; a
+/// route's first 64), drawn once, before its body is read whole for them: a request that
+/// no mirror samples is not held for one. A rollout's shadow copies `from`'s requests only,
+/// as many as the rollout asks for now (none once `to` serves half or more).
+pub(super) fn plan(shared: &Shared, choice: Choice, req: &RequestHead) -> u64 {
+    let route = &shared.config.routes[choice.route];
+    let mut plan = 0;
+    for (j, m) in route.mirrors.iter().enumerate().take(64) {
+        let percent = match route.rollout.as_ref().filter(|ro| ro.to == m.upstream) {
+            Some(ro) => {
+                let rollout = shared.rollouts.of(choice.route);
+                let asked = rollout.map_or(0.0, |r| r.shadow_percent());
+                if choice.upstream != ro.from || asked <= 0.0 {
+                    continue;
+                }
+                m.percent.min(asked)
+            }
+            None => m.percent,
+        };
+        if sampled(m, percent, req) {
+            plan |= 1 << j;
+        }
+    }
+    plan
+}
+
 // === impl TokenTap ===
 
 impl TokenTap {
     /// Sends a copy of a generation request to each of its route's mirrors that samples
-    /// it; what the request keeps of them goes in its context. `body`: the request's
+    /// it (`plan`); what the request keeps of them goes in its context. `body`: the request's
     /// whole body, when it was read whole (else the copies are skipped and counted).
     pub(super) fn mirror(
         &self,
@@ -147,7 +173,11 @@ impl TokenTap {
         choice: Choice,
         req: &RequestHead,
         body: Option<&Bytes>,
+        plan: u64,
     ) {
+        if plan == 0 {
+            return;
+        }
         let shared = Arc::clone(&ctx.shared);
         let Some(dialect) = ctx.dialect else { return };
         let route = &shared.config.routes[choice.route];
@@ -156,21 +186,8 @@ impl TokenTap {
             meetings: Vec::new(),
             cancel: None,
         };
-        for (j, m) in route.mirrors.iter().enumerate() {
-            // A rollout's shadow: copies of `from`'s requests only, as many as the rollout
-            // asks for now (none once `to` serves half or more).
-            let percent = match route.rollout.as_ref().filter(|ro| ro.to == m.upstream) {
-                Some(ro) => {
-                    let rollout = shared.rollouts.of(choice.route);
-                    let asked = rollout.map_or(0.0, |r| r.shadow_percent());
-                    if choice.upstream != ro.from || asked <= 0.0 {
-                        continue;
-                    }
-                    m.percent.min(asked)
-                }
-                None => m.percent,
-            };
-            if !sampled(m, percent, req) {
+        for (j, m) in route.mirrors.iter().enumerate().take(64) {
+            if plan & (1 << j) == 0 {
                 continue;
             }
             let shadow = &shared.upstreams[m.upstream].shadow;

@@ -347,9 +347,12 @@ impl TokenTap {
             ctx.dialect = Dialect::from_path(req.uri.path());
         }
         let routed = route(&shared, &req);
+        // Which mirrors copy it, drawn once (generation requests only).
+        let metered = routed.filter(|_| ctx.dialect.is_some());
+        let plan = metered.map_or(0, |c| mirror::plan(&shared, c, &req));
         // Usage asked for and a mirror's copy need the body whole: a long prompt's rest is
         // read before it is sent (the upstream would read it all before its first token).
-        if routed.is_some_and(|c| needs_whole(&shared, c, ctx.dialect)) {
+        if routed.is_some_and(|c| needs_whole(&shared, c, ctx.dialect, plan)) {
             let read = request::read_whole(client, &mut ahead, WHOLE_BODY_BYTES, &limits);
             match read.await {
                 Ok(true) => {}
@@ -499,9 +502,7 @@ impl TokenTap {
                 return Prepared::Done(after, None);
             }
         }
-        if !shared.config.routes[choice.route].mirrors.is_empty() {
-            self.mirror(ctx, choice, &req, read_whole.then_some(&bytes));
-        }
+        self.mirror(ctx, choice, &req, read_whole.then_some(&bytes), plan);
         let outgoing = Outgoing {
             req,
             kind,

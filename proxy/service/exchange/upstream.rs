@@ -295,18 +295,19 @@ impl TokenTap {
 pub(super) const WHOLE_BODY_BYTES: usize = 8 << 20;
 
 /// Whether a request routed to `choice` needs its body whole: a metered request to an
-/// upstream that asks OpenAI requests for usage, or on a route with mirrors.
+/// upstream that asks OpenAI requests for usage, or one a mirror copies (`plan`).
 pub(super) fn needs_whole(
     shared: &crate::state::Shared,
     choice: Choice,
     dialect: Option<Dialect>,
+    plan: u64,
 ) -> bool {
     let Some(dialect) = dialect else {
         return false;
     };
     let upstream = &shared.upstreams[choice.upstream].config;
     let usage = dialect == Dialect::OpenAi && upstream.inject_usage;
-    usage || !shared.config.routes[choice.route].mirrors.is_empty()
+    usage || plan != 0
 }
 
 /// Where the body gets `stream_options.include_usage`, when the upstream injects usage and

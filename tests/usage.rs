@@ -75,14 +75,7 @@ async fn injected_usage_is_counted_and_hidden() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_long_prompt_is_counted_exactly_too() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let sim = Sim::start(SimArgs {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        tpot_curve: "1:2".parse().unwrap(),
-        ttft_ms: 1.0,
-        ..SimArgs::defaults()
-    })
-    .await
-    .unwrap();
+    let sim = sim("1:2").ttft(1.0).await;
     let tap = proxy(&[("sim", sim.addr)], "inject_usage = true\n").await;
     let path = "/v1/chat/completions";
     let prompt = "a long prompt ".repeat(200_000 / 14);

@@ -264,7 +264,7 @@ impl TokenTap {
         // Counted exactly where the mirror upstream asks for usage (its chunk is read with
         // the rest, and goes nowhere).
         let insertion = usage_asked(&ctx, upstream, &body);
-        let body_len = body.len() + insertion.map_or(0, |i| i.text.len());
+        let body_len = Wire::body_len(&body, insertion);
         let operation = dialect.operation(head.uri.path());
         let mut wire = BytesMut::with_capacity(512);
         // `set_headers`: out of the copied head, and written with tokentap's own.
@@ -280,7 +280,7 @@ impl TokenTap {
             head,
             &endpoint.at.host_header,
             upstream_id(&ctx),
-            UpBody::Length(body_len as u64),
+            UpBody::Length(body_len),
             &extra,
             &mut wire,
         );

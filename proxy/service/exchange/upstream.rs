@@ -65,6 +65,11 @@ impl Wire {
         Wire { head, body }
     }
 
+    /// The length of `body` as sent, with `insertion` written in.
+    pub(super) fn body_len(body: &[u8], insertion: Option<Insertion>) -> u64 {
+        (body.len() + insertion.map_or(0, |i| i.text.len())) as u64
+    }
+
     /// Writes it all to `up`: one system call unless the socket takes less.
     async fn write_to(&self, up: &mut Io) -> io::Result<()> {
         let parts = [&self.head[..], &self.body[0], &self.body[1], &self.body[2]];
@@ -132,7 +137,7 @@ impl TokenTap {
             // The client gets no usage chunk it did not ask for.
             ctx.strip_usage = Some(UsageStripper::new(shared.config.max_event_bytes));
         }
-        let body_len = (body.len() + insertion.map_or(0, |i| i.text.len())) as u64;
+        let body_len = Wire::body_len(&body, insertion);
         let expects_body = matches!(
             req.method,
             http::Method::POST | http::Method::PUT | http::Method::PATCH

@@ -21,7 +21,10 @@ use crate::sse::Event;
 
 /// A scan of the bytes for the common chunk, without a JSON parse.
 mod fast {
+    mod body;
     mod shape;
+
+    pub use body::body;
 
     use std::ops::Not;
     use std::sync::LazyLock;
@@ -304,8 +307,12 @@ pub fn event(event: &Event<'_>) -> Facts {
     }
 }
 
-/// Facts of a whole non-streaming JSON response.
+/// Facts of a whole non-streaming JSON response: walked for its members where it is the
+/// common reply, else parsed.
 pub fn body(body: &[u8]) -> Facts {
+    if let Some(facts) = fast::body(body) {
+        return facts;
+    }
     event(&Event {
         name: b"",
         data: body,
@@ -678,11 +685,18 @@ mod tests {
     }
 }
 
-/// Fuzzing's check of the fast path: where it answers and the chunk is JSON of the shape
-/// the parser reads, both say the same.
+/// Fuzzing's check of the fast paths (a streamed chunk's scan, a whole reply's walk):
+/// where one answers and the bytes are JSON of the shape the parser reads, both say the
+/// same.
 #[cfg(feature = "fuzzing")]
 pub fn fast_path_agrees(data: &[u8]) {
-    if let (Some(fast), Ok(chunk)) = (fast::event(data), serde_json::from_slice::<Chunk>(data)) {
+    let Ok(chunk) = serde_json::from_slice::<Chunk>(data) else {
+        return;
+    };
+    if let Some(fast) = fast::event(data) {
         assert_eq!(fast, chunk.facts(), "fast path and parser disagree");
+    }
+    if let Some(walked) = fast::body(data) {
+        assert_eq!(walked, chunk.facts(), "body walk and parser disagree");
     }
 }

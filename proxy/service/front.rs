@@ -76,14 +76,12 @@ impl Front {
         loop {
             // Boxed, as is serving it: reading and checking a request is ~2 KiB of state
             // needed until it is served, and inline every open stream would keep its room.
-            if let (Wait::Idle(keeper), Io::Tcp(tcp)) = (wait, &client) {
+            if let (Wait::Idle { keeper, deadline, .. }, Io::Tcp(tcp)) = (wait, &client) {
                 // Idle, it holds this wait alone (a few hundred bytes, the task's own), not
-                // the ~1 KiB of reading a head: that is made once a byte has come.
-                let limit = self.tap.live.load().config.limits.keepalive_timeout;
-                if !idle(tcp, &shutdown, keeper, limit).await {
+                // the ~1 KiB of reading a head: that is made once the socket is readable.
+                if !idle(tcp, &shutdown, keeper, deadline).await {
                     return;
                 }
-                wait = Wait::First(Instant::now());
             }
             // Made in a statement of its own, as serving below: a future built in the
             // statement that awaits it keeps its room in the connection's own state
@@ -91,7 +89,13 @@ impl Front {
             let next = Box::pin(self.next_request(&mut client, peer, &shutdown, wait));
             let next = next.await;
             let connections = &self.tap.transport.connections;
-            wait = Wait::Idle(keeper.get_or_insert_with(|| connections.keeper()));
+            let keeper = keeper.get_or_insert_with(|| connections.keeper());
+            let limit = self.tap.live.load().config.limits.keepalive_timeout;
+            wait = Wait::Idle {
+                keeper,
+                since: keeper.go_idle(),
+                deadline: Instant::now() + limit,
+            };
             let incoming = match next {
                 Next::Serve(incoming) => incoming,
                 Next::Upgrade(read) => {
@@ -217,8 +221,14 @@ async fn refuse(mut client: Io, e: ClientError, limits: &Limits) {
 enum Wait<'a> {
     /// Its first request, since the connection was accepted then.
     First(Instant),
-    /// A later one, idle, and perhaps closed for a new client meanwhile.
-    Idle(&'a Keeper<'a>),
+    /// A later one, idle since its turn `since` among the idle ones (until `deadline`,
+    /// `keepalive_timeout` after the last response), and perhaps closed for a new client
+    /// meanwhile.
+    Idle {
+        keeper: &'a Keeper<'a>,
+        since: u64,
+        deadline: Instant,
+    },
 }
 
 /// Reads a request head: the bytes read after it (body bytes, or a pipelined request), and
@@ -238,10 +248,11 @@ async fn read_head(
     let mut stop = shutdown.clone();
     let (mut deadline, mut idle) = match wait {
         Wait::First(accepted) => (accepted + limits.request_head_timeout, None),
-        Wait::Idle(keeper) => (
-            Instant::now() + limits.keepalive_timeout,
-            Some((keeper, keeper.go_idle())),
-        ),
+        Wait::Idle {
+            keeper,
+            since,
+            deadline,
+        } => (deadline, Some((keeper, since))),
     };
     loop {
         if *stop.borrow_and_update() {
@@ -295,30 +306,27 @@ async fn read_head(
     }
 }
 
-/// A keep-alive connection between requests: waits for its next request's first byte.
-/// False when it idled out (`keepalive_timeout`), was closed for a new client or the server
-/// shuts down.
+/// A keep-alive connection between requests: waits until its socket is readable (its next
+/// request's first bytes, or its end), with no system call of its own: the readiness is
+/// the poller's. False when it idled out (`deadline`), was closed for a new client or the
+/// server shuts down. It stays idle until the head's reading has a byte: a readiness that
+/// brought none leaves it idle there, evictable, within the same deadline.
 async fn idle(
     tcp: &tokio::net::TcpStream,
     shutdown: &ShutdownWatch,
     keeper: &Keeper<'_>,
-    limit: Duration,
+    deadline: Instant,
 ) -> bool {
     let mut stop = shutdown.clone();
     if *stop.borrow_and_update() {
         return false;
     }
-    let since = keeper.go_idle();
-    // A byte there, or the end (a readiness that brought neither is waited past, idle).
-    let mut byte = [0u8; 1];
-    let readable = tokio::select! {
+    tokio::select! {
         biased;
-        r = tokio::time::timeout(limit, tcp.peek(&mut byte)) => matches!(r, Ok(Ok(_))),
+        r = tokio::time::timeout_at(deadline, tcp.readable()) => matches!(r, Ok(Ok(()))),
         _ = stop.changed() => false,
         () = keeper.evicted() => false,
-    };
-    // Busy again, unless it was closed for a new client as its bytes came.
-    readable && keeper.leave(since)
+    }
 }
 
 /// After a response the client was sent past its request: the connection's write side is

@@ -76,7 +76,13 @@ impl Front {
         loop {
             // Boxed, as is serving it: reading and checking a request is ~2 KiB of state
             // needed until it is served, and inline every open stream would keep its room.
-            if let (Wait::Idle { keeper, deadline, .. }, Io::Tcp(tcp)) = (wait, &client) {
+            if let (
+                Wait::Idle {
+                    keeper, deadline, ..
+                },
+                Io::Tcp(tcp),
+            ) = (wait, &client)
+            {
                 // Idle, it holds this wait alone (a few hundred bytes, the task's own), not
                 // the ~1 KiB of reading a head: that is made once the socket is readable.
                 if !idle(tcp, &shutdown, keeper, deadline).await {
@@ -99,13 +105,17 @@ impl Front {
             let incoming = match next {
                 Next::Serve(incoming) => incoming,
                 Next::Upgrade(read) => {
-                    match Box::pin(self.hand_over(client, read, &shutdown)).await {
+                    let hand_over = Box::pin(self.hand_over(client, read, &shutdown));
+                    match hand_over.await {
                         Some(reused) => client = reused,
                         None => return,
                     }
                     continue;
                 }
-                Next::Refuse(e, limits) => return Box::pin(refuse(client, e, &limits)).await,
+                Next::Refuse(e, limits) => {
+                    let refuse = Box::pin(refuse(client, e, &limits));
+                    return refuse.await;
+                }
                 Next::Closed => return,
             };
             let shutting_down = *shutdown.borrow();
@@ -113,7 +123,10 @@ impl Front {
             match serve.await {
                 After::KeepAlive => {}
                 After::Close => return,
-                After::Linger => return Box::pin(linger(client)).await,
+                After::Linger => {
+                    let linger = Box::pin(linger(client));
+                    return linger.await;
+                }
             }
         }
     }
@@ -586,8 +599,10 @@ impl Service for FrontService {
                     // every connection on the accept loop's thread), as pingora's listener.
                     pingora_runtime::current_handle().spawn(async move {
                         let client = if front.tap.live.load().config.listen.tls.is_some() {
-                            // Boxed: the handshake's state is needed only until it is done.
-                            Box::pin(front.secure(tcp, peer)).await
+                            // Boxed (in a statement of its own, not to keep its room in
+                            // the task): the handshake's state is needed only until done.
+                            let secure = Box::pin(front.secure(tcp, peer));
+                            secure.await
                         } else {
                             Some(Io::Tcp(tcp))
                         };

@@ -94,7 +94,10 @@ pub(super) async fn tenancy(
     // larger inline. Without a budget, or without the fleet, it is answered at once.
     let answer = match shared.budgets.reserve_now(&who, asked) {
         Some(answer) => answer,
-        None => Box::pin(shared.budgets.reserve(&who, asked)).await,
+        None => {
+            let reserve = Box::pin(shared.budgets.reserve(&who, asked));
+            reserve.await
+        }
     };
     let reservation = match answer {
         Ok(reservation) => reservation,
@@ -179,7 +182,10 @@ pub(super) async fn slot(
     // every request's state, streaming or not, ~5 KiB larger.
     let slot = |permit: Permit| async move {
         match &upstream.fleet {
-            Some(fleet) => Box::pin(fleet.slot(limiter, permit, deadline, fair)).await,
+            Some(fleet) => {
+                let slot = Box::pin(fleet.slot(limiter, permit, deadline, fair));
+                slot.await
+            }
             None => Ok(Slot::local(permit)),
         }
     };

@@ -200,14 +200,14 @@ impl TokenTap {
         if peer.is_tls() {
             // Boxed: pingora's pool and connector are large futures, and a plain request
             // waiting for its connection would hold their room.
-            return Box::pin(async {
+            let tls = Box::pin(async {
                 let connector = &self.transport.connector;
                 if let Some(pooled) = connector.reused_stream(peer).await {
                     return Ok(Io::Pingora(pooled));
                 }
                 connector.new_stream(peer).await.map(Io::Pingora)
-            })
-            .await;
+            });
+            return tls.await;
         }
         if let Some(pooled) = self.transport.pool.take(addr, std::time::Instant::now()) {
             return Ok(Io::Tcp(pooled));

@@ -144,10 +144,7 @@ impl Walk<'_> {
     }
 
     /// An object's members, each key handed to `member` with the walk at its value.
-    fn members(
-        &mut self,
-        mut member: impl FnMut(&mut Self, &[u8]) -> Option<()>,
-    ) -> Option<()> {
+    fn members(&mut self, mut member: impl FnMut(&mut Self, &[u8]) -> Option<()>) -> Option<()> {
         self.expect(b'{')?;
         self.ws();
         if self.peek() == Some(b'}') {
@@ -281,9 +278,7 @@ impl Walk<'_> {
         ) {
             return None;
         }
-        let n = text
-            .iter()
-            .fold(0u64, |n, &d| n * 10 + u64::from(d - b'0'));
+        let n = text.iter().fold(0u64, |n, &d| n * 10 + u64::from(d - b'0'));
         self.at += digits;
         (n <= MAX_COUNT).then_some(Some(n))
     }
@@ -364,7 +359,11 @@ mod tests {
                 data.extend(std::iter::repeat_n(b'a', len));
                 data.extend_from_slice(tail);
                 data.extend_from_slice(b",\"k\":1}");
-                assert_eq!(end_of_string(&data, 0), string_end(&data, 0), "{len} {tail:?}");
+                assert_eq!(
+                    end_of_string(&data, 0),
+                    string_end(&data, 0),
+                    "{len} {tail:?}"
+                );
             }
         }
         assert_eq!(end_of_string(b"\"abc", 0), None);

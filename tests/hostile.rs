@@ -259,3 +259,59 @@ async fn idle_keep_alive_connections_make_room_and_time_out() {
     );
     running.stop();
 }
+
+/// A connection serving a response is busy, not idle, however long the response takes: a
+/// new client at `max_connections` takes an idle connection's place, not its; and its
+/// keep-alive wait starts once its response has ended, so a response longer than
+/// `keepalive_timeout_secs` does not close the connection after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_serving_a_long_response_is_neither_idle_nor_timed_out() {
+    let slow = Reply::Chunked {
+        status: 200,
+        content_type: "text/plain",
+        pieces: vec![b"part".to_vec(); 4],
+        gap: Duration::from_millis(700),
+        ending: Ending::Clean,
+    };
+    let backend = mock(vec![("/slow", slow)]).await;
+    let config = "[server]\nmax_connections = 2\nkeepalive_timeout_secs = 1\n";
+    let running = proxy(&[("up", backend.addr)], config).await;
+    let addr = proxy_addr(&running);
+    let st = |key: &'static str, n: u64| move |s: &serde_json::Value| s["connections"][key] == n;
+    let get = |path: &str| format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").into_bytes();
+    // Its first request, then its second: each a 2.1 s response on one connection.
+    let mut busy = TcpStream::connect(addr).await.unwrap();
+    for round in 0..2 {
+        busy.write_all(&get("/slow")).await.unwrap();
+        let mut head = vec![0u8; 1024];
+        let n = busy.read(&mut head).await.unwrap();
+        assert!(head[..n].starts_with(b"HTTP/1.1 200"), "round {round}");
+        if round == 0 {
+            // Another client is served and goes idle while the first is busy: one idle.
+            let mut idle = TcpStream::connect(addr).await.unwrap();
+            idle.write_all(&get("/x")).await.unwrap();
+            let n = idle.read(&mut head).await.unwrap();
+            assert!(head[..n].starts_with(b"HTTP/1.1 404"));
+            stats_where(&running, st("idle", 1)).await;
+            // A third at the limit takes the idle one's place, not the busy one's.
+            let r = fetch(addr, "GET", "/x", b"").await;
+            assert_eq!(r.status, 404);
+            assert!(closed_within(&mut idle, Duration::from_secs(5)).await);
+        }
+        // The rest of the response, to its terminating chunk.
+        let mut body = head[..n].to_vec();
+        while !body.ends_with(b"0\r\n\r\n") {
+            let mut buf = [0u8; 1024];
+            let n = timeout(Duration::from_secs(10), busy.read(&mut buf))
+                .await
+                .expect("the response ends")
+                .unwrap();
+            assert!(n > 0, "round {round}: closed mid-response");
+            body.extend_from_slice(&buf[..n]);
+        }
+    }
+    let s = stats(&running).await;
+    assert_eq!(s["connections"]["evicted_total"], 1, "{s}");
+    assert_eq!(s["connections"]["refused_total"], 0, "{s}");
+    running.stop();
+}

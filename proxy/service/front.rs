@@ -70,38 +70,40 @@ impl Front {
         // connection that sends nothing holds its place no longer); each later one may
         // come after an idle `keepalive_timeout`, during which the connection may be
         // closed for a new client.
-        let mut wait = Wait::First(accepted);
+        let mut first = Some(accepted);
         // Its standing among the idle connections, registered when it first goes idle.
         let mut keeper = None;
         loop {
+            let wait = match first.take() {
+                Some(accepted) => Wait::First(accepted),
+                // Idle from now, after its last response.
+                None => {
+                    let connections = &self.tap.transport.connections;
+                    let keeper = keeper.get_or_insert_with(|| connections.keeper());
+                    let limit = self.tap.live.load().config.limits.keepalive_timeout;
+                    let deadline = Instant::now() + limit;
+                    // Idle, it holds this wait alone (a few hundred bytes, the task's own),
+                    // not the ~1 KiB of reading a head: that is made once it is readable.
+                    let since = keeper.go_idle();
+                    if let Io::Tcp(tcp) = &client {
+                        if !idle(tcp, &shutdown, keeper, deadline).await {
+                            return;
+                        }
+                    }
+                    Wait::Idle {
+                        keeper,
+                        since,
+                        deadline,
+                    }
+                }
+            };
             // Boxed, as is serving it: reading and checking a request is ~2 KiB of state
             // needed until it is served, and inline every open stream would keep its room.
-            if let (
-                Wait::Idle {
-                    keeper, deadline, ..
-                },
-                Io::Tcp(tcp),
-            ) = (wait, &client)
-            {
-                // Idle, it holds this wait alone (a few hundred bytes, the task's own), not
-                // the ~1 KiB of reading a head: that is made once the socket is readable.
-                if !idle(tcp, &shutdown, keeper, deadline).await {
-                    return;
-                }
-            }
             // Made in a statement of its own, as serving below: a future built in the
             // statement that awaits it keeps its room in the connection's own state
             // (the task was 1,736 bytes an idle connection, 608 after).
             let next = Box::pin(self.next_request(&mut client, peer, &shutdown, wait));
             let next = next.await;
-            let connections = &self.tap.transport.connections;
-            let keeper = keeper.get_or_insert_with(|| connections.keeper());
-            let limit = self.tap.live.load().config.limits.keepalive_timeout;
-            wait = Wait::Idle {
-                keeper,
-                since: keeper.go_idle(),
-                deadline: Instant::now() + limit,
-            };
             let incoming = match next {
                 Next::Serve(incoming) => incoming,
                 Next::Upgrade(read) => {

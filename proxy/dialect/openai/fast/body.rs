@@ -112,8 +112,10 @@ impl Walk<'_> {
         self.data.get(self.at).copied()
     }
 
+    /// Past JSON's whitespace (not a form feed, which `is_ascii_whitespace` takes and the
+    /// parser refuses).
     fn ws(&mut self) {
-        while self.peek().is_some_and(|b| b.is_ascii_whitespace()) {
+        while matches!(self.peek(), Some(b' ' | b'\t' | b'\n' | b'\r')) {
             self.at += 1;
         }
     }
@@ -313,7 +315,7 @@ impl Walk<'_> {
             _ => {
                 let scalar = self.data[self.at..]
                     .iter()
-                    .take_while(|b| !matches!(b, b',' | b'}' | b']') && !b.is_ascii_whitespace())
+                    .take_while(|b| !matches!(b, b',' | b'}' | b']' | b' ' | b'\t' | b'\n' | b'\r'))
                     .count();
                 if scalar == 0 {
                     return None;
@@ -398,6 +400,8 @@ mod tests {
             r#"{"usage":[1,2]}"#,
             r#"{"choices":[]} x"#,
             r#"{"choices":[{"text":"x"}"#,
+            "{\"choices\":[]}\x0c",
+            "{\x0c\"choices\":[]}",
             r#"[]"#,
             "",
         ] {

@@ -5,7 +5,8 @@
 //! handed over once ([`TokenTap::fragment`]), its payload runs going through the framing
 //! (SSE, NDJSON, a whole JSON body) and the dialect into facts recorded on the request's
 //! meter stream, and with usage injected the usage chunk the client did not ask for taken
-//! out; when the request ends its outcome is recorded ([`TokenTap::finish`]). Both paths
+//! out; when the request ends its outcome is recorded ([`TokenTap::finish`]), and with the
+//! access log on its line written ([`TokenTap::log_access`]). Both paths
 //! (the direct one, a mirror's copy with it, and pingora-proxy's for upgrades) call these;
 //! none of it touches a socket, and nothing else in `service/` touches the meter.
 //!
@@ -16,9 +17,10 @@
 use pingora::ErrorSource;
 
 use super::ctx::{Body, Ctx};
-use super::record::model_of;
+use super::failure::Failure;
+use super::record::{self, model_of};
 use super::TokenTap;
-use crate::dialect::{tokens_carried, Facts, Framing};
+use crate::dialect::{tokens_carried, Dialect, Facts, Framing};
 use crate::estimate;
 use crate::meter::{Nanos, Outcome, Summary};
 use crate::ndjson::NdjsonParser;
@@ -315,5 +317,47 @@ impl TokenTap {
         };
         let now = std::time::Instant::now();
         (shared.book).served(&t.who.tenant, now, shared.config.window, served);
+    }
+
+    /// Writes the access-log line of a request that ended.
+    pub(super) fn log_access(&self, ctx: &Ctx, failure: Option<&Failure>) {
+        let Some(seen) = ctx.seen.as_deref() else {
+            return;
+        };
+        let summary = seen.summary;
+        let outcome = ctx
+            .outcome
+            .unwrap_or_else(|| Outcome::from_status(ctx.status));
+        let line = record::Line {
+            ts: record::timestamp(),
+            request_id: ctx.request_id.as_str(),
+            method: &seen.method,
+            path: &seen.path,
+            upstream: ctx
+                .choice
+                .map(|c| ctx.shared.upstreams[c.upstream].config.name.as_str()),
+            endpoint: ctx.endpoint_url(),
+            route: ctx
+                .choice
+                .map(|c| ctx.shared.config.routes[c.route].name.as_str()),
+            status: (ctx.status > 0).then_some(ctx.status),
+            outcome: outcome.label(),
+            cause: failure.map(|f| f.cause),
+            dialect: ctx.dialect.map(Dialect::label),
+            model: seen.model.as_deref(),
+            stream: seen.stream,
+            queue_ms: seen.queue_ms,
+            ttft_ms: summary.and_then(|s| s.ttft_ms),
+            tpot_ms: summary.and_then(|s| s.tpot_ms),
+            e2e_ms: self.now().saturating_sub(ctx.t0) as f64 / 1e6,
+            input_tokens: ctx.facts.input_tokens,
+            output_tokens: summary.map(|s| s.output_tokens),
+            counts: summary.map(|s| if s.exact { "exact" } else { "estimated" }),
+            bytes_out: ctx.bytes_out,
+            client: seen.client.map(|a| a.to_string()),
+        };
+        if let Ok(text) = serde_json::to_string(&line) {
+            self.live.access.write(text);
+        }
     }
 }

@@ -44,7 +44,7 @@ use super::{TokenTap, UPSTREAM_HEADER};
 use crate::dialect::Dialect;
 use crate::estimate::Estimate;
 use crate::limit::Rejected;
-use crate::meter::{Nanos, Outcome};
+use crate::meter::Nanos;
 use crate::pool::{Keyed, Unplaced};
 use crate::routing::Choice;
 use admission::{over_budget, reject, route};
@@ -188,48 +188,6 @@ impl TokenTap {
             self.log_access(&ctx, failure.as_ref());
         }
         after
-    }
-
-    /// Writes the access-log line of a request that ended.
-    fn log_access(&self, ctx: &Ctx, failure: Option<&Failure>) {
-        let Some(seen) = ctx.seen.as_deref() else {
-            return;
-        };
-        let summary = seen.summary;
-        let outcome = ctx
-            .outcome
-            .unwrap_or_else(|| Outcome::from_status(ctx.status));
-        let line = record::Line {
-            ts: record::timestamp(),
-            request_id: ctx.request_id.as_str(),
-            method: &seen.method,
-            path: &seen.path,
-            upstream: ctx
-                .choice
-                .map(|c| ctx.shared.upstreams[c.upstream].config.name.as_str()),
-            endpoint: ctx.endpoint_url(),
-            route: ctx
-                .choice
-                .map(|c| ctx.shared.config.routes[c.route].name.as_str()),
-            status: (ctx.status > 0).then_some(ctx.status),
-            outcome: outcome.label(),
-            cause: failure.map(|f| f.cause),
-            dialect: ctx.dialect.map(Dialect::label),
-            model: seen.model.as_deref(),
-            stream: seen.stream,
-            queue_ms: seen.queue_ms,
-            ttft_ms: summary.and_then(|s| s.ttft_ms),
-            tpot_ms: summary.and_then(|s| s.tpot_ms),
-            e2e_ms: self.now().saturating_sub(ctx.t0) as f64 / 1e6,
-            input_tokens: ctx.facts.input_tokens,
-            output_tokens: summary.map(|s| s.output_tokens),
-            counts: summary.map(|s| if s.exact { "exact" } else { "estimated" }),
-            bytes_out: ctx.bytes_out,
-            client: seen.client.map(|a| a.to_string()),
-        };
-        if let Ok(text) = serde_json::to_string(&line) {
-            self.live.access.write(text);
-        }
     }
 
     /// [`TokenTap::serve`] but for the logging: the connection's fate, and why the request

@@ -605,11 +605,33 @@ mod tests {
         }
     }
 
+    /// One of `seeds` with one to three edits: one of `pieces` inserted (seven in ten) or
+    /// a few bytes cut, each at a random place.
+    pub(super) fn mutated(
+        rng: &mut rand::rngs::StdRng,
+        seeds: &[&str],
+        pieces: &[&[u8]],
+    ) -> Vec<u8> {
+        use rand::Rng;
+        let mut c = seeds[rng.gen_range(0..seeds.len())].as_bytes().to_vec();
+        for _ in 0..rng.gen_range(1..4) {
+            let at = rng.gen_range(0..=c.len());
+            if rng.gen_bool(0.7) {
+                let p = pieces[rng.gen_range(0..pieces.len())];
+                c.splice(at..at, p.iter().copied());
+            } else {
+                let to = (at + rng.gen_range(1..4)).min(c.len());
+                c.drain(at..to);
+            }
+        }
+        c
+    }
+
     /// Mutated chunks (keys, quotes, escapes, spacing and brackets inserted, bytes cut):
     /// wherever the scan answers and the parser reads the chunk, they agree.
     #[test]
     fn fast_path_agrees_with_the_parser_on_mutated_chunks() {
-        use rand::{rngs::StdRng, Rng, SeedableRng};
+        use rand::{rngs::StdRng, SeedableRng};
         let seeds = [
             r#"{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"Hi"},"logprobs":null,"finish_reason":null}]}"#,
             r#"{"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":"stop"}],"usage":null}"#,
@@ -646,17 +668,7 @@ mod tests {
         let mut rng = StdRng::seed_from_u64(18);
         let (mut compared, mut answered) = (0, 0);
         for _ in 0..30_000 {
-            let mut c = seeds[rng.gen_range(0..seeds.len())].as_bytes().to_vec();
-            for _ in 0..rng.gen_range(1..4) {
-                let at = rng.gen_range(0..=c.len());
-                if rng.gen_bool(0.7) {
-                    let p = pieces[rng.gen_range(0..pieces.len())];
-                    c.splice(at..at, p.iter().copied());
-                } else {
-                    let to = (at + rng.gen_range(1..4)).min(c.len());
-                    c.drain(at..to);
-                }
-            }
+            let c = mutated(&mut rng, &seeds, &pieces);
             let fast = fast::event(&c);
             let scanned = fast::event_scanned(&c);
             assert_eq!(scanned, fast::event_by_automaton(&c));

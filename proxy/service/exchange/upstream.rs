@@ -164,7 +164,7 @@ impl TokenTap {
             // The body so far as its first chunk: its size line in the head, its bytes as
             // they are (up to 8 MiB read for a mirror, not copied into the head).
             UpBody::Chunked if !body.is_empty() => {
-                let _ = std::fmt::Write::write_fmt(&mut head, format_args!("{:x}\r\n", body.len()));
+                body::put_chunk_size(&mut head, body.len());
                 Wire {
                     head,
                     body: [body.clone(), Bytes::from_static(b"\r\n"), Bytes::new()],

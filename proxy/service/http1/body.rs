@@ -217,9 +217,14 @@ pub(crate) fn put_chunk(out: &mut BytesMut, data: &[u8]) {
     if data.is_empty() {
         return;
     }
-    out.put_slice(format!("{:x}\r\n", data.len()).as_bytes());
+    put_chunk_size(out, data.len());
     out.put_slice(data);
     out.put_slice(b"\r\n");
+}
+
+/// A chunk's size line, for `len` bytes of data to follow (and the chunk's `\r\n` after).
+pub(crate) fn put_chunk_size(out: &mut BytesMut, len: usize) {
+    let _ = std::fmt::Write::write_fmt(out, format_args!("{len:x}\r\n"));
 }
 
 /// The last chunk of a body tokentap frames itself.

@@ -45,6 +45,13 @@ impl Clock {
     }
 }
 
+impl Clock {
+    /// The instant a reading `at` of this clock stands for.
+    pub fn instant(&self, at: Nanos) -> Instant {
+        self.origin + std::time::Duration::from_nanos(at)
+    }
+}
+
 impl Default for Clock {
     fn default() -> Self {
         Self::new()

@@ -374,8 +374,12 @@ impl UpstreamMeter {
 
     /// A generation request asked this upstream for a slot (its demand, served or not).
     pub fn arrived(&self) {
-        let now = self.clock.now();
-        self.lock().arrived(now);
+        self.arrived_at(self.clock.now());
+    }
+
+    /// A request arrived at `at` (read from this meter's clock).
+    pub fn arrived_at(&self, at: Nanos) {
+        self.lock().arrived(at);
     }
 
     /// Counts a request that is not generation traffic (forwarded, not metered).

@@ -105,7 +105,7 @@ impl Pool {
     /// each endpoint's cap holds across every tokentap of the fleet: `held`'s endpoint, or,
     /// when the fleet holds its cap there, the next the balance picks (the pool's own
     /// lease, taken first, says one has room). Redis away: the local caps hold alone.
-    pub async fn lease(&self, mut held: Held, now: Nanos, key: Option<&[u8]>) -> Held {
+    pub async fn lease(&self, mut held: Held, key: Option<&[u8]>) -> Held {
         let (Some(cluster), Some(each)) = (&self.cluster, self.limiter.each()) else {
             return held;
         };
@@ -117,7 +117,10 @@ impl Pool {
         loop {
             let fleet = held.endpoint.fleet(cluster, &self.name);
             let cap = held.endpoint.cap(Some(each)).unwrap_or(each);
-            match fleet.try_lease(cap).await {
+            // Boxed: a Redis call is a large future, and inline it would make every
+            // request's preparing ~3 KiB larger, copied into its box each time.
+            let leased = Box::pin(fleet.try_lease(cap));
+            match leased.await {
                 Leased::Held(lease) => {
                     held.lease = Some(lease);
                     return held;
@@ -125,7 +128,7 @@ impl Pool {
                 Leased::Away => return held,
                 Leased::Full => {
                     tried.push(Arc::clone(&held.endpoint));
-                    match self.pick(now, true, key, &tried) {
+                    match self.pick(self.clock.now(), true, key, &tried) {
                         Ok(next) => held = next,
                         // Every one full as far as Redis counts now (leases freed a moment
                         // ago elsewhere): this one, over the fleet's count.
@@ -296,7 +299,9 @@ impl Pool {
         ranked.sort_unstable_by_key(|r| std::cmp::Reverse(r.0));
         let choices = [ranked[0].1.at.url.as_str(), ranked[1].1.at.url.as_str()];
         let urls: Vec<&str> = open.iter().map(|e| e.at.url.as_str()).collect();
-        let placed = cluster.place_prefix(&self.name, first, choices, &urls);
+        // Boxed, as leasing: a Redis call is a large future, and inline it would make every
+        // request's preparing ~3 KiB larger, copied into its box each time.
+        let placed = Box::pin(cluster.place_prefix(&self.name, first, choices, &urls));
         if let Ok(url) = placed.await {
             if let Some(e) = open.iter().find(|e| e.at.url == url) {
                 lock(&e.prefixes).admit([first]);

@@ -258,18 +258,21 @@ async fn read_head(
     let max = limits.max_request_head_bytes;
     let mut read = BytesMut::new();
     let mut stop = shutdown.clone();
+    // `None` once a later head has begun: its limit starts at its first byte, and the clock
+    // is read only if that read did not bring all of it.
     let (mut deadline, mut idle) = match wait {
-        Wait::First(accepted) => (accepted + limits.request_head_timeout, None),
+        Wait::First(accepted) => (Some(accepted + limits.request_head_timeout), None),
         Wait::Idle {
             keeper,
             since,
             deadline,
-        } => (deadline, Some((keeper, since))),
+        } => (Some(deadline), Some((keeper, since))),
     };
     loop {
         if *stop.borrow_and_update() {
             return Ok(None);
         }
+        let due = *deadline.get_or_insert_with(|| Instant::now() + limits.request_head_timeout);
         let before = read.len();
         let evicted = async {
             match idle {
@@ -279,7 +282,7 @@ async fn read_head(
         };
         let more = tokio::select! {
             biased;
-            more = tokio::time::timeout_at(deadline, read_more_upto(client, &mut read, max)) => more,
+            more = tokio::time::timeout_at(due, read_more_upto(client, &mut read, max)) => more,
             _ = stop.changed() => return Ok(None),
             _ = evicted => return Ok(None),
         };
@@ -295,7 +298,7 @@ async fn read_head(
             if !keeper.leave(since) {
                 return Ok(None);
             }
-            deadline = Instant::now() + limits.request_head_timeout;
+            deadline = None;
         }
         // A head can only end at a line feed: a head trickled a byte at a time is not parsed
         // again for every byte.

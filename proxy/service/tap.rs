@@ -166,8 +166,8 @@ impl TokenTap {
 
     /// A generation request asks `upstream` for a slot: its demand, whether it gets one
     /// now, later or never.
-    pub(super) fn arrived(upstream: &Upstream) {
-        upstream.meter.arrived();
+    pub(super) fn arrived(upstream: &Upstream, at: Nanos) {
+        upstream.meter.arrived_at(at);
     }
 
     /// The request's record begun on `endpoint`, the request sent now; with `body`, its

@@ -3,7 +3,7 @@
 //! the upstream's queue (the client watched, and gone the moment it leaves), then with
 //! `[cluster]` the fleet's lease — or a 429 that says when to try again.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
 use pingora::prelude::*;
@@ -11,6 +11,7 @@ use pingora::prelude::*;
 use super::Ctx;
 use crate::limit::fleet::Slot;
 use crate::limit::{Permit, Rejected};
+use crate::meter::Nanos;
 use crate::routing::Choice;
 use crate::service::ctx::Tenancy;
 use crate::service::http1::answer::{self, error_body, json_response};
@@ -160,19 +161,48 @@ pub(super) async fn over_budget(
 /// A queued client whose body was read whole is watched (`watch`: whether it still is;
 /// `leftover`: the bytes it sent past its request), and leaves the queue the moment it goes away
 /// (`Err`); one still sending waits unwatched (its body bytes are not read here), bounded
-/// by the queue timeout.
+/// by the queue timeout. `arrived_at`: when the request arrived, on the meter's clock.
+/// With it, the time it waited in the queue (none when a slot was free at once).
 pub(super) async fn slot(
     upstream: &Upstream,
+    arrived_at: Nanos,
     who: Option<&Who>,
+    client: &mut Io,
+    watch: &mut bool,
+    leftover: &mut BytesMut,
+    read_whole: bool,
+) -> (Result<Result<Slot, Rejected>>, Duration) {
+    let limiter = &upstream.limiter;
+    // Demand, whether it gets a slot now, later or never.
+    TokenTap::arrived(upstream, arrived_at);
+    let permit = match (
+        limiter.try_acquire(who.unwrap_or(&Who::default())),
+        &upstream.fleet,
+    ) {
+        // The common case: a slot at once, no queue, no clock read.
+        (Some(permit), None) => return (Ok(Ok(Slot::local(permit))), Duration::ZERO),
+        (permit, _) => permit,
+    };
+    let arrived = Instant::now();
+    let slot = slot_after(
+        upstream, who, permit, arrived, client, watch, leftover, read_whole,
+    );
+    (slot.await, arrived.elapsed())
+}
+
+/// [`slot`] past its common case: a fleet's slot, or a wait in the queue.
+#[allow(clippy::too_many_arguments)]
+async fn slot_after(
+    upstream: &Upstream,
+    who: Option<&Who>,
+    permit: Option<Permit>,
+    arrived: Instant,
     client: &mut Io,
     watch: &mut bool,
     leftover: &mut BytesMut,
     read_whole: bool,
 ) -> Result<Result<Slot, Rejected>> {
     let limiter = &upstream.limiter;
-    // Demand, whether it gets a slot now, later or never.
-    TokenTap::arrived(upstream);
-    let arrived = Instant::now();
     let deadline = arrived + upstream.config.queue_timeout;
     // With tenants, the fleet's slots go fairly between them too.
     let fair = who.is_some().then_some(arrived);
@@ -189,14 +219,13 @@ pub(super) async fn slot(
             None => Ok(Slot::local(permit)),
         }
     };
-    match (limiter.try_acquire(who), &upstream.fleet) {
-        (Some(permit), None) => Ok(Ok(Slot::local(permit))),
-        (Some(permit), Some(_)) if read_whole => {
+    match permit {
+        Some(permit) if read_whole => {
             let acquire = async { Ok(slot(permit).await) };
             watching(client, watch, leftover, acquire).await
         }
-        (Some(permit), Some(_)) => Ok(slot(permit).await),
-        (None, _) if read_whole => {
+        Some(permit) => Ok(slot(permit).await),
+        None if read_whole => {
             let acquire = async {
                 Ok(match limiter.acquire(who).await {
                     Ok(permit) => slot(permit).await,
@@ -205,7 +234,7 @@ pub(super) async fn slot(
             };
             watching(client, watch, leftover, acquire).await
         }
-        (None, _) => Ok(match limiter.acquire(who).await {
+        None => Ok(match limiter.acquire(who).await {
             Ok(permit) => slot(permit).await,
             Err(why) => Err(why),
         }),

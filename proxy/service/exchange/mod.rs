@@ -398,13 +398,20 @@ impl TokenTap {
                     return Prepared::Done(after, None);
                 }
             }
-            let queued = std::time::Instant::now();
             let tenancy = ctx.who.take();
             let who = tenancy.as_ref().map(|t| &t.who);
-            let granted =
-                admission::slot(upstream, who, client, &mut watch, &mut leftover, read_whole).await;
+            let (granted, queued) = admission::slot(
+                upstream,
+                ctx.t0,
+                who,
+                client,
+                &mut watch,
+                &mut leftover,
+                read_whole,
+            )
+            .await;
             ctx.who = tenancy;
-            let queue_ms = queued.elapsed().as_secs_f64() * 1e3;
+            let queue_ms = queued.as_secs_f64() * 1e3;
             if let Some(seen) = ctx.seen.as_mut() {
                 seen.queue_ms = queue_ms;
             }
@@ -450,7 +457,7 @@ impl TokenTap {
             .pick_within(ctx.dialect.is_some(), key, &[], wait)
             .await
         {
-            Ok(held) => ctx.endpoint = Some(pool.lease(held, self.now(), key).await),
+            Ok(held) => ctx.endpoint = Some(pool.lease(held, key).await),
             Err(Unplaced::NoEndpoint) => {
                 let (keep, after) = no_endpoint(&leftover, watch);
                 ctx.status = 503;

@@ -214,11 +214,20 @@ impl TokenTap {
         // The timeouts, kept lazily: one timer, which when it fires checks the time of the
         // last fragment written (the upstream's silence) or of the stall's start (the
         // client's).
-        let mut last = Instant::now();
+        let period = read_timeout.unwrap_or(Duration::MAX / 4);
+        let timer = tokio::time::sleep(period);
+        // The timer's start, without a clock read of its own.
+        let mut last = timer
+            .deadline()
+            .checked_sub(period)
+            .unwrap_or_else(Instant::now);
         let mut stalled: Option<Instant> = None;
-        let timer = tokio::time::sleep(read_timeout.unwrap_or(Duration::MAX / 4));
         tokio::pin!(timer);
         let mut flushing = false;
+        // When the fragment being written was read, while its write has not waited: its
+        // write ended then too, as far as the upstream's silence is counted, and the clock
+        // is not read again for it.
+        let mut read_at: Option<Nanos> = None;
         poll_fn(|cx| loop {
             match client.as_deref_mut() {
                 // No client (a mirror's copy): what it would get goes nowhere.
@@ -244,6 +253,7 @@ impl TokenTap {
                             }
                             Poll::Ready(Err(e)) => return Poll::Ready(Err(down_io(WriteError, e))),
                             Poll::Pending => {
+                                read_at = None;
                                 return stall(cx, timer.as_mut(), &mut stalled, stall_limit);
                             }
                         }
@@ -255,13 +265,17 @@ impl TokenTap {
                             Poll::Ready(Ok(())) => flushing = false,
                             Poll::Ready(Err(e)) => return Poll::Ready(Err(down_io(WriteError, e))),
                             Poll::Pending => {
+                                read_at = None;
                                 return stall(cx, timer.as_mut(), &mut stalled, stall_limit);
                             }
                         }
                         stalled = None;
                         // After the write: time spent on a slow client is not upstream
                         // silence.
-                        last = Instant::now();
+                        last = match read_at.take() {
+                            Some(at) => Instant::from_std(self.live.clock().instant(at)),
+                            None => Instant::now(),
+                        };
                     }
                 }
             }
@@ -270,6 +284,7 @@ impl TokenTap {
             }
             let read = poll_read_with(up, cx, |data, cx| {
                 let now = self.now();
+                read_at = Some(now);
                 let to = client.as_deref_mut().map(|c| (c, cx));
                 relay.fragment(self, ctx, now, data, out, to)
             });

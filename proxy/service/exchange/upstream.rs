@@ -23,7 +23,7 @@ use crate::service::ctx::Ctx;
 use crate::service::http1::body;
 use crate::service::http1::conn::Io;
 use crate::service::http1::head::RequestHead;
-use crate::service::http1::io::{down, down_io, read_more, up_err, up_io};
+use crate::service::http1::io::{down, down_io, in_time, read_more, up_err, up_io};
 use crate::service::http1::request::BodyKind;
 use crate::service::http1::request::{ClientError, Rest};
 use crate::service::record::REQUEST_ID_HEADER;
@@ -282,7 +282,7 @@ impl TokenTap {
                 Err(Unplaced::NoEndpoint) => None, // tried once more where it was
             };
             if let Some(next) = next {
-                let next = pool.lease(next, self.now(), None).await;
+                let next = pool.lease(next, None).await;
                 let (from, to) = (&endpoint.at.host_header, &next.endpoint.at.host_header);
                 if from != to {
                     wire.head = rehost(&wire.head, from, to);
@@ -410,9 +410,9 @@ async fn within(
     write: impl std::future::Future<Output = io::Result<()>>,
 ) -> Result<()> {
     match write_timeout {
-        Some(t) => match timeout(t, write).await {
-            Ok(r) => r.map_err(|e| up_io(WriteError, e)),
-            Err(_) => Err(up_err(WriteTimedout, "writing the request")),
+        Some(t) => match in_time(t, write).await {
+            Some(r) => r.map_err(|e| up_io(WriteError, e)),
+            None => Err(up_err(WriteTimedout, "writing the request")),
         },
         None => write.await.map_err(|e| up_io(WriteError, e)),
     }

@@ -34,6 +34,10 @@ struct Field {
 pub(crate) struct Fields {
     bytes: Bytes,
     list: Vec<Field>,
+    /// A bit for each name's [shape](name_bit) the head has: most names looked up are
+    /// not there (`transfer-encoding`, `expect`, `upgrade`, tokentap's own…), and a clear
+    /// bit answers that without a pass over the fields. Removing a field leaves its bit.
+    names: u64,
 }
 
 /// A response head read from the upstream.
@@ -68,18 +72,28 @@ impl Fields {
     fn of(buf: &[u8], headers: &[httparse::Header<'_>]) -> Fields {
         let base = buf.as_ptr() as usize;
         let at = |s: &[u8]| ((s.as_ptr() as usize - base) as u32, s.len() as u32);
+        let mut names = 0;
         let list = headers
             .iter()
-            .map(|f| Field {
-                name: at(f.name.as_bytes()),
-                value: at(f.value),
-                removed: false,
+            .map(|f| {
+                names |= name_bit(f.name.as_bytes());
+                Field {
+                    name: at(f.name.as_bytes()),
+                    value: at(f.value),
+                    removed: false,
+                }
             })
             .collect();
         Fields {
             bytes: Bytes::new(),
             list,
+            names,
         }
+    }
+
+    /// Whether a field named `name` may be there: false only when none is.
+    fn may_have(&self, name: &[u8]) -> bool {
+        self.names & name_bit(name) != 0
     }
 
     fn slice(&self, at: (u32, u32)) -> &[u8] {
@@ -96,13 +110,23 @@ impl Fields {
 
     /// The values of the fields named `name` (case-insensitive).
     pub(crate) fn get_all<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a [u8]> + 'a {
-        self.iter()
+        let list = if self.may_have(name.as_bytes()) {
+            &self.list[..]
+        } else {
+            &[]
+        };
+        list.iter()
+            .filter(|f| !f.removed)
+            .map(|f| (self.slice(f.name), self.slice(f.value)))
             .filter(move |(n, _)| n.eq_ignore_ascii_case(name.as_bytes()))
             .map(|(_, v)| v)
     }
 
     /// The first value of the field named `name`.
     pub(crate) fn get(&self, name: &str) -> Option<&[u8]> {
+        if !self.may_have(name.as_bytes()) {
+            return None;
+        }
         self.iter()
             .find(|(n, _)| n.eq_ignore_ascii_case(name.as_bytes()))
             .map(|(_, v)| v)
@@ -121,7 +145,10 @@ impl Fields {
 
     /// Removes every field named `name`.
     pub(crate) fn remove(&mut self, name: &str) {
-        let Self { bytes, list } = self;
+        if !self.may_have(name.as_bytes()) {
+            return;
+        }
+        let Self { bytes, list, .. } = self;
         for f in list.iter_mut() {
             if bytes[range(f.name)].eq_ignore_ascii_case(name.as_bytes()) {
                 f.removed = true;
@@ -132,7 +159,7 @@ impl Fields {
     /// Removes the hop-by-hop fields (RFC 9110 §7.6.1, and those `Connection` names) but
     /// `keep`.
     pub(crate) fn remove_hop_by_hop(&mut self, keep: &str) {
-        let Self { bytes, list } = self;
+        let Self { bytes, list, .. } = self;
         let kept = |name: &[u8]| name.eq_ignore_ascii_case(keep.as_bytes());
         for f in list.iter_mut() {
             let name = &bytes[range(f.name)];
@@ -439,6 +466,16 @@ impl RequestHead {
 }
 
 /// Where an (offset, length) pair is in the head's bytes.
+/// One of 64 bits for a field name, from its length and its last byte (either case): two
+/// names that are equal without case get the same bit.
+fn name_bit(name: &[u8]) -> u64 {
+    let last = name.last().map_or(0, |&b| b | 0x20);
+    1 << ((name.len() as u32)
+        .wrapping_mul(7)
+        .wrapping_add(u32::from(last))
+        & 63)
+}
+
 fn range((at, len): (u32, u32)) -> std::ops::Range<usize> {
     at as usize..at as usize + len as usize
 }
@@ -468,6 +505,56 @@ mod tests {
             raw += &format!("{n}: {v}\r\n");
         }
         head(format!("{raw}\r\n").as_bytes())
+    }
+
+    #[test]
+    fn a_lookup_finds_what_a_pass_over_the_fields_finds() {
+        // Names of the same length and last byte share a bit; case is ignored both ways.
+        let fields = [
+            ("Content-Length", "5"),
+            ("X-Request-Id", "a"),
+            ("x-request-ID", "b"),
+            ("Trailer", "c"),
+            ("Connection", "keep-alive, Upgrade"),
+            ("Host", "h"),
+        ];
+        let h = with(&fields, 200);
+        let h = &h.fields;
+        let looked = [
+            "content-length",
+            "CONTENT-LENGTH",
+            "x-request-id",
+            "trailer",
+            "connection",
+            "host",
+            "transfer-encoding",
+            "expect",
+            "upgrade",
+            "content-type",
+            "x-request-iD",
+            "content-lengtH",
+            "content-lengti",
+            "hosT",
+            "post",
+            "hast",
+            "",
+            "x",
+        ];
+        for name in looked {
+            let by_pass: Vec<&[u8]> = (h.iter())
+                .filter(|(n, _)| n.eq_ignore_ascii_case(name.as_bytes()))
+                .map(|(_, v)| v)
+                .collect();
+            assert_eq!(h.get(name), by_pass.first().copied(), "{name}");
+            assert_eq!(h.get_all(name).collect::<Vec<_>>(), by_pass, "{name}");
+            assert_eq!(h.contains(name), !by_pass.is_empty(), "{name}");
+        }
+        assert!(h.has_token("connection", "upgrade"));
+        let mut removed = h.clone();
+        removed.remove("X-REQUEST-ID");
+        removed.remove("expect");
+        assert_eq!(removed.get("x-request-id"), None);
+        assert_eq!(removed.get("host"), Some(&b"h"[..]));
     }
 
     #[test]

@@ -175,7 +175,42 @@ pub(crate) async fn write_within(client: &mut Io, bytes: &[u8], limit: Duration)
         client.write_all(bytes).await?;
         client.flush().await
     };
-    tokio::time::timeout(limit, write)
+    in_time(limit, write)
         .await
-        .unwrap_or_else(|_| Err(io::ErrorKind::TimedOut.into()))
+        .unwrap_or_else(|| Err(io::ErrorKind::TimedOut.into()))
+}
+
+/// `task`'s output if it ends within `limit`, else `None`. Its timer is made only if it
+/// does not end when first polled: most of a request's writes go at once, and a timer is a
+/// clock read and the timer's own work a request (its limit starts a poll later).
+pub(crate) async fn in_time<F: Future>(limit: Duration, task: F) -> Option<F::Output> {
+    let mut task = std::pin::pin!(task);
+    let at_once = poll_fn(|cx| Poll::Ready(task.as_mut().poll(cx))).await;
+    match at_once {
+        Poll::Ready(out) => Some(out),
+        Poll::Pending => tokio::time::timeout(limit, task).await.ok(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_task_in_time_is_its_output_and_a_late_one_none() {
+        let limit = Duration::from_secs(5);
+        assert_eq!(in_time(limit, async { 1 }).await, Some(1));
+        // Pending once, then done well within the limit.
+        let soon = async {
+            tokio::task::yield_now().await;
+            2
+        };
+        assert_eq!(in_time(limit, soon).await, Some(2));
+        let late = tokio::time::sleep(limit + Duration::from_millis(1));
+        let started = tokio::time::Instant::now();
+        assert_eq!(in_time(limit, late).await, None);
+        assert_eq!(started.elapsed(), limit);
+        let just = tokio::time::sleep(limit - Duration::from_millis(1));
+        assert_eq!(in_time(limit, just).await, Some(()));
+    }
 }

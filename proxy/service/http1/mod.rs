@@ -41,7 +41,10 @@ pub(crate) fn content_length<'a>(values: impl IntoIterator<Item = &'a [u8]>) -> 
             if digits.is_empty() || digits.len() > 18 || !digits.iter().all(u8::is_ascii_digit) {
                 return None;
             }
-            let n: u64 = std::str::from_utf8(digits).ok()?.parse().ok()?;
+            // At most 18 digits: below 10^18, no overflow.
+            let n = digits
+                .iter()
+                .fold(0u64, |n, &d| n * 10 + u64::from(d - b'0'));
             if length.is_some_and(|l| l != n) {
                 return None;
             }

@@ -43,9 +43,7 @@ impl Clock {
         }
         u64::try_from(self.origin.elapsed().as_nanos()).unwrap_or(u64::MAX)
     }
-}
 
-impl Clock {
     /// The instant a reading `at` of this clock stands for.
     pub fn instant(&self, at: Nanos) -> Instant {
         self.origin + std::time::Duration::from_nanos(at)

@@ -372,13 +372,9 @@ impl UpstreamMeter {
         self.semconv.store(telemetry);
     }
 
-    /// A generation request asked this upstream for a slot (its demand, served or not).
-    pub fn arrived(&self) {
-        self.arrived_at(self.clock.now());
-    }
-
-    /// A request arrived at `at` (read from this meter's clock).
-    pub fn arrived_at(&self, at: Nanos) {
+    /// A generation request asked this upstream for a slot (its demand, served or not),
+    /// having arrived at `at` (a reading of this meter's clock).
+    pub fn arrived(&self, at: Nanos) {
         self.lock().arrived(at);
     }
 
@@ -766,7 +762,7 @@ mod tests {
             e2e_ms: None,
         });
         for _ in 0..9 {
-            m.arrived();
+            m.arrived(m.clock.now());
         }
         // 4 good (TTFT 50, TPOT 20), 2 late (TTFT 150), 2 slow (TPOT 30), 1 abandoned by its
         // client before it broke any SLO (not judged).

@@ -167,7 +167,7 @@ impl TokenTap {
     /// A generation request asks `upstream` for a slot: its demand, whether it gets one
     /// now, later or never.
     pub(super) fn arrived(upstream: &Upstream, at: Nanos) {
-        upstream.meter.arrived_at(at);
+        upstream.meter.arrived(at);
     }
 
     /// The request's record begun on `endpoint`, the request sent now; with `body`, its

@@ -41,7 +41,8 @@
 //! sent at once (`TOKENTAP_OVERHEAD_LONG=usage,mirror,prefix` chooses which are on; nginx
 //! mirrors when `mirror` is); **idle** keep-alive client connections (5,000 by default,
 //! `--shapes 10000x0` for another count), each after one short reply, opened 64 at a
-//! time: memory per idle connection; **json** short non-streamed replies (one JSON body with
+//! time and evenly over 5 s (`TOKENTAP_OVERHEAD_IDLE_GATHER` seconds; 0 for a burst): memory
+//! per idle connection, idle 2 s or more; **json** short non-streamed replies (one JSON body with
 //! its usage) on 64 keep-alive connections, as many as the proxy sustains, or with
 //! `--rate R` R requests a second in all, open loop, latency from when each was due.
 //! `--shapes` applies to every
@@ -1317,6 +1318,11 @@ async fn run_once(
             Arc::clone(&sem),
         );
         tasks.push(tokio::spawn(async move {
+            if scenario == Scenario::Idle {
+                // Connections gather over seconds, not in one burst: what they hold idle,
+                // not the high-water mark of serving their first requests all at once.
+                tokio::time::sleep(idle_gather().mul_f64(k as f64 / shape.streams as f64)).await;
+            }
             if scenario == Scenario::Json {
                 json_client(target, k, shape.streams, tally, measuring, stop).await;
             } else if short {
@@ -1853,6 +1859,13 @@ async fn short_client(
             }
         }
     }
+}
+
+/// How long the idle scenario's connections take to open, evenly spread: 5 s, or
+/// `TOKENTAP_OVERHEAD_IDLE_GATHER` seconds (0: as fast as 64 at a time go).
+fn idle_gather() -> Duration {
+    let secs = std::env::var("TOKENTAP_OVERHEAD_IDLE_GATHER").ok();
+    Duration::from_secs_f64(secs.and_then(|s| s.parse().ok()).unwrap_or(5.0))
 }
 
 /// Non-streamed short replies on one connection: back to back, or with `--rate`, client

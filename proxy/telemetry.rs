@@ -122,6 +122,7 @@ pub const FAMILIES: &[(&str, &str, &str)] = &[
     ("tokentap_client_connections", "gauge", "Open client connections."),
     ("tokentap_client_connections_max", "gauge", "server.max_connections: more open client connections are closed at once."),
     ("tokentap_client_connections_refused_total", "counter", "Client connections closed at once because server.max_connections were open and none was idle."),
+    ("tokentap_client_connections_parked", "gauge", "Idle keep-alive client connections idle over a second, parked with no task of their own."),
     ("tokentap_client_connections_evicted_total", "counter", "Idle keep-alive client connections closed to make room for a new client at server.max_connections."),
     ("tokentap_requests_total", "counter", "Requests by upstream and outcome (ok, 4xx, 5xx, aborted, upstream_error, truncated, stream_error, proxy_error)."),
     ("tokentap_errors_total", "counter", "Requests the upstream failed: 5xx, upstream_error, truncated, stream_error."),

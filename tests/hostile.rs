@@ -315,3 +315,85 @@ async fn a_connection_serving_a_long_response_is_neither_idle_nor_timed_out() {
     assert_eq!(s["connections"]["refused_total"], 0, "{s}");
     running.stop();
 }
+
+/// A keep-alive connection idle past a second parks, with no task of its own, and is the
+/// same connection for the client: its next request is served, a new client at
+/// `max_connections` still takes its place, it still idles out after
+/// `keepalive_timeout_secs`, one the client closes is counted closed, and those parked
+/// when the server stops are closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parked_connections_are_served_evicted_timed_out_and_closed() {
+    let backend = mock(vec![]).await;
+    let config = "[server]\nmax_connections = 3\nkeepalive_timeout_secs = 4\n";
+    let running = proxy(&[("up", backend.addr)], config).await;
+    let addr = proxy_addr(&running);
+    let st = |key: &'static str, n: u64| move |s: &serde_json::Value| s["connections"][key] == n;
+    // Served, idle, parked; served again from the lot, and parked again.
+    let mut first = TcpStream::connect(addr).await.unwrap();
+    ask(&mut first).await;
+    stats_where(&running, st("parked", 1)).await;
+    ask(&mut first).await;
+    let s = stats(&running).await;
+    assert_eq!(s["connections"]["open"], 1, "{s}");
+    stats_where(&running, st("parked", 1)).await;
+    // A client that closes while parked is counted closed.
+    let mut gone = TcpStream::connect(addr).await.unwrap();
+    ask(&mut gone).await;
+    stats_where(&running, st("parked", 2)).await;
+    drop(gone);
+    stats_where(&running, |s| {
+        s["connections"]["open"] == 1 && s["connections"]["parked"] == 1
+    })
+    .await;
+    // Three parked at the limit: a fourth client takes the place of the first.
+    let mut second = TcpStream::connect(addr).await.unwrap();
+    ask(&mut second).await;
+    let mut third = TcpStream::connect(addr).await.unwrap();
+    ask(&mut third).await;
+    stats_where(&running, st("parked", 3)).await;
+    let r = fetch(addr, "GET", "/x", b"").await;
+    assert_eq!(r.status, 404, "the fourth client was refused");
+    assert!(closed_within(&mut first, Duration::from_secs(5)).await);
+    let s = stats(&running).await;
+    assert_eq!(s["connections"]["evicted_total"], 1, "{s}");
+    assert_eq!(s["connections"]["refused_total"], 0, "{s}");
+    // The other two idle out at their deadline, parked.
+    let idled = Instant::now();
+    for s in [&mut second, &mut third] {
+        assert!(closed_within(s, Duration::from_secs(20)).await);
+    }
+    let after = idled.elapsed();
+    assert!(after < Duration::from_secs(8), "idle for {after:?}");
+    stats_where(&running, |s| {
+        s["connections"]["open"] == 0 && s["connections"]["parked"] == 0
+    })
+    .await;
+    let metrics = fetch(running.shared().config.listen.admin, "GET", "/metrics", b"").await;
+    let text = String::from_utf8_lossy(&metrics.body);
+    assert!(
+        text.contains("tokentap_client_connections_parked 0"),
+        "{text}"
+    );
+    // Parked when the server stops: closed.
+    let mut last = TcpStream::connect(addr).await.unwrap();
+    ask(&mut last).await;
+    stats_where(&running, st("parked", 1)).await;
+    running.stop();
+    assert!(
+        closed_within(&mut last, Duration::from_secs(5)).await,
+        "a parked connection outlived the server"
+    );
+}
+
+/// Asks for `/x` on `s` and reads its 404.
+async fn ask(s: &mut TcpStream) {
+    s.write_all(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut buf = vec![0u8; 4096];
+    let n = timeout(Duration::from_secs(5), s.read(&mut buf))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(buf[..n].starts_with(b"HTTP/1.1 404"), "{:?}", &buf[..n]);
+}

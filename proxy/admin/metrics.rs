@@ -102,6 +102,11 @@ pub fn render(
         connections.refused_total as f64,
     );
     x.add(
+        "tokentap_client_connections_parked",
+        &[],
+        connections.parked as f64,
+    );
+    x.add(
         "tokentap_client_connections_evicted_total",
         &[],
         connections.evicted_total as f64,

@@ -132,6 +132,8 @@ pub struct ConnectionStats {
     pub refused_total: u64,
     /// Idle between requests now.
     pub idle: usize,
+    /// Of those, idle past a second and parked with no task of their own.
+    pub parked: usize,
     /// Idle keep-alive connections closed to make room for a new client at `max`.
     pub evicted_total: u64,
 }
@@ -147,6 +149,7 @@ pub fn stats(shared: &Shared, transport: &Transport) -> Stats {
             max: c.max(),
             refused_total: c.refused(),
             idle: c.idle_now(),
+            parked: c.parked(),
             evicted_total: c.evicted(),
         },
         upstreams: shared

@@ -32,9 +32,11 @@ use super::http1::Head;
 use super::TokenTap;
 use crate::config::Limits;
 pub use connections::Connections;
-use connections::Keeper;
+use connections::{Keeper, Open};
+use lot::{Lot, Parked, PARK_AFTER};
 
 mod connections;
+mod lot;
 
 /// The listen backlog (pingora's default): a burst of thousands of new streams is queued,
 /// not dropped into SYN retries.
@@ -54,37 +56,52 @@ impl Front {
         }
     }
 
-    /// Serves one client connection, accepted at `accepted`, until it closes, fails, idles
-    /// out, is closed for a new client (see [`Connections`]) or the server shuts down.
+    /// Serves one client connection, counted by `open`, from `begin` until it closes,
+    /// fails, idles out, is closed for a new client (see [`Connections`]), parks (see
+    /// [`Lot`]) or the server shuts down.
     async fn connection(
         self: Arc<Self>,
         mut client: Io,
         peer: Option<SocketAddr>,
         shutdown: ShutdownWatch,
-        accepted: Instant,
+        open: Open,
+        begin: Begin,
     ) {
+        // Its standing among the idle connections, registered when it first goes idle.
+        let mut keeper = None;
         // Its first request's head is due within `request_head_timeout` of the accept (a
         // connection that sends nothing holds its place no longer); each later one may
         // come after an idle `keepalive_timeout`, during which the connection may be
-        // closed for a new client.
-        let mut first = Some(accepted);
-        // Its standing among the idle connections, registered when it first goes idle.
-        let mut keeper = None;
-        loop {
-            let wait = match first.take() {
-                Some(accepted) => Wait::First(accepted),
+        // closed for a new client. One back from the lot is idle, and readable.
+        let mut begin = Some(begin);
+        let (since, deadline) = loop {
+            let wait = match begin.take() {
+                Some(Begin::Accepted(accepted)) => Wait::First(accepted),
+                Some(Begin::Resumed {
+                    keeper: back,
+                    since,
+                    deadline,
+                }) => Wait::Idle {
+                    keeper: keeper.insert(back),
+                    since,
+                    deadline,
+                },
                 // Idle from now, after its last response.
                 None => {
-                    let connections = &self.tap.transport.connections;
-                    let keeper = keeper.get_or_insert_with(|| connections.keeper());
+                    let keeper = keeper.get_or_insert_with(|| Keeper::new(&self.tap.transport));
                     let limit = self.tap.live.load().config.limits.keepalive_timeout;
-                    let deadline = Instant::now() + limit;
+                    let now = Instant::now();
+                    let deadline = now + limit;
                     // Idle, it holds this wait alone (a few hundred bytes, the task's own),
                     // not the ~1 KiB of reading a head: that is made once it is readable.
                     let since = keeper.go_idle();
                     if let Io::Tcp(tcp) = &client {
-                        if !idle(tcp, &shutdown, keeper, deadline).await {
-                            return;
+                        let lot = self.tap.transport.connections.lot();
+                        let park_at = lot.map(|_| now + PARK_AFTER).filter(|&at| at < deadline);
+                        match idle(tcp, &shutdown, keeper, deadline, park_at).await {
+                            Idle::Readable => {}
+                            Idle::Over => return,
+                            Idle::Long => break (since, deadline),
                         }
                     }
                     Wait::Idle {
@@ -127,7 +144,23 @@ impl Front {
                     return linger.await;
                 }
             }
-        }
+        };
+        // Idle past `PARK_AFTER`: parked with no task, a plain socket until it is readable
+        // (taken from tokio's poller; one that cannot be is closed, as idle ones may be).
+        let (Io::Tcp(tcp), Some(keeper), Some(lot)) =
+            (client, keeper, self.tap.transport.connections.lot())
+        else {
+            return;
+        };
+        let Ok(tcp) = tcp.into_std() else { return };
+        lot.park(Parked {
+            tcp,
+            peer,
+            open,
+            keeper,
+            since,
+            deadline: deadline.into_std(),
+        });
     }
 
     /// The connection's next request, read and checked, its body read ahead: before the
@@ -198,6 +231,25 @@ impl Front {
         }
     }
 
+    /// Serves a connection back from the lot, readable, in a task of its own again.
+    fn resume(self: &Arc<Self>, back: Parked, shutdown: &ShutdownWatch) {
+        let front = Arc::clone(self);
+        let shutdown = shutdown.clone();
+        pingora_runtime::current_handle().spawn(async move {
+            // Registered with tokio's poller again; one that cannot be is closed.
+            let Ok(tcp) = tokio::net::TcpStream::from_std(back.tcp) else {
+                return;
+            };
+            let begin = Begin::Resumed {
+                keeper: back.keeper,
+                since: back.since,
+                deadline: Instant::from_std(back.deadline),
+            };
+            let connection = front.connection(Io::Tcp(tcp), back.peer, shutdown, back.open, begin);
+            connection.await;
+        });
+    }
+
     /// Lets pingora-proxy serve the (upgrade) request whose first bytes are `read`.
     async fn hand_over(&self, client: Io, read: BytesMut, shutdown: &ShutdownWatch) -> Option<Io> {
         let limits = self.tap.live.load().config.limits;
@@ -228,6 +280,18 @@ async fn refuse(mut client: Io, e: ClientError, limits: &Limits) {
     linger(client).await;
 }
 
+/// Where a connection's serving begins.
+enum Begin {
+    /// Accepted then.
+    Accepted(Instant),
+    /// Back from the lot, readable: idle since its turn `since`, until `deadline`.
+    Resumed {
+        keeper: Keeper,
+        since: u64,
+        deadline: Instant,
+    },
+}
+
 /// What a connection waits for its next request in.
 #[derive(Clone, Copy)]
 enum Wait<'a> {
@@ -237,7 +301,7 @@ enum Wait<'a> {
     /// `keepalive_timeout` after the last response), and perhaps closed for a new client
     /// meanwhile.
     Idle {
-        keeper: &'a Keeper<'a>,
+        keeper: &'a Keeper,
         since: u64,
         deadline: Instant,
     },
@@ -321,26 +385,44 @@ async fn read_head(
     }
 }
 
+/// How a keep-alive connection's wait between requests ended.
+enum Idle {
+    /// Its socket is readable.
+    Readable,
+    /// It idled out, was closed for a new client, or the server shuts down.
+    Over,
+    /// Still idle at `park_at`: it parks.
+    Long,
+}
+
 /// A keep-alive connection between requests: waits until its socket is readable (its next
 /// request's first bytes, or its end), with no system call of its own: the readiness is
-/// the poller's. False when it idled out (`deadline`), was closed for a new client or the
-/// server shuts down. It stays idle until the head's reading has a byte: a readiness that
-/// brought none leaves it idle there, evictable, within the same deadline.
+/// the poller's. Over when it idled out (`deadline`), was closed for a new client or the
+/// server shuts down; long at `park_at`, if that comes first. It stays idle until the
+/// head's reading has a byte: a readiness that brought none leaves it idle there,
+/// evictable, within the same deadline.
 async fn idle(
     tcp: &tokio::net::TcpStream,
     shutdown: &ShutdownWatch,
-    keeper: &Keeper<'_>,
+    keeper: &Keeper,
     deadline: Instant,
-) -> bool {
+    park_at: Option<Instant>,
+) -> Idle {
     let mut stop = shutdown.clone();
     if *stop.borrow_and_update() {
-        return false;
+        return Idle::Over;
     }
+    let until = park_at.unwrap_or(deadline);
     tokio::select! {
         biased;
-        r = tokio::time::timeout_at(deadline, tcp.readable()) => matches!(r, Ok(Ok(()))),
-        _ = stop.changed() => false,
-        () = keeper.evicted() => false,
+        r = tokio::time::timeout_at(until, tcp.readable()) => match r {
+            Ok(Ok(())) => Idle::Readable,
+            Ok(Err(_)) => Idle::Over,
+            Err(_) if park_at.is_some() => Idle::Long,
+            Err(_) => Idle::Over,
+        },
+        _ = stop.changed() => Idle::Over,
+        () = keeper.evicted() => Idle::Over,
     }
 }
 
@@ -391,10 +473,21 @@ impl Service for FrontService {
                 std::process::exit(1);
             }
         };
+        // Keep-alive connections idle past a second park there, and come back readable.
+        let (resume, mut resumed) = tokio::sync::mpsc::unbounded_channel();
+        let connections = &front.tap.transport.connections;
+        match Lot::start(resume) {
+            Ok(lot) => connections.start_lot(lot),
+            Err(e) => tracing::warn!("idle connections will not park: {e}"),
+        }
         loop {
             let accepted = tokio::select! {
                 biased;
                 _ = shutdown.changed() => break,
+                Some(back) = resumed.recv() => {
+                    front.resume(back, &shutdown);
+                    continue;
+                }
                 accepted = listener.accept() => accepted,
             };
             match accepted {
@@ -419,11 +512,11 @@ impl Service for FrontService {
                             Some(Io::Tcp(tcp))
                         };
                         if let Some(client) = client {
-                            front
-                                .connection(client, Some(peer), shutdown, accepted)
-                                .await;
+                            let begin = Begin::Accepted(accepted);
+                            let connection =
+                                front.connection(client, Some(peer), shutdown, open, begin);
+                            connection.await;
                         }
-                        drop(open);
                     });
                 }
                 // Out of file descriptors (or a connection reset while queued): accept
@@ -440,7 +533,12 @@ impl Service for FrontService {
                 }
             }
         }
-        // Keep-alive connections idling on pingora-proxy's path close now.
+        // Parked connections close now, as do those coming back from the lot, and
+        // keep-alive connections idling on pingora-proxy's path.
+        if let Some(lot) = connections.lot() {
+            lot.close();
+        }
+        drop(resumed);
         front.proxy.http_cleanup().await;
     }
 

@@ -5,11 +5,12 @@ use std::sync::atomic::{
     AtomicU64, AtomicUsize,
     Ordering::{AcqRel, Acquire, Relaxed, Release},
 };
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use slab::Slab;
 use tokio::sync::Notify;
 
+use super::lot::Lot;
 use crate::service::Transport;
 
 /// Open client connections, against `server.max_connections`. At the limit, a new client
@@ -32,6 +33,8 @@ pub struct Connections {
     /// The second of the last log line about refused connections (since `start`).
     logged: AtomicU64,
     start: std::time::Instant,
+    /// Where connections idle past a second wait, once the listener has started it.
+    lot: OnceLock<Lot>,
 }
 
 /// One open client connection, counted until dropped.
@@ -56,18 +59,35 @@ struct Standing {
 }
 
 /// A connection's registration among those that may idle; removed when dropped.
-pub(super) struct Keeper<'a> {
-    connections: &'a Connections,
+pub(super) struct Keeper {
+    transport: Arc<Transport>,
     key: usize,
     standing: Arc<Standing>,
 }
 
 // === impl Keeper ===
 
-impl Keeper<'_> {
+impl Keeper {
+    /// Registers a connection that is about to go idle for the first time.
+    pub(super) fn new(transport: &Arc<Transport>) -> Keeper {
+        let standing = Arc::new(Standing {
+            since: AtomicU64::new(BUSY),
+            evict: Notify::new(),
+        });
+        let key = transport
+            .connections
+            .registry()
+            .insert(Arc::clone(&standing));
+        Keeper {
+            transport: Arc::clone(transport),
+            key,
+            standing,
+        }
+    }
+
     /// The connection waits for its next request: its turn among the idle ones.
     pub(super) fn go_idle(&self) -> u64 {
-        let since = self.connections.next_idle.fetch_add(1, Relaxed);
+        let since = self.transport.connections.next_idle.fetch_add(1, Relaxed);
         self.standing.since.store(since, Release);
         since
     }
@@ -82,11 +102,16 @@ impl Keeper<'_> {
     pub(super) async fn evicted(&self) {
         self.standing.evict.notified().await;
     }
+
+    /// Whether the connection was closed for a new client.
+    pub(super) fn is_evicted(&self) -> bool {
+        self.standing.since.load(Acquire) == EVICTED
+    }
 }
 
-impl Drop for Keeper<'_> {
+impl Drop for Keeper {
     fn drop(&mut self) {
-        self.connections.registry().try_remove(self.key);
+        self.transport.connections.registry().try_remove(self.key);
     }
 }
 
@@ -103,6 +128,7 @@ impl Connections {
             max,
             logged: AtomicU64::new(u64::MAX),
             start: std::time::Instant::now(),
+            lot: OnceLock::new(),
         }
     }
 
@@ -126,7 +152,24 @@ impl Connections {
         self.evicted.load(Relaxed)
     }
 
-    /// Connections idle between requests now.
+    /// Idle connections parked now, with no task of their own (see [`Lot`]).
+    pub fn parked(&self) -> usize {
+        self.lot.get().map_or(0, Lot::parked)
+    }
+
+    /// Where connections idle past a second wait: none before the listener starts it.
+    pub(super) fn lot(&self) -> Option<&Lot> {
+        self.lot.get()
+    }
+
+    /// The listener's lot, once.
+    pub(super) fn start_lot(&self, lot: Lot) {
+        if let Err(lot) = self.lot.set(lot) {
+            lot.close();
+        }
+    }
+
+    /// Connections idle between requests now (parked ones too).
     pub fn idle_now(&self) -> usize {
         let idle = |s: &Arc<Standing>| !matches!(s.since.load(Relaxed), BUSY | EVICTED);
         self.registry().iter().filter(|(_, s)| idle(s)).count()
@@ -134,20 +177,6 @@ impl Connections {
 
     fn registry(&self) -> std::sync::MutexGuard<'_, Slab<Arc<Standing>>> {
         self.registry.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// Registers a connection that is about to go idle for the first time.
-    pub(super) fn keeper(&self) -> Keeper<'_> {
-        let standing = Arc::new(Standing {
-            since: AtomicU64::new(BUSY),
-            evict: Notify::new(),
-        });
-        let key = self.registry().insert(Arc::clone(&standing));
-        Keeper {
-            connections: self,
-            key,
-            standing,
-        }
     }
 
     /// Closes the connection idle longest; false when none is idle.
@@ -167,6 +196,9 @@ impl Connections {
             if s.compare_exchange(since, EVICTED, AcqRel, Acquire).is_ok() {
                 // A permit is kept if it is not waiting yet: it closes as soon as it looks.
                 standing.evict.notify_one();
+                if let Some(lot) = self.lot.get() {
+                    lot.look_for_evicted();
+                }
                 self.evicted.fetch_add(1, Relaxed);
                 return true;
             }

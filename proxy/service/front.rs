@@ -32,8 +32,8 @@ use super::http1::Head;
 use super::TokenTap;
 use crate::config::Limits;
 pub use connections::Connections;
-use connections::{Keeper, Open};
-use lot::{Lot, Parked, PARK_AFTER};
+use connections::{Keeper, Open, Parked};
+use lot::{Lot, PARK_AFTER};
 
 mod connections;
 mod lot;

@@ -1,6 +1,8 @@
 //! Open client connections against `server.max_connections`, and the idle ones among
 //! them that a new client may take the place of.
 
+use std::net::SocketAddr;
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{
     AtomicU64, AtomicUsize,
     Ordering::{AcqRel, Acquire, Relaxed, Release},
@@ -10,7 +12,7 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use slab::Slab;
 use tokio::sync::Notify;
 
-use super::lot::Lot;
+use super::lot::{Lot, Parkable};
 use crate::service::Transport;
 
 /// Open client connections, against `server.max_connections`. At the limit, a new client
@@ -34,7 +36,7 @@ pub struct Connections {
     logged: AtomicU64,
     start: std::time::Instant,
     /// Where connections idle past a second wait, once the listener has started it.
-    lot: OnceLock<Lot>,
+    lot: OnceLock<Lot<Parked>>,
 }
 
 /// One open client connection, counted until dropped.
@@ -43,6 +45,33 @@ pub(super) struct Open(Arc<Transport>);
 impl Drop for Open {
     fn drop(&mut self) {
         self.0.connections.open.fetch_sub(1, Relaxed);
+    }
+}
+
+/// A connection parked with no task of its own (see [`Lot`]): all that serving its next
+/// request needs.
+pub(super) struct Parked {
+    pub tcp: std::net::TcpStream,
+    pub peer: Option<SocketAddr>,
+    pub open: Open,
+    pub keeper: Keeper,
+    /// Its turn among the idle ones (see [`Keeper::go_idle`]).
+    pub since: u64,
+    /// `keepalive_timeout` after its last response.
+    pub deadline: std::time::Instant,
+}
+
+impl Parkable for Parked {
+    fn fd(&self) -> RawFd {
+        self.tcp.as_raw_fd()
+    }
+
+    fn deadline(&self) -> std::time::Instant {
+        self.deadline
+    }
+
+    fn evicted(&self) -> bool {
+        self.keeper.is_evicted()
     }
 }
 
@@ -158,12 +187,12 @@ impl Connections {
     }
 
     /// Where connections idle past a second wait: none before the listener starts it.
-    pub(super) fn lot(&self) -> Option<&Lot> {
+    pub(super) fn lot(&self) -> Option<&Lot<Parked>> {
         self.lot.get()
     }
 
     /// The listener's lot, once.
-    pub(super) fn start_lot(&self, lot: Lot) {
+    pub(super) fn start_lot(&self, lot: Lot<Parked>) {
         if let Err(lot) = self.lot.set(lot) {
             lot.close();
         }

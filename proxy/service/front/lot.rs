@@ -16,8 +16,7 @@
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::io;
-use std::net::SocketAddr;
-use std::os::fd::AsRawFd;
+use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
@@ -27,33 +26,29 @@ use mio::{Events, Interest, Poll, Token, Waker};
 use slab::Slab;
 use tokio::sync::mpsc::UnboundedSender;
 
-use super::connections::{Keeper, Open};
-
 /// How long a keep-alive connection idles in its own task before it parks.
 pub(super) const PARK_AFTER: Duration = Duration::from_secs(1);
 
 /// The poller's own wake-up (a park with the earliest deadline, an eviction, the close).
 const WAKE: Token = Token(usize::MAX);
 
-/// A parked connection: all that serving its next request needs.
-pub(super) struct Parked {
-    pub tcp: std::net::TcpStream,
-    pub peer: Option<SocketAddr>,
-    pub open: Open,
-    pub keeper: Keeper,
-    /// Its turn among the idle ones (see [`Keeper::go_idle`]).
-    pub since: u64,
-    /// `keepalive_timeout` after its last response.
-    pub deadline: Instant,
+/// What the lot needs of a parked connection.
+pub(super) trait Parkable: Send + 'static {
+    /// Its socket (open as long as it is).
+    fn fd(&self) -> RawFd;
+    /// When it idles out.
+    fn deadline(&self) -> Instant;
+    /// Whether it was closed for a new client.
+    fn evicted(&self) -> bool;
 }
 
 /// The lot of parked connections (a handle: the poller's thread holds it too).
-pub struct Lot(Arc<Shared>);
+pub struct Lot<C>(Arc<Shared<C>>);
 
-struct Shared {
+struct Shared<C> {
     registry: mio::Registry,
     waker: Waker,
-    state: Mutex<State>,
+    state: Mutex<State<C>>,
     /// Connections parked now.
     parked: AtomicUsize,
     /// A connection was closed for a new client: the poller looks for parked ones.
@@ -61,11 +56,11 @@ struct Shared {
     /// The server shuts down: parked connections close, none parks from now on.
     closing: AtomicBool,
     /// Back to the listener, readable.
-    resume: UnboundedSender<Parked>,
+    resume: UnboundedSender<C>,
 }
 
-struct State {
-    parked: Slab<Parked>,
+struct State<C> {
+    parked: Slab<C>,
     /// Each parked connection's deadline and key, the earliest on top. An entry whose
     /// connection has left is skipped when it comes up (or when the heap is rebuilt).
     deadlines: BinaryHeap<Reverse<(Instant, usize)>>,
@@ -73,9 +68,9 @@ struct State {
 
 // === impl Lot ===
 
-impl Lot {
+impl<C: Parkable> Lot<C> {
     /// Starts the poller; readable connections are sent to `resume`.
-    pub(super) fn start(resume: UnboundedSender<Parked>) -> io::Result<Lot> {
+    pub(super) fn start(resume: UnboundedSender<C>) -> io::Result<Lot<C>> {
         let poll = Poll::new()?;
         let registry = poll.registry().try_clone()?;
         let waker = Waker::new(&registry, WAKE)?;
@@ -100,10 +95,9 @@ impl Lot {
 
     /// Parks `conn` until it is readable, its deadline passes, it is evicted or the server
     /// shuts down; it is closed at once if the lot is closing or cannot watch it.
-    pub(super) fn park(&self, conn: Parked) {
+    pub(super) fn park(&self, conn: C) {
         let shared = &self.0;
-        let fd = conn.tcp.as_raw_fd();
-        let deadline = conn.deadline;
+        let (fd, deadline) = (conn.fd(), conn.deadline());
         let mut state = shared.state();
         if shared.closing.load(Relaxed) {
             return;
@@ -115,7 +109,8 @@ impl Lot {
         if let Err(e) = watched {
             let conn = state.parked.remove(key);
             drop(state);
-            tracing::warn!(client = ?conn.peer, "cannot park an idle connection: {e}; closing it");
+            drop(conn);
+            tracing::warn!("cannot park an idle connection: {e}; closed it");
             return;
         }
         shared.parked.fetch_add(1, Relaxed);
@@ -129,7 +124,9 @@ impl Lot {
             shared.wake();
         }
     }
+}
 
+impl<C> Lot<C> {
     /// Connections parked now.
     pub fn parked(&self) -> usize {
         self.0.parked.load(Relaxed)
@@ -148,7 +145,7 @@ impl Lot {
     }
 }
 
-impl Drop for Lot {
+impl<C> Drop for Lot<C> {
     fn drop(&mut self) {
         self.close();
     }
@@ -156,8 +153,8 @@ impl Drop for Lot {
 
 // === impl Shared ===
 
-impl Shared {
-    fn state(&self) -> MutexGuard<'_, State> {
+impl<C> Shared<C> {
+    fn state(&self) -> MutexGuard<'_, State<C>> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
@@ -166,7 +163,9 @@ impl Shared {
             tracing::error!("cannot wake the idle connections' poller: {e}");
         }
     }
+}
 
+impl<C: Parkable> Shared<C> {
     /// The poller: until the lot closes, sends readable connections back and closes those
     /// past their deadline or evicted. Connections leave the lot's lock before they are
     /// sent or closed (closing one takes the registry of idle connections' lock, which an
@@ -190,9 +189,7 @@ impl Shared {
                 let Some(conn) = state.parked.try_remove(event.token().0) else {
                     continue;
                 };
-                let _ = self
-                    .registry
-                    .deregister(&mut SourceFd(&conn.tcp.as_raw_fd()));
+                let _ = self.registry.deregister(&mut SourceFd(&conn.fd()));
                 leaving.push((conn, !closing));
             }
             if closing {
@@ -201,7 +198,7 @@ impl Shared {
             }
             if self.evicted.swap(false, Relaxed) {
                 let evicted: Vec<usize> = (state.parked.iter())
-                    .filter(|(_, conn)| conn.keeper.is_evicted())
+                    .filter(|(_, conn)| conn.evicted())
                     .map(|(key, _)| key)
                     .collect();
                 leaving.extend(evicted.into_iter().map(|k| (state.parked.remove(k), false)));
@@ -224,11 +221,15 @@ impl Shared {
 
 // === impl State ===
 
-impl State {
+impl<C: Parkable> State<C> {
     /// The earliest deadline of a connection still parked.
     fn next_deadline(&mut self) -> Option<Instant> {
         while let Some(&Reverse((deadline, key))) = self.deadlines.peek() {
-            if self.parked.get(key).is_some_and(|c| c.deadline == deadline) {
+            if self
+                .parked
+                .get(key)
+                .is_some_and(|c| c.deadline() == deadline)
+            {
                 return Some(deadline);
             }
             self.deadlines.pop();
@@ -238,12 +239,12 @@ impl State {
 
     /// Takes out the connections whose deadline is past at `now`. (Two with one key and
     /// one deadline are the same: a key taken again has a later deadline, or the same one.)
-    fn expire(&mut self, now: Instant) -> impl Iterator<Item = Parked> + '_ {
+    fn expire(&mut self, now: Instant) -> impl Iterator<Item = C> + '_ {
         // Entries of connections that left are dropped when they outnumber the parked ones.
         if self.deadlines.len() > 2 * self.parked.len() + 64 {
             let parked = &self.parked;
             self.deadlines
-                .retain(|Reverse((d, k))| parked.get(*k).is_some_and(|c| c.deadline == *d));
+                .retain(|Reverse((d, k))| parked.get(*k).is_some_and(|c| c.deadline() == *d));
         }
         std::iter::from_fn(move || {
             let deadline = self.next_deadline()?;
@@ -253,5 +254,170 @@ impl State {
             let Reverse((_, key)) = self.deadlines.pop()?;
             Some(self.parked.remove(key))
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Read, Write};
+    use std::net::{TcpListener, TcpStream};
+    use std::os::fd::AsRawFd;
+    use std::sync::atomic::AtomicBool;
+
+    use super::*;
+
+    /// A connection as the lot sees it, with a socket or without.
+    struct Conn {
+        tcp: Option<TcpStream>,
+        deadline: Instant,
+        evicted: Arc<AtomicBool>,
+    }
+
+    impl Parkable for Conn {
+        fn fd(&self) -> RawFd {
+            self.tcp.as_ref().map_or(-1, |t| t.as_raw_fd())
+        }
+        fn deadline(&self) -> Instant {
+            self.deadline
+        }
+        fn evicted(&self) -> bool {
+            self.evicted.load(Relaxed)
+        }
+    }
+
+    fn conn(deadline: Instant) -> Conn {
+        let evicted = Arc::new(AtomicBool::new(false));
+        Conn {
+            tcp: None,
+            deadline,
+            evicted,
+        }
+    }
+
+    fn state() -> State<Conn> {
+        State {
+            parked: Slab::new(),
+            deadlines: BinaryHeap::new(),
+        }
+    }
+
+    fn put(state: &mut State<Conn>, c: Conn) -> usize {
+        let deadline = c.deadline;
+        let key = state.parked.insert(c);
+        state.deadlines.push(Reverse((deadline, key)));
+        key
+    }
+
+    #[test]
+    fn connections_expire_at_their_own_deadline_whatever_left_before_them() {
+        let t0 = Instant::now();
+        let at = |ms| t0 + Duration::from_millis(ms);
+        let mut s = state();
+        let a = put(&mut s, conn(at(10)));
+        let b = put(&mut s, conn(at(30)));
+        put(&mut s, conn(at(20)));
+        assert_eq!(s.next_deadline(), Some(at(10)));
+        // `a` leaves (readable), and its key is taken by one with a later deadline: the
+        // stale entry neither closes it early nor comes up as a deadline.
+        s.parked.remove(a);
+        let a2 = put(&mut s, conn(at(40)));
+        assert_eq!(a2, a);
+        assert_eq!(s.next_deadline(), Some(at(20)));
+        let gone: Vec<Instant> = s.expire(at(25)).map(|c| c.deadline).collect();
+        assert_eq!(gone, [at(20)]);
+        // `b` leaves: nothing is due until the reused key's own deadline.
+        s.parked.remove(b);
+        assert_eq!(s.expire(at(35)).count(), 0);
+        let gone: Vec<Instant> = s.expire(at(40)).map(|c| c.deadline).collect();
+        assert_eq!(gone, [at(40)]);
+        assert!(s.parked.is_empty());
+        assert_eq!(s.next_deadline(), None);
+    }
+
+    #[test]
+    fn entries_of_connections_that_left_do_not_pile_up() {
+        let t0 = Instant::now();
+        let mut s = state();
+        let stays = put(&mut s, conn(t0 + Duration::from_secs(100)));
+        for i in 0..10_000 {
+            let key = put(
+                &mut s,
+                conn(t0 + Duration::from_secs(50) + Duration::from_nanos(i)),
+            );
+            s.parked.remove(key);
+            assert_eq!(s.expire(t0).count(), 0);
+        }
+        assert!(
+            s.deadlines.len() <= 2 * s.parked.len() + 65,
+            "{}",
+            s.deadlines.len()
+        );
+        assert_eq!(s.next_deadline(), Some(s.parked[stays].deadline));
+    }
+
+    /// A pair of connected sockets: the client's end, and the server's (non-blocking, as
+    /// tokio leaves it).
+    fn pair() -> (TcpStream, TcpStream) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (server, _) = listener.accept().unwrap();
+        server.set_nonblocking(true).unwrap();
+        (client, server)
+    }
+
+    fn parked(server: TcpStream, deadline: Instant) -> (Conn, Arc<AtomicBool>) {
+        let evicted = Arc::new(AtomicBool::new(false));
+        let c = Conn {
+            tcp: Some(server),
+            deadline,
+            evicted: Arc::clone(&evicted),
+        };
+        (c, evicted)
+    }
+
+    /// Whether the server closed `client`'s connection within five seconds.
+    fn closed(client: &mut TcpStream) -> bool {
+        client
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        matches!(client.read(&mut [0u8; 16]), Ok(0))
+    }
+
+    #[tokio::test]
+    async fn a_parked_socket_comes_back_readable_or_is_closed() {
+        let (resume, mut resumed) = tokio::sync::mpsc::unbounded_channel();
+        let lot = Lot::start(resume).unwrap();
+        let later = Instant::now() + Duration::from_secs(60);
+        // Readable: back, with its bytes unread.
+        let (mut client, server) = pair();
+        lot.park(parked(server, later).0);
+        assert_eq!(lot.parked(), 1);
+        client.write_all(b"GET").unwrap();
+        let back = tokio::time::timeout(Duration::from_secs(5), resumed.recv()).await;
+        let mut back = back.unwrap().unwrap();
+        assert_eq!(lot.parked(), 0);
+        let mut got = [0u8; 3];
+        back.tcp.as_mut().unwrap().read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"GET");
+        // Past its deadline: closed.
+        let (mut client, server) = pair();
+        lot.park(parked(server, Instant::now() + Duration::from_millis(50)).0);
+        assert!(closed(&mut client), "kept past its deadline");
+        // Evicted: closed when the lot is told.
+        let (mut client, server) = pair();
+        let (c, evicted) = parked(server, later);
+        lot.park(c);
+        evicted.store(true, Relaxed);
+        lot.look_for_evicted();
+        assert!(closed(&mut client), "kept after its eviction");
+        // The lot closes: parked ones close, and one parked after is closed at once.
+        let (mut client, server) = pair();
+        lot.park(parked(server, later).0);
+        lot.close();
+        assert!(closed(&mut client), "kept after the lot closed");
+        let (mut client, server) = pair();
+        lot.park(parked(server, later).0);
+        assert!(closed(&mut client), "parked after the lot closed");
+        assert_eq!(lot.parked(), 0);
     }
 }

@@ -67,6 +67,18 @@ impl Front {
         open: Open,
         begin: Begin,
     ) {
+        // With `listen.tls_cert`, a connection accepted is served after its TLS handshake
+        // (boxed, in a statement of its own, not to keep its room in the task: the
+        // handshake's state is needed only until done).
+        let tls = self.tap.live.load().config.listen.tls.is_some();
+        if let (true, Begin::Accepted(_), Io::Tcp(_), Some(at)) = (tls, &begin, &client, peer) {
+            let Io::Tcp(tcp) = client else { return };
+            let secure = Box::pin(self.secure(tcp, at));
+            match secure.await {
+                Some(secured) => client = secured,
+                None => return,
+            }
+        }
         // Its standing among the idle connections, registered when it first goes idle.
         let mut keeper = None;
         // Its first request's head is due within `request_head_timeout` of the accept (a
@@ -77,14 +89,10 @@ impl Front {
         let (since, deadline) = loop {
             let wait = match begin.take() {
                 Some(Begin::Accepted(accepted)) => Wait::First(accepted),
-                Some(Begin::Resumed {
-                    keeper: back,
-                    since,
-                    deadline,
-                }) => Wait::Idle {
-                    keeper: keeper.insert(back),
-                    since,
-                    deadline,
+                Some(Begin::Resumed(back)) => Wait::Idle {
+                    keeper: keeper.insert(back.keeper),
+                    since: back.since,
+                    deadline: back.deadline,
                 },
                 // Idle from now, after its last response.
                 None => {
@@ -235,19 +243,17 @@ impl Front {
     fn resume(self: &Arc<Self>, back: Parked, shutdown: &ShutdownWatch) {
         let front = Arc::clone(self);
         let shutdown = shutdown.clone();
-        pingora_runtime::current_handle().spawn(async move {
-            // Registered with tokio's poller again; one that cannot be is closed.
-            let Ok(tcp) = tokio::net::TcpStream::from_std(back.tcp) else {
-                return;
-            };
-            let begin = Begin::Resumed {
-                keeper: back.keeper,
-                since: back.since,
-                deadline: Instant::from_std(back.deadline),
-            };
-            let connection = front.connection(Io::Tcp(tcp), back.peer, shutdown, back.open, begin);
-            connection.await;
-        });
+        // Registered with tokio's poller again; one that cannot be is closed.
+        let Ok(tcp) = tokio::net::TcpStream::from_std(back.tcp) else {
+            return;
+        };
+        let begin = Begin::Resumed(Box::new(Back {
+            keeper: back.keeper,
+            since: back.since,
+            deadline: Instant::from_std(back.deadline),
+        }));
+        let connection = front.connection(Io::Tcp(tcp), back.peer, shutdown, back.open, begin);
+        pingora_runtime::current_handle().spawn(connection);
     }
 
     /// Lets pingora-proxy serve the (upgrade) request whose first bytes are `read`.
@@ -284,12 +290,15 @@ async fn refuse(mut client: Io, e: ClientError, limits: &Limits) {
 enum Begin {
     /// Accepted then.
     Accepted(Instant),
-    /// Back from the lot, readable: idle since its turn `since`, until `deadline`.
-    Resumed {
-        keeper: Keeper,
-        since: u64,
-        deadline: Instant,
-    },
+    /// Back from the lot, readable (boxed: the task keeps its room for its whole life).
+    Resumed(Box<Back>),
+}
+
+/// A connection back from the lot: idle since its turn `since`, until `deadline`.
+struct Back {
+    keeper: Keeper,
+    since: u64,
+    deadline: Instant,
 }
 
 /// What a connection waits for its next request in.
@@ -502,22 +511,11 @@ impl Service for FrontService {
                     let shutdown = shutdown.clone();
                     // On a random worker with `work_stealing = false` (tokio::spawn would put
                     // every connection on the accept loop's thread), as pingora's listener.
-                    pingora_runtime::current_handle().spawn(async move {
-                        let client = if front.tap.live.load().config.listen.tls.is_some() {
-                            // Boxed (in a statement of its own, not to keep its room in
-                            // the task): the handshake's state is needed only until done.
-                            let secure = Box::pin(front.secure(tcp, peer));
-                            secure.await
-                        } else {
-                            Some(Io::Tcp(tcp))
-                        };
-                        if let Some(client) = client {
-                            let begin = Begin::Accepted(accepted);
-                            let connection =
-                                front.connection(client, Some(peer), shutdown, open, begin);
-                            connection.await;
-                        }
-                    });
+                    // The task is the connection's own future, nothing around it.
+                    let begin = Begin::Accepted(accepted);
+                    let connection =
+                        front.connection(Io::Tcp(tcp), Some(peer), shutdown, open, begin);
+                    pingora_runtime::current_handle().spawn(connection);
                 }
                 // Out of file descriptors (or a connection reset while queued): accept
                 // returns at once again, so back off briefly instead of spinning.

@@ -160,7 +160,14 @@ impl Front {
         else {
             return;
         };
-        let Ok(tcp) = tcp.into_std() else { return };
+        let connections = &self.tap.transport.connections;
+        let tcp = match tcp.into_std() {
+            Ok(tcp) => tcp,
+            Err(e) => {
+                let line = || format!("cannot park an idle client connection: {e}; closed it");
+                return connections.log_at_most_every_second(line);
+            }
+        };
         lot.park(Parked {
             tcp,
             peer,
@@ -244,8 +251,14 @@ impl Front {
         let front = Arc::clone(self);
         let shutdown = shutdown.clone();
         // Registered with tokio's poller again; one that cannot be is closed.
-        let Ok(tcp) = tokio::net::TcpStream::from_std(back.tcp) else {
-            return;
+        let tcp = match tokio::net::TcpStream::from_std(back.tcp) {
+            Ok(tcp) => tcp,
+            Err(e) => {
+                let connections = &self.tap.transport.connections;
+                let line =
+                    || format!("cannot serve a parked client connection again: {e}; closed it");
+                return connections.log_at_most_every_second(line);
+            }
         };
         let begin = Begin::Resumed(Box::new(Back {
             keeper: back.keeper,

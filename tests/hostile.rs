@@ -317,17 +317,22 @@ async fn a_connection_serving_a_long_response_is_neither_idle_nor_timed_out() {
 }
 
 /// A keep-alive connection idle past a second parks, with no task of its own, and is the
-/// same connection for the client: its next request is served, a new client at
-/// `max_connections` still takes its place, it still idles out after
-/// `keepalive_timeout_secs`, one the client closes is counted closed, and those parked
-/// when the server stops are closed.
+/// same connection for the client: its next request is served, one its client closes is
+/// counted closed at once, a new client at `max_connections` still takes the place of the
+/// one idle longest (closed at once, long before its keep-alive deadline), and those
+/// parked when the server stops are closed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn parked_connections_are_served_evicted_timed_out_and_closed() {
+async fn parked_connections_are_served_evicted_and_closed() {
     let backend = mock(vec![]).await;
-    let config = "[server]\nmax_connections = 3\nkeepalive_timeout_secs = 4\n";
+    let config = "[server]\nmax_connections = 3\nkeepalive_timeout_secs = 60\n";
     let running = proxy(&[("up", backend.addr)], config).await;
     let addr = proxy_addr(&running);
     let st = |key: &'static str, n: u64| move |s: &serde_json::Value| s["connections"][key] == n;
+    let both = |open: u64, parked: u64| {
+        move |s: &serde_json::Value| {
+            s["connections"]["open"] == open && s["connections"]["parked"] == parked
+        }
+    };
     // Served, idle, parked; served again from the lot, and parked again.
     let mut first = TcpStream::connect(addr).await.unwrap();
     ask(&mut first).await;
@@ -336,53 +341,70 @@ async fn parked_connections_are_served_evicted_timed_out_and_closed() {
     let s = stats(&running).await;
     assert_eq!(s["connections"]["open"], 1, "{s}");
     stats_where(&running, st("parked", 1)).await;
-    // A client that closes while parked is counted closed.
+    // A client that closes while parked is counted closed (within stats_where's wait,
+    // far sooner than its keep-alive deadline).
     let mut gone = TcpStream::connect(addr).await.unwrap();
     ask(&mut gone).await;
-    stats_where(&running, st("parked", 2)).await;
+    stats_where(&running, both(2, 2)).await;
     drop(gone);
-    stats_where(&running, |s| {
-        s["connections"]["open"] == 1 && s["connections"]["parked"] == 1
-    })
-    .await;
-    // Three parked at the limit: a fourth client takes the place of the first.
+    stats_where(&running, both(1, 1)).await;
+    // Three parked at the limit: a fourth client takes the place of the first, which
+    // is closed at once.
     let mut second = TcpStream::connect(addr).await.unwrap();
     ask(&mut second).await;
     let mut third = TcpStream::connect(addr).await.unwrap();
     ask(&mut third).await;
-    stats_where(&running, st("parked", 3)).await;
+    stats_where(&running, both(3, 3)).await;
     let r = fetch(addr, "GET", "/x", b"").await;
     assert_eq!(r.status, 404, "the fourth client was refused");
-    assert!(closed_within(&mut first, Duration::from_secs(5)).await);
-    let s = stats(&running).await;
+    assert!(
+        closed_within(&mut first, Duration::from_secs(2)).await,
+        "evicted, kept"
+    );
+    let s = stats_where(&running, both(2, 2)).await;
     assert_eq!(s["connections"]["evicted_total"], 1, "{s}");
     assert_eq!(s["connections"]["refused_total"], 0, "{s}");
-    // The other two idle out at their deadline, parked.
-    let idled = Instant::now();
+    // The others are still served.
+    ask(&mut second).await;
+    let metrics = fetch(running.shared().config.listen.admin, "GET", "/metrics", b"").await;
+    let text = String::from_utf8_lossy(&metrics.body);
+    assert!(
+        text.contains("tokentap_client_connections_parked "),
+        "{text}"
+    );
+    // Parked when the server stops: closed.
+    stats_where(&running, both(2, 2)).await;
+    running.stop();
     for s in [&mut second, &mut third] {
-        assert!(closed_within(s, Duration::from_secs(20)).await);
+        assert!(
+            closed_within(s, Duration::from_secs(5)).await,
+            "a parked connection outlived the server"
+        );
     }
-    let after = idled.elapsed();
-    assert!(after < Duration::from_secs(8), "idle for {after:?}");
+}
+
+/// A parked connection still idles out at its keep-alive deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parked_connections_idle_out_at_their_deadline() {
+    let backend = mock(vec![]).await;
+    let config = "[server]\nkeepalive_timeout_secs = 3\n";
+    let running = proxy(&[("up", backend.addr)], config).await;
+    let addr = proxy_addr(&running);
+    let mut idle = TcpStream::connect(addr).await.unwrap();
+    ask(&mut idle).await;
+    let answered = Instant::now();
+    stats_where(&running, |s| s["connections"]["parked"] == 1).await;
+    assert!(closed_within(&mut idle, Duration::from_secs(10)).await);
+    let after = answered.elapsed();
+    assert!(
+        after > Duration::from_secs(2) && after < Duration::from_secs(5),
+        "closed after {after:?}"
+    );
     stats_where(&running, |s| {
         s["connections"]["open"] == 0 && s["connections"]["parked"] == 0
     })
     .await;
-    let metrics = fetch(running.shared().config.listen.admin, "GET", "/metrics", b"").await;
-    let text = String::from_utf8_lossy(&metrics.body);
-    assert!(
-        text.contains("tokentap_client_connections_parked 0"),
-        "{text}"
-    );
-    // Parked when the server stops: closed.
-    let mut last = TcpStream::connect(addr).await.unwrap();
-    ask(&mut last).await;
-    stats_where(&running, st("parked", 1)).await;
     running.stop();
-    assert!(
-        closed_within(&mut last, Duration::from_secs(5)).await,
-        "a parked connection outlived the server"
-    );
 }
 
 /// Asks for `/x` on `s` and reads its 404.

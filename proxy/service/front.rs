@@ -89,11 +89,10 @@ impl Front {
         let (since, deadline) = loop {
             let wait = match begin.take() {
                 Some(Begin::Accepted(accepted)) => Wait::First(accepted),
-                Some(Begin::Resumed(back)) => Wait::Idle {
-                    keeper: keeper.insert(back.keeper),
-                    since: back.since,
-                    deadline: back.deadline,
-                },
+                Some(Begin::Resumed(back)) => {
+                    keeper = Some(*back);
+                    Wait::Back
+                }
                 // Idle from now, after its last response.
                 None => {
                     let keeper = keeper.get_or_insert_with(|| Keeper::new(&self.tap.transport));
@@ -104,7 +103,7 @@ impl Front {
                     // not the ~1 KiB of reading a head: that is made once it is readable.
                     let since = keeper.go_idle();
                     if let Io::Tcp(tcp) = &client {
-                        let lot = self.tap.transport.connections.lot();
+                        let lot = self.tap.transport.connections.lot().filter(|l| l.is_open());
                         let park_at = lot.map(|_| now + PARK_AFTER).filter(|&at| at < deadline);
                         match idle(tcp, &shutdown, keeper, deadline, park_at).await {
                             Idle::Readable => {}
@@ -260,11 +259,7 @@ impl Front {
                 return connections.log_at_most_every_second(line);
             }
         };
-        let begin = Begin::Resumed(Box::new(Back {
-            keeper: back.keeper,
-            since: back.since,
-            deadline: Instant::from_std(back.deadline),
-        }));
+        let begin = Begin::Resumed(Box::new(back.keeper));
         let connection = front.connection(Io::Tcp(tcp), back.peer, shutdown, back.open, begin);
         pingora_runtime::current_handle().spawn(connection);
     }
@@ -303,15 +298,9 @@ async fn refuse(mut client: Io, e: ClientError, limits: &Limits) {
 enum Begin {
     /// Accepted then.
     Accepted(Instant),
-    /// Back from the lot, readable (boxed: the task keeps its room for its whole life).
-    Resumed(Box<Back>),
-}
-
-/// A connection back from the lot: idle since its turn `since`, until `deadline`.
-struct Back {
-    keeper: Keeper,
-    since: u64,
-    deadline: Instant,
+    /// Back from the lot, readable and busy again, with its standing among the idle ones
+    /// (boxed: the task keeps its room for its whole life).
+    Resumed(Box<Keeper>),
 }
 
 /// What a connection waits for its next request in.
@@ -327,6 +316,9 @@ enum Wait<'a> {
         since: u64,
         deadline: Instant,
     },
+    /// A later one, its first bytes (or its end) come while it was parked: busy since then,
+    /// its head due within `request_head_timeout`.
+    Back,
 }
 
 /// Reads a request head: the bytes read after it (body bytes, or a pipelined request), and
@@ -353,6 +345,7 @@ async fn read_head(
             since,
             deadline,
         } => (Some(deadline), Some((keeper, since))),
+        Wait::Back => (None, None),
     };
     loop {
         if *stop.borrow_and_update() {
@@ -502,6 +495,9 @@ impl Service for FrontService {
             Ok(lot) => connections.start_lot(lot),
             Err(e) => tracing::warn!("idle connections will not park: {e}"),
         }
+        // Parked connections close when the listener stops, or when its runtime drops it
+        // (a fast shutdown may not poll it again).
+        let _closes = CloseLot(connections);
         loop {
             let accepted = tokio::select! {
                 biased;
@@ -546,15 +542,24 @@ impl Service for FrontService {
         }
         // Parked connections close now, as do those coming back from the lot, and
         // keep-alive connections idling on pingora-proxy's path.
-        if let Some(lot) = connections.lot() {
-            lot.close();
-        }
+        drop(_closes);
         drop(resumed);
         front.proxy.http_cleanup().await;
     }
 
     fn name(&self) -> &str {
         "tokentap proxy"
+    }
+}
+
+/// Closes the listener's lot when dropped.
+struct CloseLot<'a>(&'a Connections);
+
+impl Drop for CloseLot<'_> {
+    fn drop(&mut self) {
+        if let Some(lot) = self.0.lot() {
+            lot.close();
+        }
     }
 }
 

@@ -73,6 +73,10 @@ impl Parkable for Parked {
     fn evicted(&self) -> bool {
         self.keeper.is_evicted()
     }
+
+    fn claim(&self) -> bool {
+        self.keeper.leave(self.since)
+    }
 }
 
 /// A connection busy with a request (or not idle yet).

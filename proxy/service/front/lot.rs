@@ -17,7 +17,7 @@ use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::io;
 use std::os::fd::RawFd;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed, Ordering::SeqCst};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -40,6 +40,9 @@ pub(super) trait Parkable: Send + 'static {
     fn deadline(&self) -> Instant;
     /// Whether it was closed for a new client.
     fn evicted(&self) -> bool;
+    /// Marks it busy as its next request comes; false when it was closed for a new client
+    /// first.
+    fn claim(&self) -> bool;
 }
 
 /// The lot of parked connections (a handle: the poller's thread holds it too).
@@ -99,7 +102,9 @@ impl<C: Parkable> Lot<C> {
         let shared = &self.0;
         let (fd, deadline) = (conn.fd(), conn.deadline());
         let mut state = shared.state();
-        if shared.closing.load(Relaxed) {
+        // Evicted on its way here, it closes: the poller looks for evicted ones only among
+        // those parked when it was told, under this lock.
+        if shared.closing.load(Relaxed) || conn.evicted() {
             return;
         }
         let key = state.parked.insert(conn);
@@ -134,8 +139,13 @@ impl<C> Lot<C> {
 
     /// A connection was closed for a new client: if it is parked, it closes.
     pub(super) fn look_for_evicted(&self) {
-        self.0.evicted.store(true, Relaxed);
+        self.0.evicted.store(true, SeqCst);
         self.0.wake();
+    }
+
+    /// Whether connections may park: not once it closes (or its poller failed).
+    pub(super) fn is_open(&self) -> bool {
+        !self.0.closing.load(Relaxed)
     }
 
     /// Closes every parked connection and stops the poller; none parks from now on.
@@ -180,7 +190,7 @@ impl<C: Parkable> Shared<C> {
                 if e.kind() == io::ErrorKind::Interrupted {
                     continue;
                 }
-                tracing::error!("the idle connections' poller failed: {e}; closing them");
+                tracing::error!("the idle connections' poller failed: {e}; closing the parked ones (idle ones keep their task from now on)");
                 self.closing.store(true, Relaxed);
             }
             let closing = self.closing.load(Relaxed);
@@ -190,13 +200,15 @@ impl<C: Parkable> Shared<C> {
                     continue;
                 };
                 let _ = self.registry.deregister(&mut SourceFd(&conn.fd()));
-                leaving.push((conn, !closing));
+                // Busy from here, no longer evictable; one evicted first is closed.
+                let back = !closing && conn.claim();
+                leaving.push((conn, back));
             }
             if closing {
                 leaving.extend(state.parked.drain().map(|conn| (conn, false)));
                 state.deadlines.clear();
             }
-            if self.evicted.swap(false, Relaxed) {
+            if self.evicted.swap(false, SeqCst) {
                 let evicted: Vec<usize> = (state.parked.iter())
                     .filter(|(_, conn)| conn.evicted())
                     .map(|(key, _)| key)
@@ -282,6 +294,9 @@ mod tests {
         }
         fn evicted(&self) -> bool {
             self.evicted.load(Relaxed)
+        }
+        fn claim(&self) -> bool {
+            !self.evicted.load(Relaxed)
         }
     }
 
@@ -380,7 +395,11 @@ mod tests {
         client
             .set_read_timeout(Some(Duration::from_secs(5)))
             .unwrap();
-        matches!(client.read(&mut [0u8; 16]), Ok(0))
+        // Closed with the client's bytes unread, the connection is reset.
+        match client.read(&mut [0u8; 16]) {
+            Ok(n) => n == 0,
+            Err(e) => e.kind() == io::ErrorKind::ConnectionReset,
+        }
     }
 
     #[tokio::test]
@@ -410,6 +429,20 @@ mod tests {
         evicted.store(true, Relaxed);
         lot.look_for_evicted();
         assert!(closed(&mut client), "kept after its eviction");
+        // Evicted on its way to the lot: closed at once.
+        let (mut client, server) = pair();
+        let (c, evicted) = parked(server, later);
+        evicted.store(true, Relaxed);
+        lot.park(c);
+        assert!(closed(&mut client), "parked though evicted");
+        // Evicted as its next request comes: closed, not sent back.
+        let (mut client, server) = pair();
+        let (c, evicted) = parked(server, later);
+        lot.park(c);
+        evicted.store(true, Relaxed);
+        client.write_all(b"GET").unwrap();
+        assert!(closed(&mut client), "kept though evicted");
+        assert!(resumed.try_recv().is_err(), "sent back though evicted");
         // The lot closes: parked ones close, and one parked after is closed at once.
         let (mut client, server) = pair();
         lot.park(parked(server, later).0);

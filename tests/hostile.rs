@@ -130,9 +130,7 @@ async fn a_client_that_stops_reading_is_cut_and_its_slot_freed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_past_max_connections_are_closed_at_once_and_counted() {
-    let backend = mock(vec![]).await;
-    let running = proxy(&[("up", backend.addr)], "[server]\nmax_connections = 3\n").await;
-    let addr = proxy_addr(&running);
+    let (_backend, running, addr) = in_front_of_nothing("[server]\nmax_connections = 3\n").await;
     let open = |n: u64| move |s: &serde_json::Value| s["connections"]["open"] == n;
     // wait_ready's probes have gone.
     stats_where(&running, open(0)).await;
@@ -187,10 +185,9 @@ async fn closed_within(s: &mut TcpStream, within: Duration) -> bool {
 /// from the accept: 64 of them at `max_connections = 64` keep a new client out no longer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn silent_connections_hold_their_place_only_for_the_head_timeout() {
-    let backend = mock(vec![]).await;
-    let config = "[server]\nmax_connections = 64\nrequest_head_timeout_secs = 2\n";
-    let running = proxy(&[("up", backend.addr)], config).await;
-    let addr = proxy_addr(&running);
+    let (_backend, running, addr) =
+        in_front_of_nothing("[server]\nmax_connections = 64\nrequest_head_timeout_secs = 2\n")
+            .await;
     let open = |n: u64| move |s: &serde_json::Value| s["connections"]["open"] == n;
     stats_where(&running, open(0)).await;
     let mut silent = Vec::new();
@@ -219,10 +216,8 @@ async fn silent_connections_hold_their_place_only_for_the_head_timeout() {
 /// connection, which is closed; idle connections close after `keepalive_timeout_secs`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_keep_alive_connections_make_room_and_time_out() {
-    let backend = mock(vec![]).await;
-    let config = "[server]\nmax_connections = 3\nkeepalive_timeout_secs = 3\n";
-    let running = proxy(&[("up", backend.addr)], config).await;
-    let addr = proxy_addr(&running);
+    let (_backend, running, addr) =
+        in_front_of_nothing("[server]\nmax_connections = 3\nkeepalive_timeout_secs = 3\n").await;
     let st = |key: &'static str, n: u64| move |s: &serde_json::Value| s["connections"][key] == n;
     stats_where(&running, st("open", 0)).await;
     let get = b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n";
@@ -323,10 +318,8 @@ async fn a_connection_serving_a_long_response_is_neither_idle_nor_timed_out() {
 /// parked when the server stops are closed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn parked_connections_are_served_evicted_and_closed() {
-    let backend = mock(vec![]).await;
-    let config = "[server]\nmax_connections = 3\nkeepalive_timeout_secs = 60\n";
-    let running = proxy(&[("up", backend.addr)], config).await;
-    let addr = proxy_addr(&running);
+    let (_backend, running, addr) =
+        in_front_of_nothing("[server]\nmax_connections = 3\nkeepalive_timeout_secs = 60\n").await;
     let st = |key: &'static str, n: u64| move |s: &serde_json::Value| s["connections"][key] == n;
     let both = |open: u64, parked: u64| {
         move |s: &serde_json::Value| {
@@ -386,10 +379,8 @@ async fn parked_connections_are_served_evicted_and_closed() {
 /// A parked connection still idles out at its keep-alive deadline.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn parked_connections_idle_out_at_their_deadline() {
-    let backend = mock(vec![]).await;
-    let config = "[server]\nkeepalive_timeout_secs = 3\n";
-    let running = proxy(&[("up", backend.addr)], config).await;
-    let addr = proxy_addr(&running);
+    let (_backend, running, addr) =
+        in_front_of_nothing("[server]\nkeepalive_timeout_secs = 3\n").await;
     let mut idle = TcpStream::connect(addr).await.unwrap();
     ask(&mut idle).await;
     let answered = Instant::now();
@@ -405,6 +396,16 @@ async fn parked_connections_idle_out_at_their_deadline() {
     })
     .await;
     running.stop();
+}
+
+/// A proxy with `config`, in front of a backend that has no route (every path a 404).
+async fn in_front_of_nothing(
+    config: &str,
+) -> (Mock, tokentap::server::Running, std::net::SocketAddr) {
+    let backend = mock(vec![]).await;
+    let running = proxy(&[("up", backend.addr)], config).await;
+    let addr = proxy_addr(&running);
+    (backend, running, addr)
 }
 
 /// Asks for `/x` on `s` and reads its 404.

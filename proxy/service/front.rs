@@ -84,7 +84,7 @@ impl Front {
         // Its first request's head is due within `request_head_timeout` of the accept (a
         // connection that sends nothing holds its place no longer); each later one may
         // come after an idle `keepalive_timeout`, during which the connection may be
-        // closed for a new client. One back from the lot is idle, and readable.
+        // closed for a new client. One back from the lot is readable, and busy again.
         let mut begin = Some(begin);
         let (since, deadline) = loop {
             let wait = match begin.take() {

@@ -1310,6 +1310,7 @@ async fn run_once(
         // Every slot is held before the measured streams arrive.
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
+    let gather = idle_gather();
     for k in 0..shape.streams {
         let (tally, measuring, stop, sem) = (
             Arc::clone(&tally),
@@ -1321,7 +1322,7 @@ async fn run_once(
             if scenario == Scenario::Idle {
                 // Connections gather over seconds, not in one burst: what they hold idle,
                 // not the high-water mark of serving their first requests all at once.
-                tokio::time::sleep(idle_gather().mul_f64(k as f64 / shape.streams as f64)).await;
+                tokio::time::sleep(gather.mul_f64(k as f64 / shape.streams as f64)).await;
             }
             if scenario == Scenario::Json {
                 json_client(target, k, shape.streams, tally, measuring, stop).await;

@@ -71,8 +71,10 @@ impl Front {
         // (boxed, in a statement of its own, not to keep its room in the task: the
         // handshake's state is needed only until done).
         let tls = self.tap.live.load().config.listen.tls.is_some();
-        if let (true, Begin::Accepted(_), Io::Tcp(_), Some(at)) = (tls, &begin, &client, peer) {
-            let Io::Tcp(tcp) = client else { return };
+        if tls && matches!(begin, Begin::Accepted(_)) {
+            let (Io::Tcp(tcp), Some(at)) = (client, peer) else {
+                return;
+            };
             let secure = Box::pin(self.secure(tcp, at));
             match secure.await {
                 Some(secured) => client = secured,
@@ -154,12 +156,10 @@ impl Front {
         };
         // Idle past `PARK_AFTER`: parked with no task, a plain socket until it is readable
         // (taken from tokio's poller; one that cannot be is closed, as idle ones may be).
-        let (Io::Tcp(tcp), Some(keeper), Some(lot)) =
-            (client, keeper, self.tap.transport.connections.lot())
-        else {
+        let connections = &self.tap.transport.connections;
+        let (Io::Tcp(tcp), Some(keeper), Some(lot)) = (client, keeper, connections.lot()) else {
             return;
         };
-        let connections = &self.tap.transport.connections;
         let tcp = match tcp.into_std() {
             Ok(tcp) => tcp,
             Err(e) => {

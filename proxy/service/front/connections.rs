@@ -195,11 +195,9 @@ impl Connections {
         self.lot.get()
     }
 
-    /// The listener's lot, once.
+    /// The listener's lot, once (a second closes as it drops).
     pub(super) fn start_lot(&self, lot: Lot<Parked>) {
-        if let Err(lot) = self.lot.set(lot) {
-            lot.close();
-        }
+        let _ = self.lot.set(lot);
     }
 
     /// Connections idle between requests now (parked ones too).

@@ -17,7 +17,7 @@ use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::io;
 use std::os::fd::RawFd;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed, Ordering::SeqCst};
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed, Ordering::SeqCst};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -52,8 +52,6 @@ struct Shared<C> {
     registry: mio::Registry,
     waker: Waker,
     state: Mutex<State<C>>,
-    /// Connections parked now.
-    parked: AtomicUsize,
     /// A connection was closed for a new client: the poller looks for parked ones.
     evicted: AtomicBool,
     /// The server shuts down: parked connections close, none parks from now on.
@@ -84,7 +82,6 @@ impl<C: Parkable> Lot<C> {
                 parked: Slab::new(),
                 deadlines: BinaryHeap::new(),
             }),
-            parked: AtomicUsize::new(0),
             evicted: AtomicBool::new(false),
             closing: AtomicBool::new(false),
             resume,
@@ -118,7 +115,6 @@ impl<C: Parkable> Lot<C> {
             tracing::warn!("cannot park an idle connection: {e}; closed it");
             return;
         }
-        shared.parked.fetch_add(1, Relaxed);
         let earliest = state
             .deadlines
             .peek()
@@ -134,7 +130,7 @@ impl<C: Parkable> Lot<C> {
 impl<C> Lot<C> {
     /// Connections parked now.
     pub fn parked(&self) -> usize {
-        self.0.parked.load(Relaxed)
+        self.0.state().parked.len()
     }
 
     /// A connection was closed for a new client: if it is parked, it closes.
@@ -217,7 +213,6 @@ impl<C: Parkable> Shared<C> {
             }
             leaving.extend(state.expire(Instant::now()).map(|conn| (conn, false)));
             drop(state);
-            self.parked.fetch_sub(leaving.len(), Relaxed);
             for (conn, readable) in leaving.drain(..) {
                 if readable {
                     // Fails only when the listener is gone: the connection is closed.

@@ -179,8 +179,10 @@ async fn the_primary_neither_sees_nor_waits_on_its_mirror() {
         ] {
             let (x, y) = (x.unwrap(), y.unwrap());
             eprintln!("{what}: {name} {y:.2} ms with the mirror, {x:.2} without");
+            // Not slower with the mirror (faster by a millisecond was seen: the baseline's
+            // own noise, with the whole suite on two cores).
             assert!(
-                (x - y).abs() <= 1.0_f64.max(0.01 * x),
+                y - x <= 1.0_f64.max(0.01 * x),
                 "{what}: {name} {y:.2} ms with the mirror, {x:.2} without"
             );
         }

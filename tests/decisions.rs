@@ -285,9 +285,11 @@ async fn capacity_says_how_many_endpoints_the_demand_needs() {
 }
 
 /// The figure an autoscaler acts on must hold still under a steady load: an open loop
-/// asking for about four endpoints' worth (each second alone reads 4 or 5, the need
+/// asking for about four endpoints' worth (each second alone reads 3.6 to 4.5, the need
 /// hovering at a whole number), sampled every second for a minute, takes one value; the
-/// load doubled, it moves within a minute.
+/// load doubled, it moves within a minute. The SLO is on the gaps' median: their p90 at
+/// the SLO-bounded point (12 ms against 14) breaks it now and then on a busy machine, and
+/// with no other point supported the figure's basis would come and go.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn endpoints_needed_holds_still_under_a_steady_load_and_follows_a_step() {
     let _one = OPEN_LOOPS.lock().await;
@@ -302,7 +304,7 @@ async fn endpoints_needed_holds_still_under_a_steady_load_and_follows_a_step() {
         "[metrics]\nwindow_secs = 10\n[[upstream]]\nname = \"pool\"\n\
          endpoints = [\"http://{}\", \"http://{}\"]\n\
          max_concurrency = 8\nmax_queue = 8\nqueue_timeout_ms = 2000\n\
-         [upstream.slo]\ntpot_ms = 14\nmin_concurrency = 4\n",
+         [upstream.slo]\ntpot_ms = 14\npercentile = 50\nmin_concurrency = 4\n",
         a.addr, b.addr
     );
     let tap = proxy(&[], &config).await;
@@ -322,10 +324,11 @@ async fn endpoints_needed_holds_still_under_a_steady_load_and_follows_a_step() {
             .await
         })
     };
-    let first = open(100.0);
+    // It lasts past the step's minute (aborted once the figure moves).
+    let first = open(160.0);
     // Past the figure's first seconds (it settles on 10 samples of a second).
     stats_when(&tap, |u| {
-        u["capacity"]["endpoints_needed"].is_number() && u["requests_total"].as_u64().unwrap() > 600
+        u["capacity"]["need_now"].is_number() && u["requests_total"].as_u64().unwrap() > 600
     })
     .await;
     let (mut held, mut now) = (Vec::new(), Vec::new());

@@ -19,11 +19,14 @@
 //!
 //! The figure is held steady ([`Steady`]) so that an autoscaler can act on it: the need
 //! sampled once a second, its median over the last [`STEADY_OVER`], and a held value that
-//! moves up only when the median is past it by [`UP_MARGIN`] and down only when one
-//! endpoint fewer would still leave [`DOWN_MARGIN`] spare. A load near a whole number of
-//! endpoints (3.97 one second, 4.1 the next) or a second's gap in the window's figures
-//! moves it no more; a step in the load moves it within the median's half-window plus the
-//! live window.
+//! moves up only when the median is past it by a margin and down only when one endpoint
+//! fewer would still leave that margin spare. The margin is half the headroom (of the
+//! endpoints it is taken on; [`MIN_MARGIN`] at least): a median that eats less than half
+//! the headroom still leaves the pool within its SLO, and the need's own noise (arrivals
+//! counted over a window: ±5% a second at 37 requests a second) stays inside it. A load
+//! near a whole number of endpoints (3.97 one second, 4.3 the next) or a second's gap in
+//! the window's figures moves it no more; a step in the load moves it within the median's
+//! half-window plus the live window.
 
 use std::collections::VecDeque;
 use std::sync::{Mutex, PoisonError};
@@ -36,10 +39,10 @@ use crate::meter::{Nanos, SloBound};
 pub const STEADY_OVER: Nanos = 30_000_000_000;
 /// The need is sampled at most this often (however often `/stats` is asked).
 const SAMPLE_EVERY: Nanos = 900_000_000;
-/// The median must be this far past the held figure to raise it.
-pub const UP_MARGIN: f64 = 0.1;
-/// One endpoint fewer must leave this much spare to lower it.
-pub const DOWN_MARGIN: f64 = 0.1;
+/// The least margin, in endpoints, that moves the held figure: the median this far past
+/// it raises it, one endpoint fewer leaving this much spare lowers it. With headroom, the
+/// margin is half of it.
+pub const MIN_MARGIN: f64 = 0.1;
 /// Samples before the held figure keeps to its margins: until then (the first seconds,
 /// when the window's figures are young) it follows the median, so a start that reads high
 /// is not held.
@@ -208,9 +211,13 @@ impl Steady {
         // The upper median: one of the needs seen, never a mean of two.
         let median = needs.get(needs.len() / 2).copied();
         let settled = st.samples.len() >= SETTLED;
+        // Half the headroom of `n` endpoints, in endpoints.
+        let margin = |n: u64| (n as f64 * c.headroom_pct / 200.0).max(MIN_MARGIN);
         st.held = median.map(|m| match st.held {
             // Kept while the median is not past it and one fewer would not leave room.
-            Some(n) if settled && m <= n as f64 + UP_MARGIN && m > n as f64 - 1.0 - DOWN_MARGIN => {
+            Some(n)
+                if settled && m <= n as f64 + margin(n) && m > (n - 1) as f64 - margin(n - 1) =>
+            {
                 n
             }
             _ => whole(m),
@@ -320,6 +327,10 @@ mod tests {
     }
 
     fn stats(need: Option<f64>) -> CapacityStats {
+        with_headroom(need, 0.0)
+    }
+
+    fn with_headroom(need: Option<f64>, headroom_pct: f64) -> CapacityStats {
         let d = Demand {
             system_tps: Some(100.0),
             arrivals_per_sec: Some(1.0),
@@ -330,8 +341,39 @@ mod tests {
         };
         CapacityStats {
             need_now: need,
-            ..capacity(d, Some(bound(400.0, true, true)), true, 0.0)
+            ..capacity(d, Some(bound(400.0, true, true)), true, headroom_pct)
         }
+    }
+
+    #[test]
+    fn the_held_figure_moves_past_half_the_headroom() {
+        const SEC: Nanos = 1_000_000_000;
+        let steady = Steady::default();
+        let mut at = 0;
+        let mut hold = |need: f64, secs: u64| {
+            let mut held = Vec::new();
+            for _ in 0..secs {
+                at += SEC;
+                held.push(
+                    steady
+                        .hold(at, with_headroom(Some(need), 20.0))
+                        .endpoints_needed,
+                );
+            }
+            held
+        };
+        // Settled on 4 (a need of 3.8), 20% headroom: 4 moves up past 4.4 only.
+        assert_eq!(hold(3.8, 12).last(), Some(&Some(4)));
+        let wander: Vec<_> = [4.3, 4.05, 4.35, 3.92, 4.4]
+            .iter()
+            .flat_map(|&n| hold(n, 20))
+            .collect();
+        assert!(wander.iter().all(|&n| n == Some(4)), "{wander:?}");
+        assert_eq!(hold(4.5, 20).last(), Some(&Some(5)));
+        // Down from 5 only when 4 leave 0.4 spare: 3.7 holds 5, 3.55 lowers it.
+        let hovering = hold(3.7, 40);
+        assert!(hovering.iter().all(|&n| n == Some(5)), "{hovering:?}");
+        assert_eq!(hold(3.55, 20).last(), Some(&Some(4)));
     }
 
     #[test]

@@ -17,7 +17,7 @@ use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::io;
 use std::os::fd::RawFd;
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed, Ordering::SeqCst};
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -40,6 +40,9 @@ pub(super) trait Parkable: Send + 'static {
     fn deadline(&self) -> Instant;
     /// Whether it was closed for a new client.
     fn evicted(&self) -> bool;
+    /// Records its key in the lot, where an eviction finds it (see [`Lot::evict`]). With
+    /// [`Parkable::evicted`], sequentially consistent against the eviction's mark and read.
+    fn parked_as(&self, key: usize);
     /// Marks it busy as its next request comes; false when it was closed for a new client
     /// first.
     fn claim(&self) -> bool;
@@ -52,8 +55,9 @@ struct Shared<C> {
     registry: mio::Registry,
     waker: Waker,
     state: Mutex<State<C>>,
-    /// A connection was closed for a new client: the poller looks for parked ones.
-    evicted: AtomicBool,
+    /// The keys of connections closed for a new client, for the poller to close. (A lock of
+    /// its own, taken with no other: an eviction holds none of the lot's.)
+    evicted: Mutex<Vec<usize>>,
     /// The server shuts down: parked connections close, none parks from now on.
     closing: AtomicBool,
     /// Back to the listener, readable.
@@ -82,7 +86,7 @@ impl<C: Parkable> Lot<C> {
                 parked: Slab::new(),
                 deadlines: BinaryHeap::new(),
             }),
-            evicted: AtomicBool::new(false),
+            evicted: Mutex::new(Vec::new()),
             closing: AtomicBool::new(false),
             resume,
         });
@@ -99,12 +103,16 @@ impl<C: Parkable> Lot<C> {
         let shared = &self.0;
         let (fd, deadline) = (conn.fd(), conn.deadline());
         let mut state = shared.state();
-        // Evicted on its way here, it closes: the poller looks for evicted ones only among
-        // those parked when it was told, under this lock.
-        if shared.closing.load(Relaxed) || conn.evicted() {
+        let key = state.parked.insert(conn);
+        // Evicted on its way here, it closes: its key recorded first, an eviction after this
+        // look finds it here (and one before, not parked yet, is seen now).
+        state.parked[key].parked_as(key);
+        if shared.closing.load(Relaxed) || state.parked[key].evicted() {
+            let conn = state.parked.remove(key);
+            drop(state);
+            drop(conn);
             return;
         }
-        let key = state.parked.insert(conn);
         let watched = shared
             .registry
             .register(&mut SourceFd(&fd), Token(key), Interest::READABLE);
@@ -133,9 +141,13 @@ impl<C> Lot<C> {
         self.0.state().parked.len()
     }
 
-    /// A connection was closed for a new client: if it is parked, it closes.
-    pub(super) fn look_for_evicted(&self) {
-        self.0.evicted.store(true, SeqCst);
+    /// A connection was closed for a new client: it closes if it is the one parked with
+    /// `key` (whatever is parked there now is checked first).
+    pub(super) fn evict(&self, key: usize) {
+        if !self.is_open() {
+            return;
+        }
+        self.0.evicted().push(key);
         self.0.wake();
     }
 
@@ -162,6 +174,10 @@ impl<C> Drop for Lot<C> {
 impl<C> Shared<C> {
     fn state(&self) -> MutexGuard<'_, State<C>> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn evicted(&self) -> MutexGuard<'_, Vec<usize>> {
+        self.evicted.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     fn wake(&self) {
@@ -204,12 +220,11 @@ impl<C: Parkable> Shared<C> {
                 leaving.extend(state.parked.drain().map(|conn| (conn, false)));
                 state.deadlines.clear();
             }
-            if self.evicted.swap(false, SeqCst) {
-                let evicted: Vec<usize> = (state.parked.iter())
-                    .filter(|(_, conn)| conn.evicted())
-                    .map(|(key, _)| key)
-                    .collect();
-                leaving.extend(evicted.into_iter().map(|k| (state.parked.remove(k), false)));
+            let evicted = std::mem::take(&mut *self.evicted());
+            for key in evicted {
+                if state.parked.get(key).is_some_and(Parkable::evicted) {
+                    leaving.push((state.parked.remove(key), false));
+                }
             }
             leaving.extend(state.expire(Instant::now()).map(|conn| (conn, false)));
             drop(state);
@@ -269,7 +284,7 @@ mod tests {
     use std::io::{Read, Write};
     use std::net::{TcpListener, TcpStream};
     use std::os::fd::AsRawFd;
-    use std::sync::atomic::AtomicBool;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
 
     use super::*;
 
@@ -278,6 +293,7 @@ mod tests {
         tcp: Option<TcpStream>,
         deadline: Instant,
         evicted: Arc<AtomicBool>,
+        key: Arc<AtomicUsize>,
     }
 
     impl Parkable for Conn {
@@ -288,7 +304,10 @@ mod tests {
             self.deadline
         }
         fn evicted(&self) -> bool {
-            self.evicted.load(Relaxed)
+            self.evicted.load(SeqCst)
+        }
+        fn parked_as(&self, key: usize) {
+            self.key.store(key, SeqCst);
         }
         fn claim(&self) -> bool {
             !self.evicted.load(Relaxed)
@@ -301,6 +320,7 @@ mod tests {
             tcp: None,
             deadline,
             evicted,
+            key: Arc::default(),
         }
     }
 
@@ -375,14 +395,19 @@ mod tests {
         (client, server)
     }
 
-    fn parked(server: TcpStream, deadline: Instant) -> (Conn, Arc<AtomicBool>) {
-        let evicted = Arc::new(AtomicBool::new(false));
+    /// A parked connection, its eviction's mark and its key in the lot.
+    fn parked(server: TcpStream, deadline: Instant) -> (Conn, Arc<AtomicBool>, Arc<AtomicUsize>) {
+        let (evicted, key) = (
+            Arc::new(AtomicBool::new(false)),
+            Arc::new(AtomicUsize::new(0)),
+        );
         let c = Conn {
             tcp: Some(server),
             deadline,
             evicted: Arc::clone(&evicted),
+            key: Arc::clone(&key),
         };
-        (c, evicted)
+        (c, evicted, key)
     }
 
     /// Whether the server closed `client`'s connection within five seconds.
@@ -417,22 +442,31 @@ mod tests {
         let (mut client, server) = pair();
         lot.park(parked(server, Instant::now() + Duration::from_millis(50)).0);
         assert!(closed(&mut client), "kept past its deadline");
-        // Evicted: closed when the lot is told.
+        // Evicted: closed when the lot is told its key; another parked is told of in vain
+        // (it is not evicted), and stays.
         let (mut client, server) = pair();
-        let (c, evicted) = parked(server, later);
+        let (c, evicted, key) = parked(server, later);
         lot.park(c);
-        evicted.store(true, Relaxed);
-        lot.look_for_evicted();
+        let (mut other, server) = pair();
+        let (c, _, other_key) = parked(server, later);
+        lot.park(c);
+        lot.evict(other_key.load(SeqCst));
+        evicted.store(true, SeqCst);
+        lot.evict(key.load(SeqCst));
         assert!(closed(&mut client), "kept after its eviction");
+        assert_eq!(lot.parked(), 1);
+        other.write_all(b"GET").unwrap();
+        let back = tokio::time::timeout(Duration::from_secs(5), resumed.recv()).await;
+        assert!(back.unwrap().is_some(), "the one not evicted was closed");
         // Evicted on its way to the lot: closed at once.
         let (mut client, server) = pair();
-        let (c, evicted) = parked(server, later);
+        let (c, evicted, _) = parked(server, later);
         evicted.store(true, Relaxed);
         lot.park(c);
         assert!(closed(&mut client), "parked though evicted");
         // Evicted as its next request comes: closed, not sent back.
         let (mut client, server) = pair();
-        let (c, evicted) = parked(server, later);
+        let (c, evicted, _) = parked(server, later);
         lot.park(c);
         evicted.store(true, Relaxed);
         client.write_all(b"GET").unwrap();

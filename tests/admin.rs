@@ -72,6 +72,19 @@ async fn without_a_token_the_admin_still_refuses_other_sites() {
     let long = "a".repeat(9 * 1024);
     let (status, _) = raw(admin, &format!("GET /stats?{long} HTTP/1.1\r\n{host}")).await;
     assert_eq!(status, 414);
+
+    // An HTTP/1.0 client's reply ends with the connection (it has nothing else to read
+    // its end by); an HTTP/1.1 client's stays open for the next request.
+    for (version, closes) in [("1.0", true), ("1.1", false)] {
+        let mut s = TcpStream::connect(admin).await.unwrap();
+        let req = format!("GET /healthz HTTP/{version}\r\n{host}\r\n");
+        s.write_all(req.as_bytes()).await.unwrap();
+        let mut got = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(2), s.read_to_end(&mut got)).await;
+        let text = String::from_utf8_lossy(&got);
+        assert!(text.starts_with("HTTP/1.1 200"), "HTTP/{version}: {text}");
+        assert_eq!(read.is_ok(), closes, "HTTP/{version}: {text}");
+    }
     running.stop();
 }
 

@@ -85,7 +85,11 @@ impl HttpServerApp for Admin {
                 return None;
             }
         }
-        http.set_keepalive((!*shutdown.borrow()).then_some(60));
+        // Kept for another request as the proxy's listener keeps one: an HTTP/1.1 client's
+        // that did not say `close` (pingora sees that), not an HTTP/1.0 client's, whose reply
+        // ends with the connection (RFC 9112 §9.3).
+        let http11 = http.req_header().version == http::Version::HTTP_11;
+        http.set_keepalive((!*shutdown.borrow() && http11).then_some(60));
         let req = http.req_header();
         if req.method == http::Method::GET && req.uri.path() == "/events" {
             let shared = self.live.load();

@@ -119,8 +119,8 @@ async fn one_run(bin: &Path, origin: SocketAddr, idle: usize, new: usize) -> any
         held.push(o.await??);
     }
     let parking = Instant::now();
-    // (A few may stay in their task: a readiness left from their request that brought no
-    // byte keeps them waiting there, evictable, unparked.)
+    // (A build before stop 57 left a few in a thousand in their task: a readiness left from
+    // their request that brought no byte kept them waiting there, evictable, unparked.)
     while parked(admin).await? < idle as u64 * 99 / 100 {
         anyhow::ensure!(
             parking.elapsed() < Duration::from_secs(30),

@@ -104,9 +104,10 @@ impl Front {
                     // Idle, it holds this wait alone (a few hundred bytes, the task's own),
                     // not the ~1 KiB of reading a head: that is made once it is readable.
                     let since = keeper.go_idle();
+                    let mut park_at = None;
                     if let Io::Tcp(tcp) = &client {
                         let lot = self.tap.transport.connections.lot().filter(|l| l.is_open());
-                        let park_at = lot.map(|_| now + PARK_AFTER).filter(|&at| at < deadline);
+                        park_at = lot.map(|_| now + PARK_AFTER).filter(|&at| at < deadline);
                         match idle(tcp, &shutdown, keeper, deadline, park_at).await {
                             Idle::Readable => {}
                             Idle::Over => return,
@@ -117,6 +118,7 @@ impl Front {
                         keeper,
                         since,
                         deadline,
+                        park_at,
                     }
                 }
             };
@@ -129,6 +131,12 @@ impl Front {
             let next = next.await;
             let incoming = match next {
                 Next::Serve(incoming) => incoming,
+                Next::StillIdle => match wait {
+                    Wait::Idle {
+                        since, deadline, ..
+                    } => break (since, deadline),
+                    Wait::First(_) | Wait::Back => return,
+                },
                 Next::Upgrade(read) => {
                     let hand_over = Box::pin(self.hand_over(client, read, &shutdown));
                     match hand_over.await {
@@ -191,8 +199,9 @@ impl Front {
         let limits = self.tap.live.load().config.limits;
         let read = read_head(client, shutdown, &limits, wait).await;
         let (after_head, req) = match read {
-            Ok(Some(head)) => head,
-            Ok(None) => return Next::Closed,
+            Ok(HeadRead::Head(after_head, req)) => (after_head, req),
+            Ok(HeadRead::Closed) => return Next::Closed,
+            Ok(HeadRead::StillIdle) => return Next::StillIdle,
             Err(e) => return Next::Refuse(e, limits),
         };
         let t0 = self.tap.now();
@@ -286,6 +295,8 @@ enum Next {
     Refuse(ClientError, Limits),
     /// Closed, failed, idled out or shutting down before a request.
     Closed,
+    /// No byte yet at the time to park (its readiness was left from its last request).
+    StillIdle,
 }
 
 /// Answers a client's mistake and closes.
@@ -310,46 +321,63 @@ enum Wait<'a> {
     First(Instant),
     /// A later one, idle since its turn `since` among the idle ones (until `deadline`,
     /// `keepalive_timeout` after the last response), and perhaps closed for a new client
-    /// meanwhile.
+    /// meanwhile; still idle at `park_at`, it parks.
     Idle {
         keeper: &'a Keeper,
         since: u64,
         deadline: Instant,
+        park_at: Option<Instant>,
     },
     /// A later one, its first bytes (or its end) come while it was parked: busy since then,
     /// its head due within `request_head_timeout`.
     Back,
 }
 
-/// Reads a request head: the bytes read after it (body bytes, or a pipelined request), and
-/// the head. `Ok(None)` when the connection closed, failed or idled out before a head began
-/// (a first head within `request_head_timeout` of the accept, a later one within
-/// `keepalive_timeout`), was closed for a new client while idle, or the server is shutting
-/// down. Once its first byte is in, the whole head must arrive within
+/// What waiting for a request head came to, short of a client's mistake. (Returned by
+/// value once a request, as the head was in an `Option`: boxing it would allocate.)
+#[allow(clippy::large_enum_variant)]
+enum HeadRead {
+    /// The head, and the bytes read after it (body bytes, or a pipelined request).
+    Head(BytesMut, RequestHead),
+    /// The connection closed, failed or idled out before a head began (a first head within
+    /// `request_head_timeout` of the accept, a later one within `keepalive_timeout`), was
+    /// closed for a new client while idle, or the server is shutting down.
+    Closed,
+    /// An idle connection had no byte yet at its `park_at`: a readiness left from its last
+    /// request brought none (the wait for it found it readable at once).
+    StillIdle,
+}
+
+/// Reads a request head. Once its first byte is in, the whole head must arrive within
 /// `request_head_timeout` (of the accept, for the first) and fit `max_request_head_bytes`.
 async fn read_head(
     client: &mut Io,
     shutdown: &ShutdownWatch,
     limits: &Limits,
     wait: Wait<'_>,
-) -> Result<Option<(BytesMut, RequestHead)>, ClientError> {
+) -> Result<HeadRead, ClientError> {
     let max = limits.max_request_head_bytes;
     let mut read = BytesMut::new();
     let mut stop = shutdown.clone();
     // `None` once a later head has begun: its limit starts at its first byte, and the clock
     // is read only if that read did not bring all of it.
-    let (mut deadline, mut idle) = match wait {
-        Wait::First(accepted) => (Some(accepted + limits.request_head_timeout), None),
+    let (mut deadline, mut idle, park_at) = match wait {
+        Wait::First(accepted) => (Some(accepted + limits.request_head_timeout), None, None),
         Wait::Idle {
             keeper,
             since,
             deadline,
-        } => (Some(deadline), Some((keeper, since))),
-        Wait::Back => (None, None),
+            park_at,
+        } => (
+            Some(park_at.unwrap_or(deadline)),
+            Some((keeper, since)),
+            park_at,
+        ),
+        Wait::Back => (None, None, None),
     };
     loop {
         if *stop.borrow_and_update() {
-            return Ok(None);
+            return Ok(HeadRead::Closed);
         }
         let due = *deadline.get_or_insert_with(|| Instant::now() + limits.request_head_timeout);
         let before = read.len();
@@ -362,20 +390,21 @@ async fn read_head(
         let more = tokio::select! {
             biased;
             more = tokio::time::timeout_at(due, read_more_upto(client, &mut read, max)) => more,
-            _ = stop.changed() => return Ok(None),
-            _ = evicted => return Ok(None),
+            _ = stop.changed() => return Ok(HeadRead::Closed),
+            _ = evicted => return Ok(HeadRead::Closed),
         };
         match more {
+            Err(_) if read.is_empty() && park_at.is_some() => return Ok(HeadRead::StillIdle),
             // A connection that sent nothing is closed without an answer.
-            Err(_) if read.is_empty() => return Ok(None),
+            Err(_) if read.is_empty() => return Ok(HeadRead::Closed),
             Err(_) => return Err(ClientError::HeadTimeout),
-            Ok(Ok(0)) | Ok(Err(_)) => return Ok(None),
+            Ok(Ok(0)) | Ok(Err(_)) => return Ok(HeadRead::Closed),
             Ok(Ok(_)) => {}
         }
         if let Some((keeper, since)) = idle.take() {
             // Busy again, unless it was closed for a new client as its bytes came.
             if !keeper.leave(since) {
-                return Ok(None);
+                return Ok(HeadRead::Closed);
             }
             deadline = None;
         }
@@ -390,7 +419,7 @@ async fn read_head(
         match RequestHead::parse(&read) {
             Head::Complete(_, len) if len > max => return Err(ClientError::HeadTooLarge),
             Head::Complete(mut req, len) => match req.own(&mut read, len) {
-                true => return Ok(Some((read, req))),
+                true => return Ok(HeadRead::Head(read, req)),
                 false => return Err(ClientError::BadHead),
             },
             Head::Partial if read.len() <= max => {}
@@ -414,8 +443,9 @@ enum Idle {
 /// request's first bytes, or its end), with no system call of its own: the readiness is
 /// the poller's. Over when it idled out (`deadline`), was closed for a new client or the
 /// server shuts down; long at `park_at`, if that comes first. It stays idle until the
-/// head's reading has a byte: a readiness that brought none leaves it idle there,
-/// evictable, within the same deadline.
+/// head's reading has a byte: a readiness that brought none (left from reading its last
+/// request) leaves it idle there, evictable, within the same deadline, and it parks from
+/// there at `park_at` all the same.
 async fn idle(
     tcp: &tokio::net::TcpStream,
     shutdown: &ShutdownWatch,
@@ -586,4 +616,47 @@ fn listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
     socket.set_reuseaddr(true)?;
     socket.bind(addr)?;
     socket.listen(BACKLOG)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+    use crate::service::Transport;
+
+    /// An idle connection whose wait found it readable with no byte to read (a readiness
+    /// left from reading its last request) parks at `park_at` all the same, still idle at
+    /// its turn; and one whose request comes before then reads it.
+    #[tokio::test]
+    async fn a_readiness_without_a_byte_still_parks() {
+        let config = "[[upstream]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"\n";
+        let config = Config::parse(config, "t.toml").unwrap();
+        let transport = Transport::new(&config);
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let mut client = tokio::net::TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let mut server = Io::Tcp(listener.accept().await.unwrap().0);
+        let (_stop, shutdown) = tokio::sync::watch::channel(false);
+        let keeper = Keeper::new(&transport);
+        let wait = |since, now: Instant| Wait::Idle {
+            keeper: &keeper,
+            since,
+            deadline: now + Duration::from_secs(60),
+            park_at: Some(now + Duration::from_millis(50)),
+        };
+        let (since, now) = (keeper.go_idle(), Instant::now());
+        let read = read_head(&mut server, &shutdown, &config.limits, wait(since, now)).await;
+        assert!(matches!(read, Ok(HeadRead::StillIdle)));
+        assert!(now.elapsed() >= Duration::from_millis(50));
+        assert!(keeper.leave(since), "not idle at its turn");
+        // Its request comes before `park_at`: read, and busy.
+        let (since, now) = (keeper.go_idle(), Instant::now());
+        tokio::io::AsyncWriteExt::write_all(&mut client, b"GET / HTTP/1.1\r\nHost: a\r\n\r\n")
+            .await
+            .unwrap();
+        let read = read_head(&mut server, &shutdown, &config.limits, wait(since, now)).await;
+        assert!(matches!(read, Ok(HeadRead::Head(..))));
+        assert!(!keeper.leave(since), "not busy after its head came");
+    }
 }

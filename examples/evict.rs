@@ -103,25 +103,12 @@ async fn one_run(bin: &Path, origin: SocketAddr, idle: usize, new: usize) -> any
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    // The idle ones, 200 at a time, until every one is parked.
-    let gate = Arc::new(tokio::sync::Semaphore::new(200));
-    let opening: Vec<_> = (0..idle)
-        .map(|_| {
-            let gate = Arc::clone(&gate);
-            tokio::spawn(async move {
-                let _turn = gate.acquire().await?;
-                one_request(proxy).await
-            })
-        })
-        .collect();
-    let mut held = Vec::with_capacity(idle + new);
-    for o in opening {
-        held.push(o.await??);
-    }
+    // The idle ones, 200 at a time, until they are parked.
+    let mut held = clients(proxy, idle, 200).await?;
     let parking = Instant::now();
     // (A build before stop 57 left a few in a thousand in their task: a readiness left from
     // their request that brought no byte kept them waiting there, evictable, unparked.)
-    while parked(admin).await? < idle as u64 * 99 / 100 {
+    while connections(admin, "parked").await? < idle as u64 * 99 / 100 {
         anyhow::ensure!(
             parking.elapsed() < Duration::from_secs(30),
             "not every idle connection parked: {}",
@@ -129,22 +116,14 @@ async fn one_run(bin: &Path, origin: SocketAddr, idle: usize, new: usize) -> any
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let (cpu0, evicted0, t0) = (cpu_ns(pid), evicted(admin).await?, Instant::now());
-    let gate = Arc::new(tokio::sync::Semaphore::new(AT_ONCE));
-    let coming: Vec<_> = (0..new)
-        .map(|_| {
-            let gate = Arc::clone(&gate);
-            tokio::spawn(async move {
-                let _turn = gate.acquire().await?;
-                one_request(proxy).await
-            })
-        })
-        .collect();
-    for c in coming {
-        held.push(c.await??);
-    }
+    let (cpu0, evicted0, t0) = (
+        cpu_ns(pid),
+        connections(admin, "evicted_total").await?,
+        Instant::now(),
+    );
+    held.extend(clients(proxy, new, AT_ONCE).await?);
     let elapsed = t0.elapsed().as_secs_f64();
-    let (cpu1, evicted1) = (cpu_ns(pid), evicted(admin).await?);
+    let (cpu1, evicted1) = (cpu_ns(pid), connections(admin, "evicted_total").await?);
     drop(proxy_process);
     drop(held);
     let _ = std::fs::remove_dir_all(&dir);
@@ -171,6 +150,30 @@ impl Drop for Stopped {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
+}
+
+/// `count` connections to the proxy that have had their one reply, `at_once` opening at a
+/// time.
+async fn clients(
+    proxy: SocketAddr,
+    count: usize,
+    at_once: usize,
+) -> anyhow::Result<Vec<TcpStream>> {
+    let gate = Arc::new(tokio::sync::Semaphore::new(at_once));
+    let opening: Vec<_> = (0..count)
+        .map(|_| {
+            let gate = Arc::clone(&gate);
+            tokio::spawn(async move {
+                let _turn = gate.acquire().await?;
+                one_request(proxy).await
+            })
+        })
+        .collect();
+    let mut opened = Vec::with_capacity(count);
+    for o in opening {
+        opened.push(o.await??);
+    }
+    Ok(opened)
 }
 
 /// A connection to the proxy that has had its one reply.
@@ -225,6 +228,7 @@ fn free_port() -> anyhow::Result<SocketAddr> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?)
 }
 
+/// The admin's `/stats`.
 async fn stats(admin: SocketAddr) -> anyhow::Result<serde_json::Value> {
     let mut tcp = TcpStream::connect(admin).await?;
     let req = format!("GET /stats HTTP/1.1\r\nhost: {admin}\r\nconnection: close\r\n\r\n");
@@ -238,19 +242,12 @@ async fn stats(admin: SocketAddr) -> anyhow::Result<serde_json::Value> {
     Ok(serde_json::from_slice(&got[at + 4..])?)
 }
 
+/// `connections.FIELD` of the admin's `/stats`.
 async fn connections(admin: SocketAddr, field: &str) -> anyhow::Result<u64> {
     let s = stats(admin).await?;
     s["connections"][field]
         .as_u64()
         .with_context(|| format!("no connections.{field} in /stats"))
-}
-
-async fn parked(admin: SocketAddr) -> anyhow::Result<u64> {
-    connections(admin, "parked").await
-}
-
-async fn evicted(admin: SocketAddr) -> anyhow::Result<u64> {
-    connections(admin, "evicted_total").await
 }
 
 /// CPU time of every thread of `pid`, ns.

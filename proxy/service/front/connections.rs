@@ -106,11 +106,10 @@ struct Standing {
 /// The snapshot is exact for the oldest: a connection that goes idle after it has a later
 /// turn than every one in it (turns only grow), and one in it that has been busy since has
 /// a new turn, so the first one in it still idle at its turn is the longest idle of all.
-/// (But for one caught between taking its turn and storing it as the snapshot was taken:
-/// it waits for the next snapshot, behind younger ones.)
 /// Those that are not are dropped as they come up, and a new snapshot is taken when it runs
-/// out. It holds the standings of connections closed since it was taken until then, at
-/// most one per connection open when it was taken.
+/// out. (One caught between taking its turn and storing it as the snapshot was taken waits
+/// for the next snapshot, behind younger ones.) It holds the standings of connections
+/// closed since it was taken until then, at most one per connection open when it was taken.
 #[derive(Default)]
 struct Registry {
     standings: Slab<Arc<Standing>>,

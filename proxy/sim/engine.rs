@@ -50,6 +50,11 @@ pub struct SimStats {
     pub shadow_requests: u64,
     /// Requests answered 500 on purpose (`POST /sim/fail`).
     pub failed: u64,
+    /// The geometric mean of the completed requests' time per output token as the engine
+    /// sent them (first event to last, over the tokens after the first), and how many
+    /// requests it is of: what the backend did, to check a meter's figures against.
+    pub sent_tpot_ms_geomean: Option<f64>,
+    pub sent_tpots: u64,
 }
 
 #[derive(Default)]
@@ -68,6 +73,10 @@ struct Counters {
     failed: AtomicU64,
     /// Percent of generation requests to answer 500 (an f64's bits).
     fail_pct: AtomicU64,
+    /// The sum of the sent TPOTs' logs (an f64's bits; only the engine's task adds to it)
+    /// and how many.
+    sent_log_tpot: AtomicU64,
+    sent_tpots: AtomicU64,
 }
 
 pub struct Engine {
@@ -84,6 +93,8 @@ pub struct Engine {
 struct Active {
     job: Job,
     produced: u64,
+    /// When its first event was sent.
+    first: Instant,
 }
 
 /// The prefix cache `--prefix-cache-tokens` asks for.
@@ -200,6 +211,11 @@ impl Engine {
             requests: c.requests.load(Relaxed),
             shadow_requests: c.shadow_requests.load(Relaxed),
             failed: c.failed.load(Relaxed),
+            sent_tpot_ms_geomean: match c.sent_tpots.load(Relaxed) {
+                0 => None,
+                n => Some((f64::from_bits(c.sent_log_tpot.load(Relaxed)) / n as f64).exp()),
+            },
+            sent_tpots: c.sent_tpots.load(Relaxed),
         }
     }
 
@@ -246,7 +262,11 @@ impl Engine {
             while i < prefilling.len() {
                 if prefilling[i].0 <= now {
                     let (_, job) = prefilling.swap_remove(i);
-                    let mut active = Active { job, produced: 0 };
+                    let mut active = Active {
+                        job,
+                        produced: 0,
+                        first: now,
+                    };
                     if self.emit(&mut active) {
                         decoding.push(active);
                     }
@@ -299,7 +319,15 @@ impl Engine {
         }
         self.counters.tokens.fetch_add(k, Relaxed);
         if last {
-            self.counters.completed.fetch_add(1, Relaxed);
+            let c = &self.counters;
+            c.completed.fetch_add(1, Relaxed);
+            let after_first = a.job.max_tokens.saturating_sub(1);
+            let ms = a.first.elapsed().as_secs_f64() * 1e3 / after_first as f64;
+            if after_first > 0 && ms > 0.0 {
+                let sum = f64::from_bits(c.sent_log_tpot.load(Relaxed)) + ms.ln();
+                c.sent_log_tpot.store(sum.to_bits(), Relaxed);
+                c.sent_tpots.fetch_add(1, Relaxed);
+            }
         }
         !last
     }
@@ -318,5 +346,44 @@ async fn sleep_until_opt(t: Option<Instant>) {
     match t {
         Some(t) => tokio::time::sleep_until(t).await,
         None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The sent TPOT is each request's first event to its last over the tokens after the
+    /// first, never shorter than the curve's step; a request of one token has none.
+    #[tokio::test]
+    async fn the_sent_tpot_is_the_steps_it_took() {
+        let engine = Engine::start(SimArgs {
+            tpot_curve: "1:10".parse().unwrap(),
+            ttft_ms: 1.0,
+            ..SimArgs::defaults()
+        });
+        let mut outs = Vec::new();
+        for max_tokens in [5, 9, 1] {
+            let (out, rx) = mpsc::unbounded_channel();
+            assert!(engine.submit(Job {
+                max_tokens,
+                prompt_tokens: 4,
+                cached_tokens: 0,
+                out,
+            }));
+            outs.push(rx);
+        }
+        for mut rx in outs {
+            while let Some(e) = rx.recv().await {
+                if e.last {
+                    break;
+                }
+            }
+        }
+        let s = engine.stats();
+        assert_eq!((s.completed, s.sent_tpots), (3, 2));
+        let ms = s.sent_tpot_ms_geomean.unwrap();
+        assert!((10.0..50.0).contains(&ms), "{ms}");
+        engine.shutdown();
     }
 }

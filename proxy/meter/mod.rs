@@ -130,6 +130,8 @@ pub struct UpstreamMeter {
     curve_window: Mutex<Duration>,
     /// The endpoint of requests begun without one ([`UpstreamMeter::begin`]).
     lone: Arc<EndpointMeter>,
+    /// The last read's per-request sample buffers, emptied, for the next read.
+    read_samples: Mutex<Option<window::Samples>>,
     /// Where finished requests' GenAI histograms go (`metrics.semconv`).
     semconv: arc_swap::ArcSwapOption<crate::telemetry::Telemetry>,
 }
@@ -174,6 +176,7 @@ impl UpstreamMeter {
             exported_curve: Mutex::new([0; curve::CURVE_BUCKETS]),
             curve_window: Mutex::new(DEFAULT_CURVE_WINDOW),
             lone: Arc::default(),
+            read_samples: Mutex::new(None),
             semconv: arc_swap::ArcSwapOption::empty(),
         })
     }
@@ -434,10 +437,38 @@ impl UpstreamMeter {
     pub fn stats(&self, now: Nanos) -> MeterStats {
         let (now, span) = self.lock().span(now);
         let mut sums = Sums::new();
-        for i in 0..self.shards.len() {
-            self.shard(i).add_to(&mut sums, now, span);
+        if let Some(kept) = self
+            .read_samples
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+        {
+            sums.reuse(kept);
         }
-        self.lock().stats(&self.name, now, span, sums)
+        for i in 0..self.shards.len() {
+            // The shard's lock is let go before its sealed records are walked, and the
+            // windows' lock is taken only once the percentiles are selected: a request
+            // takes both, and the window may hold hundreds of thousands.
+            let sealed = self.shard(i).add_to(&mut sums, now, span);
+            shard::add_sealed(&mut sums, span, &sealed);
+        }
+        let selected = sums.select();
+        let stats = self.lock().stats(&self.name, now, span, &sums, selected);
+        self.keep_samples(sums);
+        stats
+    }
+
+    /// Keeps the read's sample buffers for the next: a window of hundreds of thousands
+    /// of requests would otherwise take and give back megabytes every second, and the
+    /// pages' mapping and unmapping stopped the workers' own allocations for milliseconds.
+    fn keep_samples(&self, sums: Sums) {
+        let mut kept = self
+            .read_samples
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if kept.is_none() {
+            *kept = Some(sums.into_samples());
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, Windows> {

@@ -2,7 +2,7 @@
 //! only its own thread's shard. It holds the ring of slots (tokens and per-token gaps), the
 //! records of the requests begun on this thread, and the curve's per-event part.
 
-use std::collections::VecDeque;
+use std::sync::Arc;
 use std::time::Duration;
 
 use hdrhistogram::Histogram;
@@ -10,7 +10,7 @@ use slab::Slab;
 
 use super::curve::{Events, Scope, CURVE_BUCKETS};
 use super::hist::{histogram, histogram64, HIST_MAX_US};
-use super::records::{into_slot_us, window_tpot, InFlight, Retired, Segment};
+use super::records::{into_slot_us, window_tpot, InFlight, Retired, RetiredLog, Segment};
 use super::window::{bucket, ms, slot_ns, Span, Sums, SLOTS};
 use super::Nanos;
 
@@ -31,7 +31,7 @@ pub(super) struct Shard {
     /// The requests in flight.
     records: Slab<InFlight>,
     /// Finished requests in finishing order, dropped once they leave the window.
-    retired: VecDeque<Retired>,
+    retired: RetiredLog,
     curve: Events,
     /// Per-token gaps since the SLO controller's last read.
     control_gaps: Histogram<u32>,
@@ -56,7 +56,7 @@ impl Shard {
                 })
                 .collect(),
             records: Slab::new(),
-            retired: VecDeque::new(),
+            retired: RetiredLog::default(),
             curve: Events::new(curve_window),
             control_gaps: histogram(),
             tokens_per_event: histogram64(),
@@ -158,7 +158,7 @@ impl Shard {
             self.correct(key, now, estimated, total);
         }
         if let Some(rec) = self.records.try_remove(key) {
-            self.retired.push_back(Retired::of(rec, now));
+            self.retired.push(Retired::of(rec, now));
         }
         self.purge(now);
     }
@@ -198,39 +198,25 @@ impl Shard {
         }
     }
 
-    /// Adds this shard's part of the window `span` to `sums`.
-    pub(super) fn add_to(&mut self, sums: &mut Sums, now: Nanos, span: Span) {
+    /// Adds this shard's part of the window `span` to `sums`, but for its sealed retired
+    /// records, which it returns for [`add_sealed`] to add once the lock is let go.
+    #[must_use = "the sealed retired records are not in `sums` until `add_sealed` adds them"]
+    pub(super) fn add_to(&mut self, sums: &mut Sums, now: Nanos, span: Span) -> Sealed {
         self.purge(now);
         for slot in self.ring.iter().filter(|s| span.contains(s.epoch)) {
             sums.tokens += slot.tokens;
             let _ = sums.itl.add(&slot.itl);
         }
-        let window_start = span.start();
-        let mut add = |t0: Nanos, first: Option<Nanos>, end: Option<Nanos>, tpot: Option<f64>| {
-            if let Some(first) = first.filter(|&f| f >= window_start) {
-                sums.ttft.push(ms(first.saturating_sub(t0)));
-            }
-            if let Some(end) = end.filter(|&f| f >= window_start) {
-                sums.e2e.push(ms(end.saturating_sub(t0)));
-            }
-            if let Some(t) = tpot {
-                sums.tpot.push(t);
-            }
-        };
         for (_, rec) in &self.records {
-            add(
-                rec.t0,
-                rec.first,
-                None,
-                window_tpot(rec.epoch0, &rec.segments, span),
-            );
+            let tpot = window_tpot(rec.epoch0, &rec.segments, span);
+            add_request(sums, span, rec.t0, rec.first, None, tpot);
         }
-        for r in &self.retired {
-            let tpot = window_tpot(r.epoch0, r.segments.as_slice(), span);
-            add(r.t0, r.first, Some(r.finished_at), tpot);
+        for r in self.retired.open() {
+            add_retired(sums, span, r);
         }
         self.add_curve(sums, Scope::Window(now));
         self.add_tokens_per_event(sums);
+        Sealed(self.retired.sealed())
     }
 
     /// Moves the per-token gaps since the last call into `sums`.
@@ -257,7 +243,7 @@ impl Shard {
     /// Records held: in flight, or finished inside the window.
     #[cfg(test)]
     pub(super) fn records_held(&self) -> usize {
-        self.records.len() + self.retired.len()
+        self.records.len() + self.retired.iter().count()
     }
 
     fn clamp(&mut self, now: Nanos) -> Nanos {
@@ -266,14 +252,47 @@ impl Shard {
     }
 
     fn purge(&mut self, now: Nanos) {
-        let window_start = Span::of(now, self.slot_ns).start();
-        while self
-            .retired
-            .front()
-            .is_some_and(|r| r.finished_at < window_start)
-        {
-            self.retired.pop_front();
+        self.retired.purge(Span::of(now, self.slot_ns).start());
+    }
+}
+
+/// A shard's sealed retired records, taken by [`Shard::add_to`].
+pub(super) struct Sealed(Vec<Arc<Vec<Retired>>>);
+
+/// Adds the sealed retired records that finished inside `span` to `sums`, without the
+/// shard's lock.
+pub(super) fn add_sealed(sums: &mut Sums, span: Span, sealed: &Sealed) {
+    let start = span.start();
+    for r in sealed.0.iter().flat_map(|c| c.iter()) {
+        if r.finished_at >= start {
+            add_retired(sums, span, r);
         }
+    }
+}
+
+fn add_retired(sums: &mut Sums, span: Span, r: &Retired) {
+    let tpot = window_tpot(r.epoch0, r.segments.as_slice(), span);
+    add_request(sums, span, r.t0, r.first, Some(r.finished_at), tpot);
+}
+
+/// One request's TTFT, end to end time and TPOT, each if it was inside `span`.
+fn add_request(
+    sums: &mut Sums,
+    span: Span,
+    t0: Nanos,
+    first: Option<Nanos>,
+    end: Option<Nanos>,
+    tpot: Option<f64>,
+) {
+    let window_start = span.start();
+    if let Some(first) = first.filter(|&f| f >= window_start) {
+        sums.ttft.push(ms(first.saturating_sub(t0)));
+    }
+    if let Some(end) = end.filter(|&f| f >= window_start) {
+        sums.e2e.push(ms(end.saturating_sub(t0)));
+    }
+    if let Some(t) = tpot {
+        sums.tpot.push(t);
     }
 }
 
@@ -305,13 +324,16 @@ mod tests {
             shard.tokens(key, 100 * MS + i * MS, 1, 1, 1);
         }
         shard.finish(key, 120 * MS, 16, None);
-        assert_eq!((shard.records.len(), shard.retired.len()), (0, 1));
-        assert_eq!(shard.retired[0].segments.as_slice().len(), 1);
-        assert!(matches!(shard.retired[0].segments, Segments::One(_))); // no allocation
+        assert_eq!((shard.records.len(), shard.retired.iter().count()), (0, 1));
+        let retired = shard.retired.iter().next().unwrap();
+        assert_eq!(retired.segments.as_slice().len(), 1);
+        assert!(matches!(retired.segments, Segments::One(_))); // no allocation
         assert!(std::mem::size_of::<Retired>() <= 64);
         let mut sums = Sums::new();
         let now = 200 * MS;
-        shard.add_to(&mut sums, now, Span::of(now, shard.slot_ns));
+        let span = Span::of(now, shard.slot_ns);
+        let sealed = shard.add_to(&mut sums, now, span);
+        add_sealed(&mut sums, span, &sealed);
         assert_eq!(sums.ttft, vec![101.0]);
         assert_eq!(sums.e2e, vec![120.0]);
         assert_eq!(sums.tpot, vec![1.0]);

@@ -20,21 +20,22 @@ impl Percentiles {
     ///
     /// Each rank is selected rather than the whole slice sorted: the window can hold
     /// hundreds of thousands of short requests, and the dashboard's sampler reads them every
-    /// second. p99 is selected first; p90 and p50 then lie in the part before it.
+    /// second. p50 is selected first; p90 and then p99 lie in the part after it, half the
+    /// samples and then a tenth (1.6 passes over them in all, against 2.9 from p99 down).
     pub fn of(samples: &mut [f64]) -> Percentiles {
         let n = samples.len();
         if n == 0 {
             return Percentiles::default();
         }
         let mut found = [None; 3];
-        // Each selection leaves every smaller sample before the selected one, so the next,
-        // lower rank is found in that prefix alone.
-        let mut end = n;
-        for (slot, p) in [(2, 99.0), (1, 90.0), (0, 50.0)] {
+        // Each selection leaves every larger sample after the selected one, so the next,
+        // higher rank is found in that suffix alone.
+        let mut start = 0;
+        for (slot, p) in [(0, 50.0), (1, 90.0), (2, 99.0)] {
             let k = rank(n, p) - 1;
-            let (_, v, _) = samples[..end].select_nth_unstable_by(k, f64::total_cmp);
+            let (_, v, _) = samples[start..].select_nth_unstable_by(k - start, f64::total_cmp);
             found[slot] = Some(*v);
-            end = k + 1;
+            start = k;
         }
         let [p50, p90, p99] = found;
         Percentiles { p50, p90, p99 }

@@ -86,6 +86,17 @@ impl Span {
     }
 }
 
+/// The window's per-request figures, selected from [`Sums`].
+pub(super) struct Selected {
+    mean_tpot: Option<f64>,
+    ttft: Percentiles,
+    tpot: Percentiles,
+    e2e: Percentiles,
+}
+
+/// A read's buffers of per-request samples (TTFT, TPOT, end to end), kept for the next.
+pub(super) struct Samples([Vec<f64>; 3]);
+
 /// What the shards hold for one read, merged.
 pub(super) struct Sums {
     pub(super) tokens: u64,
@@ -115,6 +126,32 @@ impl Sums {
             itl_sum_us,
             tokens_per_event: self.tokens_per_event,
         }
+    }
+
+    /// The window's percentiles and mean TPOT (the samples reordered), selected apart
+    /// from [`Windows::stats`] so that it need not be under the windows' lock.
+    pub(super) fn select(&mut self) -> Selected {
+        let tpot = &self.tpot;
+        Selected {
+            mean_tpot: (!tpot.is_empty()).then(|| tpot.iter().sum::<f64>() / tpot.len() as f64),
+            ttft: Percentiles::of(&mut self.ttft),
+            tpot: Percentiles::of(&mut self.tpot),
+            e2e: Percentiles::of(&mut self.e2e),
+        }
+    }
+
+    /// Gathers the per-request samples into `kept`'s buffers (emptied) rather than new ones.
+    pub(super) fn reuse(&mut self, kept: Samples) {
+        let Samples([mut ttft, mut tpot, mut e2e]) = kept;
+        for v in [&mut ttft, &mut tpot, &mut e2e] {
+            v.clear();
+        }
+        (self.ttft, self.tpot, self.e2e) = (ttft, tpot, e2e);
+    }
+
+    /// The per-request samples' buffers, to keep for the next read.
+    pub(super) fn into_samples(self) -> Samples {
+        Samples([self.ttft, self.tpot, self.e2e])
     }
 
     pub(super) fn new() -> Sums {
@@ -424,7 +461,14 @@ impl Windows {
     }
 
     /// The figures of the window `span` ending at `now`, the shards' part being `sums`.
-    pub(super) fn stats(&self, name: &str, now: Nanos, span: Span, mut sums: Sums) -> MeterStats {
+    pub(super) fn stats(
+        &self,
+        name: &str,
+        now: Nanos,
+        span: Span,
+        sums: &Sums,
+        selected: Selected,
+    ) -> MeterStats {
         let elapsed = now - span.start().max(self.started);
         let inside = || self.ring.iter().filter(|s| span.contains(s.epoch));
         let busy: u128 = inside().map(|s| s.busy).sum();
@@ -433,8 +477,7 @@ impl Windows {
         let finished_tokens: u64 = inside().map(|s| s.finished_tokens).sum();
         let cache_reported: u64 = inside().map(|s| s.cache_reported_input).sum();
         let cached: u64 = inside().map(|s| s.cached_input).sum();
-        let tpot = &sums.tpot;
-        let mean_tpot = (!tpot.is_empty()).then(|| tpot.iter().sum::<f64>() / tpot.len() as f64);
+        let mean_tpot = selected.mean_tpot;
         let metered = self.metered;
         let rate = |x: f64| (metered && elapsed > 0).then(|| x / (elapsed as f64 / 1e9));
 
@@ -470,13 +513,13 @@ impl Windows {
             system_tps: rate(sums.tokens as f64),
             single_stream_tps: mean_tpot.filter(|m| *m > 0.0).map(|m| 1000.0 / m),
             concurrency: rate(busy as f64 / 1e9),
-            ttft_ms: Percentiles::of(&mut sums.ttft),
-            tpot_ms: Percentiles::of(&mut sums.tpot),
+            ttft_ms: selected.ttft,
+            tpot_ms: selected.tpot,
             itl_ms: hist_percentiles(&sums.itl),
-            e2e_ms: Percentiles::of(&mut sums.e2e),
+            e2e_ms: selected.e2e,
             arrivals_per_sec: rate(arrivals as f64),
             mean_output_tokens: (finished > 0).then(|| finished_tokens as f64 / finished as f64),
-            curve: self.curve(&sums, now),
+            curve: self.curve(sums, now),
             goodput: self.targets.any().then(|| {
                 let w = self.goodput.window(|epoch| span.contains(epoch));
                 Goodput {

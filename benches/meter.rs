@@ -1,0 +1,93 @@
+//! Reading an upstream's window (`/stats`, and the dashboard's sampler every second) when
+//! it is full of short requests: 28,000 a second for the default 10 s window, 16 tokens
+//! each. Measured: the read itself, and how long a request's meter update on another
+//! thread waits while reads run (each update its own begin, tokens and finish, as a
+//! worker makes them).
+//!
+//! `cargo bench --bench meter`
+#![allow(clippy::unwrap_used)]
+
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, Criterion};
+
+use tokentap::meter::{Clock, Histograms, Nanos, Outcome, UpstreamMeter};
+
+const RATE: u64 = 28_000;
+const WINDOW_SECS: u64 = 10;
+const MS: Nanos = 1_000_000;
+
+/// A meter whose window holds `RATE` short requests a second for the whole window, and the
+/// time at its end.
+fn filled() -> (Arc<UpstreamMeter>, Nanos) {
+    let meter = UpstreamMeter::new(
+        "bench",
+        Duration::from_secs(WINDOW_SECS),
+        Clock::new(),
+        Histograms::noop(),
+    );
+    let n = RATE * WINDOW_SECS;
+    let gap = WINDOW_SECS * 1_000 * MS / n;
+    for i in 0..n {
+        let t0 = i * gap;
+        let mut s = meter.begin(t0, t0);
+        for k in 0..16 {
+            s.tokens(t0 + 20 * MS + k * 100_000, 1);
+        }
+        s.finish(t0 + 22 * MS, Outcome::Ok);
+    }
+    (meter, n * gap + 30 * MS)
+}
+
+fn bench(c: &mut Criterion) {
+    let (meter, end) = filled();
+    let mut g = c.benchmark_group("meter read");
+    g.sample_size(20);
+    g.bench_function("stats, 280,000 requests in the window", |b| {
+        b.iter(|| meter.stats(end))
+    });
+    g.finish();
+
+    // A worker's requests while the window is read back to back: the longest wait of one
+    // request's meter updates, against the same updates with no read running.
+    let updates = |reading: bool| -> (usize, usize, Duration, Duration) {
+        let stop = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            if reading {
+                s.spawn(|| {
+                    for _ in 0..20 {
+                        let _ = meter.stats(end);
+                    }
+                    stop.store(true, Relaxed);
+                });
+            }
+            let mut waits = Vec::new();
+            let mut t = end;
+            while !stop.load(Relaxed) && (reading || waits.len() < 200_000) {
+                let started = Instant::now();
+                let mut st = meter.begin(t, t);
+                st.tokens(t + MS, 1);
+                st.tokens(t + 2 * MS, 1);
+                st.finish(t + 2 * MS, Outcome::Ok);
+                waits.push(started.elapsed());
+                t += 1_000;
+            }
+            let over_ms = waits.iter().filter(|w| w.as_micros() > 1_000).count();
+            waits.sort_unstable();
+            let p999 = waits[waits.len() * 999 / 1000];
+            (waits.len(), over_ms, p999, *waits.last().unwrap())
+        })
+    };
+    let (_, _, quiet_p999, quiet_max) = updates(false);
+    let (n, over_ms, p999, max) = updates(true);
+    println!(
+        "meter read / a request's updates on another thread while the window is read 20 \
+         times: {n} requests, {over_ms} of them over 1 ms, p99.9 {p999:?}, max {max:?} (no \
+         read running: p99.9 {quiet_p999:?}, max {quiet_max:?})"
+    );
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);

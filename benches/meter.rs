@@ -50,15 +50,18 @@ fn bench(c: &mut Criterion) {
     });
     g.finish();
 
-    // A worker's requests while the window is read back to back: the longest wait of one
-    // request's meter updates, against the same updates with no read running.
-    let updates = |reading: bool| -> (usize, usize, Duration, Duration) {
+    // A worker's requests while the window is read back to back (`stats`, as `/stats`, a
+    // scrape and the dashboard's sampler read it; `samples`, as `/compare` and a rollout's
+    // step do): the longest wait of one request's meter updates, against the same updates
+    // with no read running.
+    let updates = |read: Option<&(dyn Fn() + Sync)>| -> (usize, usize, Duration, Duration) {
         let stop = AtomicBool::new(false);
+        let reading = read.is_some();
         std::thread::scope(|s| {
-            if reading {
+            if let Some(read) = read {
                 s.spawn(|| {
                     for _ in 0..20 {
-                        let _ = meter.stats(end);
+                        read();
                     }
                     stop.store(true, Relaxed);
                 });
@@ -80,13 +83,20 @@ fn bench(c: &mut Criterion) {
             (waits.len(), over_ms, p999, *waits.last().unwrap())
         })
     };
-    let (_, _, quiet_p999, quiet_max) = updates(false);
-    let (n, over_ms, p999, max) = updates(true);
-    println!(
-        "meter read / a request's updates on another thread while the window is read 20 \
-         times: {n} requests, {over_ms} of them over 1 ms, p99.9 {p999:?}, max {max:?} (no \
-         read running: p99.9 {quiet_p999:?}, max {quiet_max:?})"
-    );
+    let (_, _, quiet_p999, quiet_max) = updates(None);
+    println!("meter read / a request's updates with no read running: p99.9 {quiet_p999:?}, max {quiet_max:?}");
+    let stats = || drop(meter.stats(end));
+    let samples = || drop(meter.samples(end));
+    for (what, read) in [
+        ("stats", &stats as &(dyn Fn() + Sync)),
+        ("samples", &samples),
+    ] {
+        let (n, over_ms, p999, max) = updates(Some(read));
+        println!(
+            "meter read / a request's updates on another thread while {what} reads 20 times: \
+             {n} requests, {over_ms} of them over 1 ms, p99.9 {p999:?}, max {max:?}"
+        );
+    }
 }
 
 criterion_group!(benches, bench);

@@ -15,6 +15,7 @@ mod curve;
 mod endpoint;
 mod goodput;
 mod hist;
+mod log;
 mod records;
 mod samples;
 mod shard;
@@ -23,7 +24,6 @@ mod stream;
 mod window;
 
 use std::cell::Cell;
-use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -114,7 +114,7 @@ pub struct UpstreamMeter {
     shards: Box<[Padded<Mutex<Shard>>]>,
     hist: Histograms,
     /// Finished requests of the last `sample_window`, oldest first.
-    samples: Mutex<VecDeque<RequestSample>>,
+    samples: Mutex<log::ChunkLog<RequestSample>>,
     sample_window: AtomicU64,
     /// The output-token counter as last exported: it never goes back, though an exact
     /// count that lands below its estimate takes tokens away from the live sum.
@@ -168,7 +168,7 @@ impl UpstreamMeter {
                 .map(|_| Padded(Mutex::new(Shard::new(window, DEFAULT_CURVE_WINDOW))))
                 .collect(),
             hist,
-            samples: Mutex::new(VecDeque::new()),
+            samples: Mutex::new(log::ChunkLog::default()),
             sample_window: AtomicU64::new(600_000_000_000),
             exported_output: AtomicU64::new(0),
             models: Mutex::new(std::collections::HashMap::new()),
@@ -189,11 +189,15 @@ impl UpstreamMeter {
         );
     }
 
-    /// The samples of requests that finished in the sample window before `now`.
+    /// The samples of requests that finished in the sample window before `now`. All but
+    /// the newest are copied after the lock that each request's end takes is let go.
     pub fn samples(&self, now: Nanos) -> Vec<RequestSample> {
-        let mut s = self.samples.lock().unwrap_or_else(PoisonError::into_inner);
-        self.trim(&mut s, now);
-        s.iter().copied().collect()
+        let (sealed, open) = {
+            let mut s = self.samples.lock().unwrap_or_else(PoisonError::into_inner);
+            self.trim(&mut s, now);
+            (s.sealed(), s.open().copied().collect::<Vec<_>>())
+        };
+        sealed.iter().copied().chain(open).collect()
     }
 
     /// Forgets every sample (`POST /compare/reset`).
@@ -208,16 +212,14 @@ impl UpstreamMeter {
         let mut s = self.samples.lock().unwrap_or_else(PoisonError::into_inner);
         self.trim(&mut s, sample.at);
         if s.len() == MAX_SAMPLES {
-            s.pop_front();
+            s.drop_oldest();
         }
-        s.push_back(sample);
+        s.push(sample);
     }
 
-    fn trim(&self, s: &mut VecDeque<RequestSample>, now: Nanos) {
+    fn trim(&self, s: &mut log::ChunkLog<RequestSample>, now: Nanos) {
         let since = now.saturating_sub(self.sample_window.load(Relaxed));
-        while s.front().is_some_and(|x| x.at < since) {
-            s.pop_front();
-        }
+        s.drop_while(|x| x.at < since);
     }
 
     pub fn name(&self) -> &str {

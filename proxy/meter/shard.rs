@@ -2,7 +2,6 @@
 //! only its own thread's shard. It holds the ring of slots (tokens and per-token gaps), the
 //! records of the requests begun on this thread, and the curve's per-event part.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use hdrhistogram::Histogram;
@@ -10,7 +9,8 @@ use slab::Slab;
 
 use super::curve::{Events, Scope, CURVE_BUCKETS};
 use super::hist::{histogram, histogram64, HIST_MAX_US};
-use super::records::{into_slot_us, window_tpot, InFlight, Retired, RetiredLog, Segment};
+use super::log::{ChunkLog, Sealed};
+use super::records::{into_slot_us, window_tpot, InFlight, Retired, Segment};
 use super::window::{bucket, ms, slot_ns, Span, Sums, SLOTS};
 use super::Nanos;
 
@@ -30,8 +30,9 @@ pub(super) struct Shard {
     ring: Vec<RingSlot>,
     /// The requests in flight.
     records: Slab<InFlight>,
-    /// Finished requests in finishing order, dropped once they leave the window.
-    retired: RetiredLog,
+    /// Finished requests in finishing order, dropped once they leave the window; a read
+    /// walks all but the newest without the shard's lock.
+    retired: ChunkLog<Retired>,
     curve: Events,
     /// Per-token gaps since the SLO controller's last read.
     control_gaps: Histogram<u32>,
@@ -56,7 +57,7 @@ impl Shard {
                 })
                 .collect(),
             records: Slab::new(),
-            retired: RetiredLog::default(),
+            retired: ChunkLog::default(),
             curve: Events::new(curve_window),
             control_gaps: histogram(),
             tokens_per_event: histogram64(),
@@ -201,7 +202,7 @@ impl Shard {
     /// Adds this shard's part of the window `span` to `sums`, but for its sealed retired
     /// records, which it returns for [`add_sealed`] to add once the lock is let go.
     #[must_use = "the sealed retired records are not in `sums` until `add_sealed` adds them"]
-    pub(super) fn add_to(&mut self, sums: &mut Sums, now: Nanos, span: Span) -> Sealed {
+    pub(super) fn add_to(&mut self, sums: &mut Sums, now: Nanos, span: Span) -> Sealed<Retired> {
         self.purge(now);
         for slot in self.ring.iter().filter(|s| span.contains(s.epoch)) {
             sums.tokens += slot.tokens;
@@ -216,7 +217,7 @@ impl Shard {
         }
         self.add_curve(sums, Scope::Window(now));
         self.add_tokens_per_event(sums);
-        Sealed(self.retired.sealed())
+        self.retired.sealed()
     }
 
     /// Moves the per-token gaps since the last call into `sums`.
@@ -243,7 +244,7 @@ impl Shard {
     /// Records held: in flight, or finished inside the window.
     #[cfg(test)]
     pub(super) fn records_held(&self) -> usize {
-        self.records.len() + self.retired.iter().count()
+        self.records.len() + self.retired.len()
     }
 
     fn clamp(&mut self, now: Nanos) -> Nanos {
@@ -252,21 +253,16 @@ impl Shard {
     }
 
     fn purge(&mut self, now: Nanos) {
-        self.retired.purge(Span::of(now, self.slot_ns).start());
+        let start = Span::of(now, self.slot_ns).start();
+        self.retired.drop_while(|r| r.finished_at < start);
     }
 }
 
-/// A shard's sealed retired records, taken by [`Shard::add_to`].
-pub(super) struct Sealed(Vec<Arc<Vec<Retired>>>);
-
-/// Adds the sealed retired records that finished inside `span` to `sums`, without the
-/// shard's lock.
-pub(super) fn add_sealed(sums: &mut Sums, span: Span, sealed: &Sealed) {
-    let start = span.start();
-    for r in sealed.0.iter().flat_map(|c| c.iter()) {
-        if r.finished_at >= start {
-            add_retired(sums, span, r);
-        }
+/// Adds a shard's sealed retired records (all inside the window that [`Shard::add_to`]
+/// was given: it dropped the others) to `sums`, without the shard's lock.
+pub(super) fn add_sealed(sums: &mut Sums, span: Span, sealed: &Sealed<Retired>) {
+    for r in sealed.iter() {
+        add_retired(sums, span, r);
     }
 }
 
@@ -324,8 +320,8 @@ mod tests {
             shard.tokens(key, 100 * MS + i * MS, 1, 1, 1);
         }
         shard.finish(key, 120 * MS, 16, None);
-        assert_eq!((shard.records.len(), shard.retired.iter().count()), (0, 1));
-        let retired = shard.retired.iter().next().unwrap();
+        assert_eq!((shard.records.len(), shard.retired.len()), (0, 1));
+        let retired = shard.retired.open().next().unwrap();
         assert_eq!(retired.segments.as_slice().len(), 1);
         assert!(matches!(retired.segments, Segments::One(_))); // no allocation
         assert!(std::mem::size_of::<Retired>() <= 64);

@@ -5,9 +5,8 @@
 //! worker makes them).
 //!
 //! `cargo bench --bench meter`
-#![allow(clippy::unwrap_used)]
 
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -53,44 +52,54 @@ fn bench(c: &mut Criterion) {
     // A worker's requests while the window is read back to back (`stats`, as `/stats`, a
     // scrape and the dashboard's sampler read it; `samples`, as `/compare` and a rollout's
     // step do): the longest wait of one request's meter updates, against the same updates
-    // with no read running.
-    let updates = |read: Option<&(dyn Fn() + Sync)>| -> (usize, usize, Duration, Duration) {
+    // with no read running. Each phase on a fresh meter whose window slides on at RATE
+    // (the requests' clock is theirs, not the wall's), so it holds RATE × WINDOW_SECS
+    // requests throughout, and is read at the latest request's time.
+    let gap = 1_000_000_000 / RATE;
+    let updates = |read: Option<fn(&UpstreamMeter, Nanos)>| -> (usize, usize, Duration, Duration) {
+        let (meter, end) = filled();
+        let latest = AtomicU64::new(end);
         let stop = AtomicBool::new(false);
-        let reading = read.is_some();
         std::thread::scope(|s| {
             if let Some(read) = read {
-                s.spawn(|| {
+                let (meter, latest, stop) = (&meter, &latest, &stop);
+                s.spawn(move || {
                     for _ in 0..20 {
-                        read();
+                        read(meter, latest.load(Relaxed));
                     }
                     stop.store(true, Relaxed);
                 });
             }
             let mut waits = Vec::new();
             let mut t = end;
-            while !stop.load(Relaxed) && (reading || waits.len() < 200_000) {
+            while !stop.load(Relaxed) && (read.is_some() || waits.len() < 200_000) {
                 let started = Instant::now();
                 let mut st = meter.begin(t, t);
-                st.tokens(t + MS, 1);
-                st.tokens(t + 2 * MS, 1);
-                st.finish(t + 2 * MS, Outcome::Ok);
+                st.tokens(t + 20 * MS, 1);
+                st.tokens(t + 21 * MS, 1);
+                st.finish(t + 22 * MS, Outcome::Ok);
                 waits.push(started.elapsed());
-                t += 1_000;
+                t += gap;
+                latest.store(t, Relaxed);
             }
             let over_ms = waits.iter().filter(|w| w.as_micros() > 1_000).count();
             waits.sort_unstable();
-            let p999 = waits[waits.len() * 999 / 1000];
-            (waits.len(), over_ms, p999, *waits.last().unwrap())
+            let p999 = waits[waits.len().saturating_sub(1) * 999 / 1000];
+            (
+                waits.len(),
+                over_ms,
+                p999,
+                waits.last().copied().unwrap_or_default(),
+            )
         })
     };
     let (_, _, quiet_p999, quiet_max) = updates(None);
-    println!("meter read / a request's updates with no read running: p99.9 {quiet_p999:?}, max {quiet_max:?}");
-    let stats = || drop(meter.stats(end));
-    let samples = || drop(meter.samples(end));
-    for (what, read) in [
-        ("stats", &stats as &(dyn Fn() + Sync)),
-        ("samples", &samples),
-    ] {
+    println!(
+        "meter read / a request's updates with no read running: p99.9 {quiet_p999:?}, max {quiet_max:?}"
+    );
+    let stats: fn(&UpstreamMeter, Nanos) = |m, now| drop(m.stats(now));
+    let samples: fn(&UpstreamMeter, Nanos) = |m, now| drop(m.samples(now));
+    for (what, read) in [("stats", stats), ("samples", samples)] {
         let (n, over_ms, p999, max) = updates(Some(read));
         println!(
             "meter read / a request's updates on another thread while {what} reads 20 times: \

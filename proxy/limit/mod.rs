@@ -114,6 +114,9 @@ pub const HOLD: Duration = Duration::from_millis(10);
 impl State {
     /// Takes the slot held for `who`'s tenant, if one is (it stays counted in flight).
     fn take_held(&mut self, who: &Who) -> bool {
+        if self.held.is_empty() {
+            return false;
+        }
         let now = Instant::now();
         match (self.held.iter()).position(|(t, until)| *t == who.tenant && *until > now) {
             Some(i) => {
@@ -479,6 +482,10 @@ impl Limiter {
     /// Hands free slots to the requests the queue serves next, skipping waiters gone, once
     /// the holds that ran out have given theirs back.
     fn grant_waiting(&self, st: &mut State) {
+        // Nothing held to run out and no one waiting: nothing to hand (and no clock read).
+        if st.held.is_empty() && st.queue.is_empty() {
+            return;
+        }
         let limit = self.effective();
         let now = Instant::now();
         let before = st.held.len();

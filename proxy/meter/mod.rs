@@ -192,12 +192,15 @@ impl UpstreamMeter {
     /// The samples of requests that finished in the sample window before `now`. All but
     /// the newest are copied after the lock that each request's end takes is let go.
     pub fn samples(&self, now: Nanos) -> Vec<RequestSample> {
-        let (sealed, open) = {
+        let (sealed, open, n) = {
             let mut s = self.samples.lock().unwrap_or_else(PoisonError::into_inner);
             self.trim(&mut s, now);
-            (s.sealed(), s.open().copied().collect::<Vec<_>>())
+            (s.sealed(), s.open().copied().collect::<Vec<_>>(), s.len())
         };
-        sealed.iter().copied().chain(open).collect()
+        let mut all = Vec::with_capacity(n);
+        all.extend(sealed.iter().copied());
+        all.extend(open);
+        all
     }
 
     /// Forgets every sample (`POST /compare/reset`).
@@ -469,7 +472,7 @@ impl UpstreamMeter {
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
         if kept.is_none() {
-            *kept = Some(sums.into_samples());
+            *kept = Some(sums.into_samples().trimmed());
         }
     }
 

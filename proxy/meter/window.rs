@@ -97,6 +97,19 @@ pub(super) struct Selected {
 /// A read's buffers of per-request samples (TTFT, TPOT, end to end), kept for the next.
 pub(super) struct Samples([Vec<f64>; 3]);
 
+impl Samples {
+    /// The buffers with at most twice the room this read used: a burst's window is not
+    /// kept for good.
+    pub(super) fn trimmed(mut self) -> Samples {
+        for v in &mut self.0 {
+            if v.capacity() > 4 * v.len() {
+                v.shrink_to(2 * v.len());
+            }
+        }
+        self
+    }
+}
+
 /// What the shards hold for one read, merged.
 pub(super) struct Sums {
     pub(super) tokens: u64,

@@ -92,6 +92,8 @@ pub(super) struct Selected {
     ttft: Percentiles,
     tpot: Percentiles,
     e2e: Percentiles,
+    itl: Percentiles,
+    tokens_per_event: TokensPerEvent,
 }
 
 /// A read's buffers of per-request samples (TTFT, TPOT, end to end), kept for the next.
@@ -141,8 +143,8 @@ impl Sums {
         }
     }
 
-    /// The window's percentiles and mean TPOT (the samples reordered), selected apart
-    /// from [`Windows::stats`] so that it need not be under the windows' lock.
+    /// The window's percentiles, mean TPOT and tokens per event (the samples reordered),
+    /// taken apart from [`Windows::stats`] so that they need not be under the windows' lock.
     pub(super) fn select(&mut self) -> Selected {
         let tpot = &self.tpot;
         Selected {
@@ -150,6 +152,8 @@ impl Sums {
             ttft: Percentiles::of(&mut self.ttft),
             tpot: Percentiles::of(&mut self.tpot),
             e2e: Percentiles::of(&mut self.e2e),
+            itl: hist_percentiles(&self.itl),
+            tokens_per_event: TokensPerEvent::of(&self.tokens_per_event),
         }
     }
 
@@ -516,7 +520,7 @@ impl Windows {
                 .then(|| 100.0 * t.estimated_tokens as f64 / t.output_tokens as f64),
             estimate_to_exact_ratio: (t.exact_after_estimate > 0)
                 .then(|| t.estimate_before_exact as f64 / t.exact_after_estimate as f64),
-            tokens_per_event: TokensPerEvent::of(&sums.tokens_per_event),
+            tokens_per_event: selected.tokens_per_event,
             requests_by_status: Outcome::ALL
                 .iter()
                 .map(|o| (o.label(), t.by_outcome[o.index()]))
@@ -528,7 +532,7 @@ impl Windows {
             concurrency: rate(busy as f64 / 1e9),
             ttft_ms: selected.ttft,
             tpot_ms: selected.tpot,
-            itl_ms: hist_percentiles(&sums.itl),
+            itl_ms: selected.itl,
             e2e_ms: selected.e2e,
             arrivals_per_sec: rate(arrivals as f64),
             mean_output_tokens: (finished > 0).then(|| finished_tokens as f64 / finished as f64),

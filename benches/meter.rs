@@ -1,8 +1,8 @@
-//! Reading an upstream's window (`/stats`, and the dashboard's sampler every second) when
-//! it is full of short requests: 28,000 a second for the default 10 s window, 16 tokens
-//! each. Measured: the read itself, and how long a request's meter update on another
-//! thread waits while reads run (each update its own begin, tokens and finish, as a
-//! worker makes them).
+//! Reading an upstream's window (`/stats`, a scrape and the dashboard's sampler every
+//! second) and its comparison samples (`/compare`, a rollout's step) when it is full of
+//! short requests: 28,000 a second for the default 10 s window, 16 tokens each. Measured:
+//! a read of the window, and how long a request's meter updates on another thread wait
+//! while either is read (each its own begin, tokens and finish, as a worker makes them).
 //!
 //! `cargo bench --bench meter`
 

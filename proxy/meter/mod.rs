@@ -131,7 +131,7 @@ pub struct UpstreamMeter {
     /// The endpoint of requests begun without one ([`UpstreamMeter::begin`]).
     lone: Arc<EndpointMeter>,
     /// The last read's per-request sample buffers, emptied, for the next read.
-    read_samples: Mutex<Option<window::Samples>>,
+    read_buffers: Mutex<Option<window::SampleBuffers>>,
     /// Where finished requests' GenAI histograms go (`metrics.semconv`).
     semconv: arc_swap::ArcSwapOption<crate::telemetry::Telemetry>,
 }
@@ -176,7 +176,7 @@ impl UpstreamMeter {
             exported_curve: Mutex::new([0; curve::CURVE_BUCKETS]),
             curve_window: Mutex::new(DEFAULT_CURVE_WINDOW),
             lone: Arc::default(),
-            read_samples: Mutex::new(None),
+            read_buffers: Mutex::new(None),
             semconv: arc_swap::ArcSwapOption::empty(),
         })
     }
@@ -443,7 +443,7 @@ impl UpstreamMeter {
         let (now, span) = self.lock().span(now);
         let mut sums = Sums::new();
         if let Some(kept) = self
-            .read_samples
+            .read_buffers
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .take()
@@ -459,20 +459,20 @@ impl UpstreamMeter {
         }
         let selected = sums.select();
         let stats = self.lock().stats(&self.name, now, span, &sums, selected);
-        self.keep_samples(sums);
+        self.keep_buffers(sums);
         stats
     }
 
     /// Keeps the read's sample buffers for the next: a window of hundreds of thousands
     /// of requests would otherwise take and give back megabytes every second, and the
     /// pages' mapping and unmapping stopped the workers' own allocations for milliseconds.
-    fn keep_samples(&self, sums: Sums) {
+    fn keep_buffers(&self, sums: Sums) {
         let mut kept = self
-            .read_samples
+            .read_buffers
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
         if kept.is_none() {
-            *kept = Some(sums.into_samples().trimmed());
+            *kept = Some(sums.into_buffers().trimmed());
         }
     }
 

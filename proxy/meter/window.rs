@@ -97,12 +97,12 @@ pub(super) struct Selected {
 }
 
 /// A read's buffers of per-request samples (TTFT, TPOT, end to end), kept for the next.
-pub(super) struct Samples([Vec<f64>; 3]);
+pub(super) struct SampleBuffers([Vec<f64>; 3]);
 
-impl Samples {
+impl SampleBuffers {
     /// The buffers with at most twice the room this read used: a burst's window is not
     /// kept for good.
-    pub(super) fn trimmed(mut self) -> Samples {
+    pub(super) fn trimmed(mut self) -> SampleBuffers {
         for v in &mut self.0 {
             if v.capacity() > 4 * v.len() {
                 v.shrink_to(2 * v.len());
@@ -158,8 +158,8 @@ impl Sums {
     }
 
     /// Gathers the per-request samples into `kept`'s buffers (emptied) rather than new ones.
-    pub(super) fn reuse(&mut self, kept: Samples) {
-        let Samples([mut ttft, mut tpot, mut e2e]) = kept;
+    pub(super) fn reuse(&mut self, kept: SampleBuffers) {
+        let SampleBuffers([mut ttft, mut tpot, mut e2e]) = kept;
         for v in [&mut ttft, &mut tpot, &mut e2e] {
             v.clear();
         }
@@ -167,8 +167,8 @@ impl Sums {
     }
 
     /// The per-request samples' buffers, to keep for the next read.
-    pub(super) fn into_samples(self) -> Samples {
-        Samples([self.ttft, self.tpot, self.e2e])
+    pub(super) fn into_buffers(self) -> SampleBuffers {
+        SampleBuffers([self.ttft, self.tpot, self.e2e])
     }
 
     pub(super) fn new() -> Sums {

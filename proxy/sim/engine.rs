@@ -322,8 +322,9 @@ impl Engine {
             let c = &self.counters;
             c.completed.fetch_add(1, Relaxed);
             let after_first = a.job.max_tokens.saturating_sub(1);
-            let ms = a.first.elapsed().as_secs_f64() * 1e3 / after_first as f64;
-            if after_first > 0 && ms > 0.0 {
+            let elapsed_ms = a.first.elapsed().as_secs_f64() * 1e3;
+            if after_first > 0 && elapsed_ms > 0.0 {
+                let ms = elapsed_ms / after_first as f64;
                 let sum = f64::from_bits(c.sent_log_tpot.load(Relaxed)) + ms.ln();
                 c.sent_log_tpot.store(sum.to_bits(), Relaxed);
                 c.sent_tpots.fetch_add(1, Relaxed);

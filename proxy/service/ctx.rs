@@ -32,7 +32,8 @@ pub struct Ctx {
     /// The concurrency slot, held until the request ends however it ends.
     pub(super) permit: Option<Slot>,
     /// Removes the usage-only chunk from the response (the client did not ask for it).
-    pub(super) strip_usage: Option<UsageStripper>,
+    /// Boxed, as `who`: most requests have neither, and every open stream keeps its `Ctx`.
+    pub(super) strip_usage: Option<Box<UsageStripper>>,
     /// Estimate tokens with the tokenizer rather than one per event.
     pub(super) tokenize: bool,
     pub(super) body: Body,
@@ -49,7 +50,7 @@ pub struct Ctx {
     /// Its copies to mirrors (shadow traffic), when the route sent any.
     pub(super) mirror: Option<Box<super::exchange::MirrorLink>>,
     /// Who it is, with `[tenants]`, and its reservation of its tenant's budget.
-    pub(super) who: Option<Tenancy>,
+    pub(super) who: Option<Box<Tenancy>>,
 }
 
 /// A request's tenant, with `[tenants]`.

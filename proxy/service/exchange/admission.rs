@@ -84,7 +84,7 @@ pub(super) async fn tenancy(
     shared: &Shared,
     req: &RequestHead,
     body: &[u8],
-) -> Result<Option<Tenancy>, Refusal> {
+) -> Result<Option<Box<Tenancy>>, Refusal> {
     if !shared.tenants.config().any() {
         return Ok(None);
     }
@@ -109,11 +109,11 @@ pub(super) async fn tenancy(
             return Err(refusal);
         }
     };
-    Ok(Some(Tenancy {
+    Ok(Some(Box::new(Tenancy {
         who,
         reservation,
         queue_ms: 0.0,
-    }))
+    })))
 }
 
 /// Books a refusal (`why`; `None`: no endpoint) to the request's tenant, with `[tenants]`.

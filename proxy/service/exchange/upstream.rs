@@ -4,6 +4,7 @@
 //! with the body read ahead, and the rest of the body streamed.
 
 use std::io::{self, IoSlice, Write as _};
+use std::pin::{pin, Pin};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
@@ -135,7 +136,7 @@ impl TokenTap {
             .flatten();
         if insertion.is_some() {
             // The client gets no usage chunk it did not ask for.
-            ctx.strip_usage = Some(UsageStripper::new(shared.config.max_event_bytes));
+            ctx.strip_usage = Some(Box::new(UsageStripper::new(shared.config.max_event_bytes)));
         }
         let body_len = Wire::body_len(&body, insertion);
         let expects_body = matches!(
@@ -258,11 +259,13 @@ impl TokenTap {
             let peer = endpoint.peer();
             let mut e = match self.connect(endpoint.at.addr, &peer).await {
                 Ok(mut up) => {
-                    let write = async {
-                        wire.write_to(&mut up).await?;
-                        up.flush().await
-                    };
-                    within(peer.options.write_timeout, write).await?;
+                    {
+                        let write = pin!(async {
+                            wire.write_to(&mut up).await?;
+                            up.flush().await
+                        });
+                        within(peer.options.write_timeout, write).await?;
+                    }
                     return Ok(up);
                 }
                 Err(e) => e,
@@ -397,17 +400,18 @@ pub(super) fn upstream_request(
 
 /// Writes to the upstream within its write timeout.
 async fn write_up(up: &mut Io, bytes: &[u8], write_timeout: Option<Duration>) -> Result<()> {
-    within(write_timeout, async {
+    let write = pin!(async {
         up.write_all(bytes).await?;
         up.flush().await
-    })
-    .await
+    });
+    within(write_timeout, write).await
 }
 
-/// An upstream write, within its write timeout.
-async fn within(
+/// An upstream write, within its write timeout (pinned by the caller, so that it is kept
+/// once: the request's write was kept three times, 880 bytes, in connecting's state).
+async fn within<W: std::future::Future<Output = io::Result<()>> + ?Sized>(
     write_timeout: Option<Duration>,
-    write: impl std::future::Future<Output = io::Result<()>>,
+    write: Pin<&mut W>,
 ) -> Result<()> {
     match write_timeout {
         Some(t) => match in_time(t, write).await {

@@ -171,10 +171,10 @@ pub(crate) fn up_io(kind: ErrorType, e: io::Error) -> Box<Error> {
 
 /// Writes `bytes` whole to the client and flushes, within `limit`.
 pub(crate) async fn write_within(client: &mut Io, bytes: &[u8], limit: Duration) -> io::Result<()> {
-    let write = async {
+    let write = std::pin::pin!(async {
         client.write_all(bytes).await?;
         client.flush().await
-    };
+    });
     in_time(limit, write)
         .await
         .unwrap_or_else(|| Err(io::ErrorKind::TimedOut.into()))
@@ -183,8 +183,13 @@ pub(crate) async fn write_within(client: &mut Io, bytes: &[u8], limit: Duration)
 /// `task`'s output if it ends within `limit`, else `None`. Its timer is made only if it
 /// does not end when first polled: most of a request's writes go at once, and a timer is a
 /// clock read and the timer's own work a request (its limit starts a poll later).
-pub(crate) async fn in_time<F: Future>(limit: Duration, task: F) -> Option<F::Output> {
-    let mut task = std::pin::pin!(task);
+///
+/// The task comes pinned where it is made: an async fn keeps its arguments for its whole
+/// life, so a task moved in and pinned here would be kept twice.
+pub(crate) async fn in_time<F: Future + ?Sized>(
+    limit: Duration,
+    mut task: Pin<&mut F>,
+) -> Option<F::Output> {
     let at_once = poll_fn(|cx| Poll::Ready(task.as_mut().poll(cx))).await;
     match at_once {
         Poll::Ready(out) => Some(out),
@@ -195,22 +200,23 @@ pub(crate) async fn in_time<F: Future>(limit: Duration, task: F) -> Option<F::Ou
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::pin::pin;
 
     #[tokio::test(start_paused = true)]
     async fn a_task_in_time_is_its_output_and_a_late_one_none() {
         let limit = Duration::from_secs(5);
-        assert_eq!(in_time(limit, async { 1 }).await, Some(1));
+        assert_eq!(in_time(limit, pin!(async { 1 })).await, Some(1));
         // Pending once, then done well within the limit.
         let soon = async {
             tokio::task::yield_now().await;
             2
         };
-        assert_eq!(in_time(limit, soon).await, Some(2));
+        assert_eq!(in_time(limit, pin!(soon)).await, Some(2));
         let late = tokio::time::sleep(limit + Duration::from_millis(1));
         let started = tokio::time::Instant::now();
-        assert_eq!(in_time(limit, late).await, None);
+        assert_eq!(in_time(limit, pin!(late)).await, None);
         assert_eq!(started.elapsed(), limit);
         let just = tokio::time::sleep(limit - Duration::from_millis(1));
-        assert_eq!(in_time(limit, just).await, Some(()));
+        assert_eq!(in_time(limit, pin!(just)).await, Some(()));
     }
 }

@@ -215,14 +215,15 @@ impl TokenTap {
         // last fragment written (the upstream's silence) or of the stall's start (the
         // client's).
         let period = read_timeout.unwrap_or(Duration::MAX / 4);
-        let timer = tokio::time::sleep(period);
+        // (Pinned where it is made: made, then pinned, it was kept twice in every open
+        // stream's state.)
+        let mut timer = std::pin::pin!(tokio::time::sleep(period));
         // The timer's start, without a clock read of its own.
         let mut last = timer
             .deadline()
             .checked_sub(period)
             .unwrap_or_else(Instant::now);
         let mut stalled: Option<Instant> = None;
-        tokio::pin!(timer);
         let mut flushing = false;
         // When the fragment being written was read, while its write has not waited: its
         // write ended then too, as far as the upstream's silence is counted, and the clock

@@ -43,8 +43,10 @@ pub(crate) async fn read_response_head<T>(
     let mut then = Some(then);
     let mut buf = BytesMut::new();
     let mut head_begun = false;
-    let timer = tokio::time::sleep(read_timeout.unwrap_or(Duration::MAX / 4));
-    tokio::pin!(timer);
+    // Pinned where it is made, not moved into `pin!` (which kept it twice).
+    let mut timer = std::pin::pin!(tokio::time::sleep(
+        read_timeout.unwrap_or(Duration::MAX / 4)
+    ));
     poll_fn(|cx| loop {
         let watched = client
             .as_ref()

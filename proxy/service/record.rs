@@ -17,10 +17,19 @@ const MAX_CLIENT_ID: usize = 128;
 
 /// A request's id: the client's `x-request-id`, or one tokentap made (a random UUID, v4),
 /// as it goes on the wire.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub(crate) struct RequestId {
-    id: Box<str>,
-    ours: bool,
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum RequestId {
+    /// The client's.
+    Given(Box<str>),
+    /// tokentap's, its text kept in place: no allocation a request.
+    Ours([u8; uuid::fmt::Hyphenated::LENGTH]),
+}
+
+impl Default for RequestId {
+    /// None (an upgrade's): empty.
+    fn default() -> Self {
+        RequestId::Given(Box::default())
+    }
 }
 
 impl RequestId {
@@ -32,27 +41,25 @@ impl RequestId {
                 if (1..=MAX_CLIENT_ID).contains(&id.len())
                     && id.iter().all(|b| b.is_ascii_graphic()) =>
             {
-                RequestId {
-                    // Visible ASCII is UTF-8.
-                    id: String::from_utf8_lossy(id).into(),
-                    ours: false,
-                }
+                // Visible ASCII is UTF-8.
+                RequestId::Given(String::from_utf8_lossy(id).into())
             }
-            _ => RequestId {
-                id: new_id(),
-                ours: true,
-            },
+            _ => RequestId::Ours(new_id()),
         }
     }
 
     /// Whether tokentap made it (and so must add it to the upstream request).
     pub(crate) fn is_ours(&self) -> bool {
-        self.ours
+        matches!(self, RequestId::Ours(_))
     }
 
     /// Empty for a request that got none (an upgrade).
     pub(crate) fn as_str(&self) -> &str {
-        &self.id
+        match self {
+            RequestId::Given(id) => id,
+            // A UUID's text is ASCII.
+            RequestId::Ours(text) => std::str::from_utf8(text).unwrap_or_default(),
+        }
     }
 }
 
@@ -61,17 +68,19 @@ impl RequestId {
 /// server among others) refuse anything else. Its 122 random bits come from the thread's
 /// ChaCha generator, seeded from the OS once and reseeded every 64 KiB it gives: no system
 /// call per id, and two ids from any threads or starts are the same only by a chance of
-/// about 1 in 10^19 among a billion.
-fn new_id() -> Box<str> {
+/// about 1 in 10^19 among a billion. Its text, hyphenated and in lower case.
+fn new_id() -> [u8; uuid::fmt::Hyphenated::LENGTH] {
     let uuid = uuid::Builder::from_random_bytes(rand::random()).into_uuid();
     let mut text = [0u8; uuid::fmt::Hyphenated::LENGTH];
-    Box::from(&*uuid.hyphenated().encode_lower(&mut text))
+    uuid.hyphenated().encode_lower(&mut text);
+    text
 }
 
 /// What the access log needs of a request beyond its ctx, gathered only when it is on.
 #[derive(Debug, Default)]
 pub(crate) struct Seen {
-    pub(crate) method: String,
+    /// A standard method is kept without an allocation.
+    pub(crate) method: http::Method,
     /// Without the query.
     pub(crate) path: String,
     pub(crate) client: Option<SocketAddr>,
@@ -206,9 +215,10 @@ mod tests {
     fn our_ids_are_uuid_v4_and_unique_across_threads() {
         const THREADS: usize = 4;
         const EACH: usize = 50_000;
-        let ids: Vec<Vec<Box<str>>> = std::thread::scope(|s| {
+        let ids: Vec<Vec<String>> = std::thread::scope(|s| {
+            let text = || RequestId::Ours(new_id()).as_str().to_owned();
             let made: Vec<_> = (0..THREADS)
-                .map(|_| s.spawn(|| (0..EACH).map(|_| new_id()).collect::<Vec<_>>()))
+                .map(|_| s.spawn(move || (0..EACH).map(|_| text()).collect::<Vec<_>>()))
                 .collect();
             made.into_iter().map(|t| t.join().unwrap()).collect()
         });
@@ -217,11 +227,7 @@ mod tests {
             let uuid = uuid::Uuid::parse_str(id).unwrap();
             assert_eq!(uuid.get_version(), Some(uuid::Version::Random), "{id}");
             assert_eq!(uuid.get_variant(), uuid::Variant::RFC4122, "{id}");
-            assert_eq!(
-                uuid.hyphenated().to_string(),
-                &**id,
-                "lower case, hyphenated"
-            );
+            assert_eq!(uuid.hyphenated().to_string(), *id, "lower case, hyphenated");
             assert!(seen.insert(id.clone()), "{id} made twice");
         }
         assert_eq!(seen.len(), THREADS * EACH);

@@ -331,7 +331,7 @@ impl TokenTap {
         let line = record::Line {
             ts: record::timestamp(),
             request_id: ctx.request_id.as_str(),
-            method: &seen.method,
+            method: seen.method.as_str(),
             path: &seen.path,
             upstream: ctx
                 .choice

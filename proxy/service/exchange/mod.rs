@@ -172,7 +172,7 @@ impl TokenTap {
         ctx.request_id = RequestId::of(&req.fields);
         if self.live.access.on() {
             ctx.seen = Some(Box::new(Seen {
-                method: req.method.as_str().to_owned(),
+                method: req.method.clone(),
                 path: req.uri.path().to_owned(),
                 client: incoming.peer,
                 model: model_of(&incoming.ahead.bytes),

@@ -135,14 +135,15 @@ struct Open {
 /// answered already, with the connection's fate and the failure if one.
 enum Prepared {
     Ready(Ready, Choice, bool),
-    Done(After, Option<Failure>),
+    Done(After, Option<Box<Failure>>),
 }
 
 /// How an exchange ended: done, with the connection's fate and the failure if one; or
 /// failed before any byte reached the client (its upstream, the error, whether its body
 /// was read whole), for the caller to answer.
+/// (The failure boxed: it is rare, and what `serve` awaits keeps room for its answer.)
 enum Exchanged {
-    Done(After, Option<Failure>),
+    Done(After, Option<Box<Failure>>),
     Unanswered(Choice, Box<Error>, bool),
 }
 
@@ -199,7 +200,7 @@ impl TokenTap {
             record::log_failure(&self.live.throttle, &ctx.request_id, upstream, endpoint, f);
         }
         if ctx.seen.is_some() {
-            self.log_access(&ctx, failure.as_ref());
+            self.log_access(&ctx, failure.as_deref());
         }
         after
     }
@@ -254,7 +255,7 @@ impl TokenTap {
         let failure = relayed
             .as_ref()
             .err()
-            .map(|e| failure::of(e, &upstream.config.name));
+            .map(|e| Box::new(failure::of(e, &upstream.config.name)));
         let linger = !open.watch || !open.leftover.is_empty();
         let keep_alive = open.keep_alive;
         let body = relayed.as_ref().map(|_| ()).map_err(|e| &**e);
@@ -460,7 +461,7 @@ impl TokenTap {
                 Err(gone) => {
                     self.finish(ctx, Some(&gone));
                     let failure = failure::of(&gone, &upstream.config.name);
-                    return Prepared::Done(After::Close, Some(failure));
+                    return Prepared::Done(After::Close, Some(Box::new(failure)));
                 }
             }
         }
@@ -523,7 +524,7 @@ impl TokenTap {
         choice: Choice,
         e: Box<Error>,
         read_whole: bool,
-    ) -> (After, Option<Failure>) {
+    ) -> (After, Option<Box<Failure>>) {
         let shared = Arc::clone(&ctx.shared);
         let upstream = &shared.upstreams[choice.upstream];
         let limits = shared.config.limits;
@@ -539,7 +540,7 @@ impl TokenTap {
                 ctx.status = f.status;
                 ctx.bytes_out += answer_failure(client, ctx, choice, &f, cwt).await;
             } // else gone: nobody to answer
-            failure = Some(f);
+            failure = Some(Box::new(f));
         }
         self.finish(ctx, Some(&e));
         (ended(Err(e), read_whole), failure)

@@ -43,7 +43,7 @@ pub(crate) async fn read_response_head<T>(
     let mut then = Some(then);
     let mut buf = BytesMut::new();
     let mut head_begun = false;
-    // Pinned where it is made, not moved into `pin!` (which kept it twice).
+    // Pinned where it is made.
     let mut timer = std::pin::pin!(tokio::time::sleep(
         read_timeout.unwrap_or(Duration::MAX / 4)
     ));

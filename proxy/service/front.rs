@@ -101,15 +101,15 @@ impl Front {
                     let limit = self.tap.live.load().config.limits.keepalive_timeout;
                     let now = Instant::now();
                     let deadline = now + limit;
-                    // Idle, it holds this wait alone (a few hundred bytes, the task's own),
-                    // not the ~1 KiB of reading a head: that is made once it is readable.
+                    // Idle, it holds this wait alone (a few hundred bytes, boxed), not the
+                    // ~1 KiB of reading a head: that is made once it is readable.
                     let since = keeper.go_idle();
                     let mut park_at = None;
                     if let Io::Tcp(tcp) = &client {
                         let lot = self.tap.transport.connections.lot().filter(|l| l.is_open());
                         park_at = lot.map(|_| now + PARK_AFTER).filter(|&at| at < deadline);
                         // Boxed: inline, the wait's ~580 bytes would be room every open
-                        // stream keeps in its task (1,280 bytes a task, 768 so).
+                        // stream keeps in its task (1,280 bytes a task, 640 so).
                         let idling = Box::pin(idle(tcp, &shutdown, keeper, deadline, park_at));
                         match idling.await {
                             Idle::Readable => {}
@@ -128,8 +128,7 @@ impl Front {
             // Boxed, as is serving it: reading and checking a request is ~2 KiB of state
             // needed until it is served, and inline every open stream would keep its room.
             // Made in a statement of its own, as serving below: a future built in the
-            // statement that awaits it keeps its room in the connection's own state
-            // (the task was 1,736 bytes an idle connection, 608 after).
+            // statement that awaits it keeps its room in the connection's own state.
             let next = Box::pin(self.next_request(&mut client, peer, &shutdown, wait));
             let next = next.await;
             let incoming = match next {
@@ -201,7 +200,7 @@ impl Front {
         // Per request: a reload changes the limits of the requests that follow.
         let limits = self.tap.live.load().config.limits;
         // Not named: a named result keeps its room in this future while the body is read
-        // ahead (1,240 bytes, 984 without; a box over 1,032 bytes misses glibc's cache).
+        // ahead (1,240 bytes, 936 now; a box over 1,032 bytes misses glibc's cache).
         let (after_head, req) = match read_head(client, shutdown, &limits, wait).await {
             Ok(HeadRead::Head(after_head, req)) => (after_head, req),
             Ok(HeadRead::Closed) => return Next::Closed,

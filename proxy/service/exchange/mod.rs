@@ -222,12 +222,11 @@ impl TokenTap {
         // first token: a second when thousands of streams open at once), it would be left
         // behind as holes among the open streams' memory.
         //
-        //
         // What each step hands the next lives in a block of its own, and a failure is
         // answered by the caller: a local live across more than one await keeps its room
         // in this future while the body streams, moved out or not (the exchange was 1,168
         // bytes an open stream, the prepared request and the opened response kept beside
-        // the relay).
+        // the relay; 696 so).
         let prepare = Box::pin(self.prepare(client, ctx, incoming, shutdown));
         let (choice, read_whole, deliver) = {
             let (ready, choice, read_whole) = match prepare.await {

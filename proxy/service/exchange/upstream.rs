@@ -408,7 +408,7 @@ async fn write_up(up: &mut Io, bytes: &[u8], write_timeout: Option<Duration>) ->
 }
 
 /// An upstream write, within its write timeout (pinned by the caller, so that it is kept
-/// once: the request's write was kept three times, 880 bytes, in connecting's state).
+/// once: kept three times, it made connecting's state 1,312 bytes, 880 so).
 async fn within<W: std::future::Future<Output = io::Result<()>> + ?Sized>(
     write_timeout: Option<Duration>,
     write: Pin<&mut W>,

@@ -87,8 +87,7 @@ impl Pool {
                 .waiting
                 .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             let _waiting = Waiting(freed);
-            let woken = freed.notify.notified();
-            tokio::pin!(woken);
+            let mut woken = std::pin::pin!(freed.notify.notified());
             woken.as_mut().enable();
             match self.pick(self.clock.now(), slot, key, avoid) {
                 Err(Unplaced::Full) => {

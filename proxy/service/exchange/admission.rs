@@ -3,6 +3,7 @@
 //! the upstream's queue (the client watched, and gone the moment it leaves), then with
 //! `[cluster]` the fleet's lease — or a 429 that says when to try again.
 
+use std::pin::pin;
 use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
@@ -221,17 +222,17 @@ async fn slot_after(
     };
     match permit {
         Some(permit) if read_whole => {
-            let acquire = async { Ok(slot(permit).await) };
+            let acquire = pin!(async { Ok(slot(permit).await) });
             watching(client, watch, leftover, acquire).await
         }
         Some(permit) => Ok(slot(permit).await),
         None if read_whole => {
-            let acquire = async {
+            let acquire = pin!(async {
                 Ok(match limiter.acquire(who).await {
                     Ok(permit) => slot(permit).await,
                     Err(why) => Err(why),
                 })
-            };
+            });
             watching(client, watch, leftover, acquire).await
         }
         None => Ok(match limiter.acquire(who).await {

@@ -569,9 +569,9 @@ impl TokenTap {
         let write_timeout = Some(upstream.config.write_timeout);
         // Boxed, in a statement of its own: named and awaited inline, it took its room
         // twice in this future's state (3,760 bytes each).
-        let send = Box::pin(self.connect_and_write(upstream, ctx, wire));
+        let mut send = Box::pin(self.connect_and_write(upstream, ctx, wire));
         let up = if read_whole {
-            watching(client, &mut watch, &mut leftover, send).await?
+            watching(client, &mut watch, &mut leftover, send.as_mut()).await?
         } else {
             let mut up = send.await?;
             let limits = shared.config.limits;

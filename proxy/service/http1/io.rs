@@ -106,14 +106,14 @@ pub(crate) fn forward(
 
 /// Runs `work` while watching the client: a client that goes away ends it with a downstream
 /// error; bytes it sends (a pipelined next request) are kept in `leftover`, and the
-/// watching stops.
-pub(crate) async fn watching<T>(
+/// watching stops. The work comes pinned by the caller, as [`in_time`]'s task, so that it
+/// is kept once.
+pub(crate) async fn watching<T, F: Future<Output = Result<T>> + ?Sized>(
     client: &mut Io,
     watch: &mut bool,
     leftover: &mut BytesMut,
-    work: impl Future<Output = Result<T>>,
+    mut work: Pin<&mut F>,
 ) -> Result<T> {
-    tokio::pin!(work);
     poll_fn(|cx| {
         if let Poll::Ready(done) = work.as_mut().poll(cx) {
             return Poll::Ready(done);

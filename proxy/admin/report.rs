@@ -175,9 +175,13 @@ pub fn stats(shared: &Shared, transport: &Transport) -> Stats {
 
 /// One upstream's part of `/stats`.
 fn report(shared: &Shared, i: usize, u: &Upstream, now: crate::meter::Nanos) -> UpstreamReport {
-    let l = u.limiter.stats();
-    let endpoints = u.pool.stats(now, shared.config.window);
+    // The meter first, then the endpoints and the limiter: a request ends in the reverse
+    // order (its endpoint's slot, then its meter, then its cap's slot; see `finish`), so a
+    // document whose `in_flight` has fallen to 0 holds no slot of a request that ended
+    // while the window was read (a read of milliseconds at a busy upstream).
     let meter = u.meter.stats(now);
+    let endpoints = u.pool.stats(now, shared.config.window);
+    let l = u.limiter.stats();
     let bound = u.config.bound.and_then(|b| u.meter.slo_bound(&b));
     let endpoints_now = u.pool.counts(now).healthy;
     let economics = &u.config.economics;

@@ -254,6 +254,14 @@ impl TokenTap {
             _ => 0,
         };
         meter.count_unparsed(ctx.unparsed);
+        // Its endpoint's slot is given back before the meter counts it ended, and its cap's
+        // slot after: `/stats` reads them in the reverse order (see `admin::report`).
+        if let Some(held) = ctx.endpoint.as_mut() {
+            held.end(matches!(
+                outcome,
+                Outcome::ServerError | Outcome::UpstreamError | Outcome::Truncated
+            ));
+        }
         let mirrored = ctx.mirror.take();
         match ctx.stream.take() {
             Some(stream) => {
@@ -275,12 +283,6 @@ impl TokenTap {
                     link.primary_done(self.now(), outcome, None);
                 }
             }
-        }
-        if let Some(held) = ctx.endpoint.as_mut() {
-            held.end(matches!(
-                outcome,
-                Outcome::ServerError | Outcome::UpstreamError | Outcome::Truncated
-            ));
         }
         ctx.permit = None;
     }

@@ -1,21 +1,25 @@
 //! The access log: one JSON line per request when it ends (`[log] access`), written by a
-//! thread of its own so that a slow disk never holds a request. Lines go through a bounded
-//! queue; when it is full (the disk cannot keep up) a line is dropped and counted, never
+//! thread of its own so that a slow disk never holds a request. A request builds its line
+//! in its thread's scratch buffer and appends it to the batch, under a lock held for the
+//! copy alone; the writer takes the whole batch every [`BATCH`] and writes it in one call.
+//! When the batch is full (the disk cannot keep up) a line is dropped and counted, never
 //! waited for. A file is appended to, and reopened on SIGUSR1 (after logrotate moved it).
 
+use std::cell::RefCell;
 use std::fs::File;
-use std::io::{self, BufWriter, Write};
+use std::io::{self, Write};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
-use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
-use std::sync::OnceLock;
+use std::sync::mpsc::{self, Receiver, SyncSender};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use crate::config::AccessLog;
 
-/// Lines queued for the writer at most.
-const QUEUE: usize = 16 * 1024;
+/// The most a batch holds, in bytes (some 10,000 lines): past it, lines are dropped. The
+/// writer keeps two batches' room at most, the one it writes and the one filling.
+const BATCH_BYTES: usize = 4 << 20;
 
 /// How long the writer lets lines gather after the first of a batch: woken at most this
-/// often, it costs a request no wake-up of its own (a request queues its line without a
+/// often, it costs a request no wake-up of its own (a request appends its line without a
 /// system call while the writer sleeps), and a batch is one write. A line reaches the
 /// file at most this late.
 const BATCH: std::time::Duration = std::time::Duration::from_millis(10);
@@ -23,24 +27,38 @@ const BATCH: std::time::Duration = std::time::Duration::from_millis(10);
 /// The access log of one proxy.
 pub struct Access {
     on: AtomicBool,
-    /// The writer thread's queue, started with the first target that is not off.
-    tx: OnceLock<SyncSender<Msg>>,
+    /// The writer thread, started with the first target that is not off.
+    writer: OnceLock<Writer>,
     dropped: AtomicU64,
 }
 
+/// What requests share with the writer thread.
+struct Writer {
+    /// Lines written since the writer last took them, each ending in a newline.
+    batch: Arc<Mutex<Vec<u8>>>,
+    /// Wakes the writer: for a batch begun, and for the operator's messages.
+    tx: SyncSender<Msg>,
+}
+
 enum Msg {
-    Line(String),
+    /// A batch was begun: the writer takes it after [`BATCH`].
+    Lines,
     Target(AccessLog),
     Reopen,
     /// Everything before it is written and flushed when this is answered.
     Flush(mpsc::Sender<()>),
 }
 
+thread_local! {
+    /// A line is built here, outside the batch's lock; its room is kept for the next.
+    static SCRATCH: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+}
+
 impl Access {
     pub fn new(target: &AccessLog) -> Access {
         let access = Access {
             on: AtomicBool::new(false),
-            tx: OnceLock::new(),
+            writer: OnceLock::new(),
             dropped: AtomicU64::new(0),
         };
         access.set(target);
@@ -55,34 +73,52 @@ impl Access {
     /// Writes to `target` from now on (a reload).
     pub fn set(&self, target: &AccessLog) {
         let on = *target != AccessLog::Off;
-        if on {
-            self.tx.get_or_init(|| {
-                let (sender, rx) = mpsc::sync_channel(QUEUE);
-                let spawned = std::thread::Builder::new()
-                    .name("tokentap-access".into())
-                    .spawn(move || writer(rx));
-                if let Err(e) = spawned {
-                    // The receiver is gone: every line is counted as dropped.
-                    tracing::error!("access log: cannot start its writer thread: {e}");
+        if on && self.writer.get().is_none() {
+            let batch = Arc::new(Mutex::new(Vec::new()));
+            let (tx, rx) = mpsc::sync_channel(64);
+            let theirs = Arc::clone(&batch);
+            let spawned = std::thread::Builder::new()
+                .name("tokentap-access".into())
+                .spawn(move || writer(rx, &theirs));
+            match spawned {
+                Ok(_) => {
+                    let _ = self.writer.set(Writer { batch, tx });
                 }
-                sender
-            });
+                // No writer: every line is counted as dropped.
+                Err(e) => tracing::error!("access log: cannot start its writer thread: {e}"),
+            }
         }
-        if let Some(tx) = self.tx.get() {
-            let _ = tx.send(Msg::Target(target.clone()));
+        if let Some(w) = self.writer.get() {
+            let _ = w.tx.send(Msg::Target(target.clone()));
         }
         self.on.store(on, Relaxed);
     }
 
-    /// Queues one line (without its newline).
-    pub fn write(&self, line: String) {
-        let Some(tx) = self.tx.get() else { return };
-        match tx.try_send(Msg::Line(line)) {
-            Ok(()) => {}
-            Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {
-                self.dropped.fetch_add(1, Relaxed);
+    /// Queues one line, which `build` appends (without its newline) to an empty buffer.
+    pub fn write(&self, build: impl FnOnce(&mut Vec<u8>)) {
+        let Some(w) = self.writer.get() else {
+            self.dropped.fetch_add(1, Relaxed);
+            return;
+        };
+        SCRATCH.with_borrow_mut(|line| {
+            line.clear();
+            build(line);
+            line.push(b'\n');
+            let begun = {
+                let mut batch = w.batch.lock().unwrap_or_else(PoisonError::into_inner);
+                if batch.len() + line.len() > BATCH_BYTES {
+                    self.dropped.fetch_add(1, Relaxed);
+                    return;
+                }
+                batch.extend_from_slice(line);
+                batch.len() == line.len()
+            };
+            if begun {
+                // Only a full queue of the operator's messages refuses this: the writer
+                // takes the batch after each of them too.
+                let _ = w.tx.try_send(Msg::Lines);
             }
-        }
+        });
     }
 
     /// Lines dropped because the writer could not keep up.
@@ -104,7 +140,7 @@ impl Access {
     }
 
     fn send(&self, msg: Msg) -> bool {
-        self.tx.get().is_some_and(|tx| tx.send(msg).is_ok())
+        self.writer.get().is_some_and(|w| w.tx.send(msg).is_ok())
     }
 }
 
@@ -113,7 +149,7 @@ enum Sink {
     Off,
     Stdout(io::Stdout),
     Stderr(io::Stderr),
-    File(std::path::PathBuf, BufWriter<File>),
+    File(std::path::PathBuf, File),
 }
 
 fn open(target: &AccessLog) -> Sink {
@@ -127,7 +163,7 @@ fn open(target: &AccessLog) -> Sink {
                 .append(true)
                 .open(path);
             match file {
-                Ok(f) => Sink::File(path.clone(), BufWriter::with_capacity(64 * 1024, f)),
+                Ok(f) => Sink::File(path.clone(), f),
                 Err(e) => {
                     tracing::error!(path = %path.display(), "access log: cannot open: {e}");
                     Sink::Off
@@ -137,33 +173,21 @@ fn open(target: &AccessLog) -> Sink {
     }
 }
 
-fn writer(rx: Receiver<Msg>) {
+/// The writer thread: each batch in one write, a message handled after the lines queued
+/// before it are written.
+fn writer(rx: Receiver<Msg>, batch: &Mutex<Vec<u8>>) {
     let mut sink = Sink::Off;
+    let mut taken = Vec::new();
     let mut failed = false;
     while let Ok(first) = rx.recv() {
-        if matches!(first, Msg::Line(_)) {
+        if matches!(first, Msg::Lines) {
             std::thread::sleep(BATCH);
         }
         let mut next = Some(first);
-        // Everything queued is written before one flush.
         while let Some(msg) = next.take().or_else(|| rx.try_recv().ok()) {
+            write_batch(batch, &mut taken, &mut sink, &mut failed);
             match msg {
-                Msg::Line(line) => {
-                    let written = match &mut sink {
-                        Sink::Off => Ok(()),
-                        Sink::Stdout(out) => writeln!(out.lock(), "{line}"),
-                        Sink::Stderr(err) => writeln!(err.lock(), "{line}"),
-                        Sink::File(_, file) => writeln!(file, "{line}"),
-                    };
-                    match written {
-                        Err(e) if !failed => {
-                            failed = true;
-                            tracing::error!("access log: cannot write: {e}");
-                        }
-                        Ok(()) => failed = false,
-                        Err(_) => {}
-                    }
-                }
+                Msg::Lines => {}
                 Msg::Target(target) => {
                     flush(&mut sink);
                     sink = open(&target);
@@ -185,12 +209,37 @@ fn writer(rx: Receiver<Msg>) {
     }
 }
 
+/// Takes the batch (leaving `taken`'s room in its place) and writes it.
+fn write_batch(batch: &Mutex<Vec<u8>>, taken: &mut Vec<u8>, sink: &mut Sink, failed: &mut bool) {
+    taken.clear();
+    std::mem::swap(
+        &mut *batch.lock().unwrap_or_else(PoisonError::into_inner),
+        taken,
+    );
+    if taken.is_empty() {
+        return;
+    }
+    let written = match sink {
+        Sink::Off => Ok(()),
+        Sink::Stdout(out) => out.lock().write_all(taken),
+        Sink::Stderr(err) => err.lock().write_all(taken),
+        Sink::File(_, file) => file.write_all(taken),
+    };
+    match written {
+        Err(e) if !*failed => {
+            *failed = true;
+            tracing::error!("access log: cannot write: {e}");
+        }
+        Ok(()) => *failed = false,
+        Err(_) => {}
+    }
+}
+
 fn flush(sink: &mut Sink) {
     let _ = match sink {
-        Sink::Off => Ok(()),
+        Sink::Off | Sink::File(..) => Ok(()), // a file is written unbuffered
         Sink::Stdout(out) => out.flush(),
         Sink::Stderr(err) => err.flush(),
-        Sink::File(_, file) => file.flush(),
     };
 }
 
@@ -206,11 +255,11 @@ mod tests {
         let _ = std::fs::remove_file(&path);
         let access = Access::new(&AccessLog::File(path.clone()));
         assert!(access.on());
-        access.write("one".into());
+        access.write(|line| line.extend_from_slice(b"one"));
         access.flush();
         std::fs::rename(&path, dir.join("access.log.1")).unwrap();
         access.reopen();
-        access.write("two".into());
+        access.write(|line| line.extend_from_slice(b"two"));
         access.flush();
         assert_eq!(
             std::fs::read_to_string(dir.join("access.log.1")).unwrap(),

@@ -1,9 +1,12 @@
 //! What is written about a request when it ends: its id (the client's `x-request-id`, or
 //! one tokentap makes), the failure line when it failed, and the access-log line.
 
+use std::cell::Cell;
 use std::net::SocketAddr;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::routing::Fields;
+#[cfg(test)]
 use serde::Serialize;
 
 use super::failure::Failure;
@@ -91,10 +94,13 @@ pub(crate) struct Seen {
     pub(crate) stream: bool,
 }
 
-/// One access-log line (every field always present; `null` when unknown).
-#[derive(Serialize)]
+/// One access-log line (every field always present; `null` when unknown), written as
+/// serde_json would write it (the tests hold the two to the same bytes), without its
+/// general path: the keys are literals, a string with nothing to escape is copied whole,
+/// and the time's text is made once a second.
+#[cfg_attr(test, derive(Serialize))]
 pub(crate) struct Line<'a> {
-    pub(crate) ts: String,
+    pub(crate) ts: Timestamp,
     pub(crate) request_id: &'a str,
     pub(crate) method: &'a str,
     pub(crate) path: &'a str,
@@ -116,7 +122,227 @@ pub(crate) struct Line<'a> {
     pub(crate) output_tokens: Option<u64>,
     pub(crate) counts: Option<&'a str>,
     pub(crate) bytes_out: u64,
-    pub(crate) client: Option<String>,
+    pub(crate) client: Option<SocketAddr>,
+}
+
+impl Line<'_> {
+    /// Appends the line's JSON object (without a newline) to `out`.
+    pub(crate) fn write(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(b"{\"ts\":");
+        self.ts.write(out);
+        out.extend_from_slice(b",\"request_id\":");
+        json::str(out, self.request_id);
+        out.extend_from_slice(b",\"method\":");
+        json::str(out, self.method);
+        out.extend_from_slice(b",\"path\":");
+        json::str(out, self.path);
+        out.extend_from_slice(b",\"upstream\":");
+        json::opt_str(out, self.upstream);
+        out.extend_from_slice(b",\"endpoint\":");
+        json::opt_str(out, self.endpoint);
+        out.extend_from_slice(b",\"route\":");
+        json::opt_str(out, self.route);
+        out.extend_from_slice(b",\"status\":");
+        json::opt_int(out, self.status);
+        out.extend_from_slice(b",\"outcome\":");
+        json::str(out, self.outcome);
+        out.extend_from_slice(b",\"cause\":");
+        json::opt_str(out, self.cause);
+        out.extend_from_slice(b",\"dialect\":");
+        json::opt_str(out, self.dialect);
+        out.extend_from_slice(b",\"model\":");
+        json::opt_str(out, self.model);
+        out.extend_from_slice(if self.stream {
+            b",\"stream\":true,\"queue_ms\":"
+        } else {
+            b",\"stream\":false,\"queue_ms\":"
+        });
+        json::float(out, self.queue_ms);
+        out.extend_from_slice(b",\"ttft_ms\":");
+        json::opt_float(out, self.ttft_ms);
+        out.extend_from_slice(b",\"tpot_ms\":");
+        json::opt_float(out, self.tpot_ms);
+        out.extend_from_slice(b",\"e2e_ms\":");
+        json::float(out, self.e2e_ms);
+        out.extend_from_slice(b",\"input_tokens\":");
+        json::opt_int(out, self.input_tokens);
+        out.extend_from_slice(b",\"output_tokens\":");
+        json::opt_int(out, self.output_tokens);
+        out.extend_from_slice(b",\"counts\":");
+        json::opt_str(out, self.counts);
+        out.extend_from_slice(b",\"bytes_out\":");
+        json::int(out, self.bytes_out);
+        out.extend_from_slice(b",\"client\":");
+        match self.client {
+            Some(addr) => json::addr(out, addr),
+            None => out.extend_from_slice(b"null"),
+        }
+        out.push(b'}');
+    }
+}
+
+/// A line's time: written in RFC 3339, UTC, to the millisecond.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Timestamp(pub(crate) SystemTime);
+
+/// This thread's last second and its text up to the seconds (`2026-12-05T14:23:46`).
+type Second = (u64, [u8; 19]);
+
+thread_local! {
+    static SECOND: Cell<Second> = const { Cell::new((u64::MAX, [0; 19])) };
+}
+
+impl Timestamp {
+    pub(crate) fn now() -> Timestamp {
+        Timestamp(SystemTime::now())
+    }
+
+    /// The quoted text chrono's `to_rfc3339_opts(Millis, true)` gives; the date and time
+    /// are formatted once a second per thread, the milliseconds each time.
+    fn write(self, out: &mut Vec<u8>) {
+        let Ok(since) = self.0.duration_since(UNIX_EPOCH) else {
+            return json::str(out, &self.chrono());
+        };
+        let secs = since.as_secs();
+        let mut second = SECOND.get();
+        if second.0 != secs {
+            // `2026-12-05T14:23:46Z`: years 0–9999 only, the rest through chrono whole.
+            let text =
+                chrono::DateTime::<chrono::Utc>::from(UNIX_EPOCH + Duration::from_secs(secs))
+                    .to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
+            let Some(head) = text.as_bytes().get(..19).filter(|_| text.len() == 20) else {
+                return json::str(out, &self.chrono());
+            };
+            second = (secs, head.try_into().unwrap_or([b'0'; 19]));
+            SECOND.set(second);
+        }
+        let ms = since.subsec_millis();
+        out.push(b'"');
+        out.extend_from_slice(&second.1);
+        let digits = [
+            b'0' + (ms / 100) as u8,
+            b'0' + (ms / 10 % 10) as u8,
+            b'0' + (ms % 10) as u8,
+        ];
+        out.push(b'.');
+        out.extend_from_slice(&digits);
+        out.extend_from_slice(b"Z\"");
+    }
+
+    fn chrono(self) -> String {
+        chrono::DateTime::<chrono::Utc>::from(self.0)
+            .to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
+    }
+}
+
+#[cfg(test)]
+impl Serialize for Timestamp {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.chrono())
+    }
+}
+
+/// JSON values written as serde_json writes them.
+mod json {
+    use std::io::Write as _;
+    use std::net::SocketAddr;
+
+    /// A string: copied whole when no byte needs an escape (one pass without a branch a
+    /// byte, which the compiler vectorises), else escaped byte by byte.
+    pub(super) fn str(out: &mut Vec<u8>, s: &str) {
+        let bytes = s.as_bytes();
+        out.push(b'"');
+        let plain = bytes.iter().fold(true, |plain, &b| {
+            plain & (b >= 0x20 && b != b'"' && b != b'\\')
+        });
+        if plain {
+            out.extend_from_slice(bytes);
+        } else {
+            escaped(out, bytes);
+        }
+        out.push(b'"');
+    }
+
+    /// serde_json's escapes: the two-character ones it has, `\u00xx` (lower-case hex) for
+    /// the other control characters, every other byte as it is.
+    fn escaped(out: &mut Vec<u8>, bytes: &[u8]) {
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        for &b in bytes {
+            let short = match b {
+                b'"' => b'"',
+                b'\\' => b'\\',
+                0x08 => b'b',
+                0x0c => b'f',
+                b'\n' => b'n',
+                b'\r' => b'r',
+                b'\t' => b't',
+                0x00..=0x1f => {
+                    out.extend_from_slice(b"\\u00");
+                    out.extend_from_slice(&[HEX[usize::from(b >> 4)], HEX[usize::from(b & 0xf)]]);
+                    continue;
+                }
+                _ => {
+                    out.push(b);
+                    continue;
+                }
+            };
+            out.extend_from_slice(&[b'\\', short]);
+        }
+    }
+
+    pub(super) fn opt_str(out: &mut Vec<u8>, s: Option<&str>) {
+        match s {
+            Some(s) => str(out, s),
+            None => out.extend_from_slice(b"null"),
+        }
+    }
+
+    pub(super) fn int(out: &mut Vec<u8>, n: impl itoa::Integer) {
+        out.extend_from_slice(itoa::Buffer::new().format(n).as_bytes());
+    }
+
+    pub(super) fn opt_int(out: &mut Vec<u8>, n: Option<impl itoa::Integer>) {
+        match n {
+            Some(n) => int(out, n),
+            None => out.extend_from_slice(b"null"),
+        }
+    }
+
+    /// Through serde_json itself: its shortest round-trip form, `null` when not finite.
+    pub(super) fn float(out: &mut Vec<u8>, f: f64) {
+        if serde_json::to_writer(&mut *out, &f).is_err() {
+            out.extend_from_slice(b"null"); // not reached: a Vec takes every write
+        }
+    }
+
+    pub(super) fn opt_float(out: &mut Vec<u8>, f: Option<f64>) {
+        match f {
+            Some(f) => float(out, f),
+            None => out.extend_from_slice(b"null"),
+        }
+    }
+
+    /// As its `Display` (serde's form for an address): an IPv4 one digit by digit.
+    pub(super) fn addr(out: &mut Vec<u8>, addr: SocketAddr) {
+        out.push(b'"');
+        match addr {
+            SocketAddr::V4(v4) => {
+                let [a, b, c, d] = v4.ip().octets();
+                for (i, octet) in [a, b, c, d].into_iter().enumerate() {
+                    if i > 0 {
+                        out.push(b'.');
+                    }
+                    int(out, octet);
+                }
+                out.push(b':');
+                int(out, v4.port());
+            }
+            SocketAddr::V6(v6) => {
+                let _ = write!(out, "{v6}"); // a Vec takes every write
+            }
+        }
+        out.push(b'"');
+    }
 }
 
 /// The body's top-level `model`, cut to 128 characters. The body may be only the start of
@@ -147,11 +373,6 @@ pub(crate) fn model_of(body: &[u8]) -> Option<String> {
     // error; what was found stands.
     let _ = serde_json::Deserializer::from_slice(body).deserialize_map(Model(&mut found));
     found.map(|m| m.chars().take(128).collect())
-}
-
-/// The RFC 3339 time now, in ms.
-pub(crate) fn timestamp() -> String {
-    chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
 }
 
 /// Logs a failed request: one line with its id, upstream and cause, at most one a second
@@ -231,6 +452,134 @@ mod tests {
             assert!(seen.insert(id.clone()), "{id} made twice");
         }
         assert_eq!(seen.len(), THREADS * EACH);
+    }
+
+    /// A string of the characters that matter to JSON: controls, quotes, backslashes,
+    /// DEL, multi-byte characters and plain text.
+    fn odd_string(rng: &mut impl rand::Rng) -> String {
+        const PIECES: &[&str] = &[
+            "a",
+            "Z",
+            "/",
+            "\"",
+            "\\",
+            "\n",
+            "\r",
+            "\t",
+            "\u{8}",
+            "\u{c}",
+            "\u{0}",
+            "\u{1f}",
+            "\u{7f}",
+            "é",
+            "\u{2028}",
+            "🦀",
+            " ",
+            "v1/chat/completions",
+            "{}",
+            ":",
+        ];
+        let len = rng.gen_range(0..24);
+        (0..len)
+            .map(|_| PIECES[rng.gen_range(0..PIECES.len())])
+            .collect()
+    }
+
+    fn odd_float(rng: &mut impl rand::Rng) -> f64 {
+        match rng.gen_range(0..8) {
+            0 => f64::NAN,
+            1 => f64::INFINITY,
+            2 => -0.0,
+            3 => f64::MIN_POSITIVE / 3.0,
+            4 => rng.gen::<f64>() * 1e21,
+            5 => f64::from(rng.gen_range(0u32..100_000)) / 1e3,
+            _ => rng.gen::<f64>() * 1e4,
+        }
+    }
+
+    /// The line is the bytes serde_json writes for the same fields, over many odd ones.
+    #[test]
+    fn a_line_is_what_serde_json_writes() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::SmallRng::seed_from_u64(48);
+        let addrs: [SocketAddr; 4] = [
+            "10.0.0.7:53254".parse().unwrap(),
+            "0.0.0.0:0".parse().unwrap(),
+            "[::1]:8080".parse().unwrap(),
+            "[fe80::1%3]:65535".parse().unwrap(),
+        ];
+        let mut out = Vec::new();
+        for _ in 0..20_000 {
+            let strings: Vec<String> = (0..10).map(|_| odd_string(&mut rng)).collect();
+            let maybe = |rng: &mut rand::rngs::SmallRng, i: usize| {
+                rng.gen_bool(0.7).then_some(strings[i].as_str())
+            };
+            let secs = rng.gen_range(0..253_402_300_799u64); // to the end of year 9999
+            let line = Line {
+                ts: Timestamp(
+                    UNIX_EPOCH + Duration::from_millis(secs * 1000 + rng.gen_range(0..1000)),
+                ),
+                request_id: &strings[0],
+                method: &strings[1],
+                path: &strings[2],
+                upstream: maybe(&mut rng, 3),
+                endpoint: maybe(&mut rng, 4),
+                route: maybe(&mut rng, 5),
+                status: rng.gen_bool(0.8).then(|| rng.gen()),
+                outcome: &strings[6],
+                cause: maybe(&mut rng, 7),
+                dialect: maybe(&mut rng, 8),
+                model: maybe(&mut rng, 9),
+                stream: rng.gen(),
+                queue_ms: odd_float(&mut rng),
+                ttft_ms: rng.gen_bool(0.8).then(|| odd_float(&mut rng)),
+                tpot_ms: rng.gen_bool(0.8).then(|| odd_float(&mut rng)),
+                e2e_ms: odd_float(&mut rng),
+                input_tokens: rng
+                    .gen_bool(0.8)
+                    .then(|| rng.gen::<u64>() >> rng.gen_range(0..64)),
+                output_tokens: rng.gen_bool(0.8).then(|| rng.gen()),
+                counts: maybe(&mut rng, 0),
+                bytes_out: rng.gen(),
+                client: rng
+                    .gen_bool(0.8)
+                    .then(|| addrs[rng.gen_range(0..addrs.len())]),
+            };
+            out.clear();
+            line.write(&mut out);
+            let want = serde_json::to_string(&line).unwrap();
+            assert_eq!(String::from_utf8_lossy(&out), want);
+        }
+    }
+
+    /// The time's text, made once a second, is chrono's to the millisecond, across a
+    /// second's turn, a day's and a year's.
+    #[test]
+    fn the_time_is_chronos_across_seconds() {
+        let mut out = Vec::new();
+        let start = UNIX_EPOCH + Duration::from_secs(1_798_761_599); // 2026-12-31T23:59:59Z
+        for ms in (0..3_000).step_by(7) {
+            let t = Timestamp(start + Duration::from_millis(ms));
+            out.clear();
+            t.write(&mut out);
+            assert_eq!(String::from_utf8_lossy(&out), format!("\"{}\"", t.chrono()));
+        }
+        assert!(
+            t_text(start + Duration::from_millis(1_500)).starts_with("\"2027-01-01T00:00:00.500Z")
+        );
+        // Before 1970, and past year 9999: chrono's whole.
+        for t in [
+            UNIX_EPOCH - Duration::from_millis(1_500),
+            UNIX_EPOCH + Duration::from_secs(253_402_300_800),
+        ] {
+            assert_eq!(t_text(t), format!("\"{}\"", Timestamp(t).chrono()));
+        }
+    }
+
+    fn t_text(t: SystemTime) -> String {
+        let mut out = Vec::new();
+        Timestamp(t).write(&mut out);
+        String::from_utf8(out).unwrap()
     }
 
     #[test]

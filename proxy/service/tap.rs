@@ -331,7 +331,7 @@ impl TokenTap {
             .outcome
             .unwrap_or_else(|| Outcome::from_status(ctx.status));
         let line = record::Line {
-            ts: record::timestamp(),
+            ts: record::Timestamp::now(),
             request_id: ctx.request_id.as_str(),
             method: seen.method.as_str(),
             path: &seen.path,
@@ -356,10 +356,8 @@ impl TokenTap {
             output_tokens: summary.map(|s| s.output_tokens),
             counts: summary.map(|s| if s.exact { "exact" } else { "estimated" }),
             bytes_out: ctx.bytes_out,
-            client: seen.client.map(|a| a.to_string()),
+            client: seen.client,
         };
-        if let Ok(text) = serde_json::to_string(&line) {
-            self.live.access.write(text);
-        }
+        self.live.access.write(|out| line.write(out));
     }
 }

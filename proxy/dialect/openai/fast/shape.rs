@@ -5,6 +5,11 @@
 //! *holes*); the next chunk of that shape is read by comparing bytes and skipping over
 //! its holes, with no search for keys.
 //!
+//! A stream's chunks mostly differ in their text and little else (its id, model and time
+//! repeat), so a shape also keeps the last chunk it read, and where its holes were: the
+//! next chunk is compared with it in one pass, and read from the first hole where the two
+//! part. What the holes before it held is what they held in the last chunk.
+//!
 //! Exact: a chunk that matches a shape is the scanned one with other strings or numbers
 //! in the holes. The parser ignores a hole's value (its key is not one it reads) or, for a
 //! token text, reads only whether it is empty, which the match reads too. Keys are
@@ -71,7 +76,21 @@ struct Shape {
     /// Each literal run's end in `literal`, and the hole after it.
     runs: Box<[(u32, Hole)]>,
     finished: bool,
+    /// The last chunk this shape read (empty when there is none, or it was long).
+    last: Vec<u8>,
+    /// Where each hole of `last` ended, and whether it carried a token.
+    holes: Vec<Seen>,
 }
+
+/// A hole as the last chunk filled it.
+#[derive(Debug, Clone, Copy, Default)]
+struct Seen {
+    end: u32,
+    token: bool,
+}
+
+/// The longest chunk a shape keeps to compare the next with.
+const MAX_LAST: usize = 1024;
 
 struct Cache {
     shapes: Vec<Shape>,
@@ -140,46 +159,119 @@ impl Shape {
         }
         literal.extend_from_slice(&data[from..]);
         runs.push((u32::try_from(literal.len()).ok()?, Hole::End));
-        let shape = Shape {
+        let holes = vec![Seen::default(); runs.len()];
+        let mut shape = Shape {
             literal: literal.into(),
             runs: runs.into(),
             finished: facts.finished,
+            last: Vec::new(),
+            holes,
         };
         // Everything the facts say must come from where the shape reads them.
         (shape.read(data) == Some(facts)).then_some(shape)
     }
 
-    /// The facts of `data` if it has this shape.
-    fn read(&self, data: &[u8]) -> Option<Facts> {
-        let (mut at, mut from, mut tokens) = (0, 0, false);
-        for &(end, hole) in self.runs.iter() {
-            let run = &self.literal[from..end as usize];
-            if data.get(at..at + run.len())? != run {
+    /// The facts of `data` if it has this shape; `data` becomes the last chunk read.
+    fn read(&mut self, data: &[u8]) -> Option<Facts> {
+        // The holes wholly inside the part `data` shares with the last chunk (a number's
+        // end too, which the byte after it decides) hold what they held there.
+        let same = common_prefix(data, &self.last);
+        let skip = self
+            .holes
+            .iter()
+            .take_while(|h| (h.end as usize) < same)
+            .count()
+            .min(self.runs.len() - 1);
+        let (mut at, mut from, mut tokens) = match skip.checked_sub(1) {
+            Some(before) => (
+                self.holes[before].end as usize,
+                self.runs[before].0 as usize,
+                self.holes[..skip].iter().any(|h| h.token),
+            ),
+            None => (0, 0, false),
+        };
+        let facts = self.read_from(data, skip, &mut at, &mut from, &mut tokens);
+        self.last.clear();
+        if facts.is_some() && data.len() <= MAX_LAST {
+            self.last.extend_from_slice(data);
+        }
+        facts
+    }
+
+    /// [`Shape::read`] from run `first` on, at `at` in `data` and `from` in the literal,
+    /// with a token seen before if `tokens`; the holes' places are kept as it goes.
+    fn read_from(
+        &mut self,
+        data: &[u8],
+        first: usize,
+        at: &mut usize,
+        from: &mut usize,
+        tokens: &mut bool,
+    ) -> Option<Facts> {
+        for (i, &(end, hole)) in self.runs.iter().enumerate().skip(first) {
+            let run = &self.literal[*from..end as usize];
+            if data.get(*at..*at + run.len())? != run {
                 return None;
             }
-            at += run.len();
-            from = end as usize;
+            *at += run.len();
+            *from = end as usize;
+            let start = *at;
             match hole {
                 Hole::End => {
-                    return (at == data.len()).then_some(Facts {
-                        tokens: u32::from(tokens),
+                    return (*at == data.len()).then_some(Facts {
+                        tokens: u32::from(*tokens),
                         finished: self.finished,
                         ..Facts::default()
                     })
                 }
-                Hole::Num => at += number_len(&data[at..])?,
+                Hole::Num => *at += number_len(&data[*at..])?,
                 Hole::Str | Hole::Text => {
-                    if data.get(at) != Some(&b'"') {
+                    if data.get(*at) != Some(&b'"') {
                         return None;
                     }
-                    let end = string_end(data, at)?;
-                    tokens |= hole == Hole::Text && end - at > 2;
-                    at = end;
+                    *at = string_end(data, *at)?;
                 }
             }
+            let token = hole == Hole::Text && *at - start > 2;
+            *tokens |= token;
+            self.holes[i] = Seen {
+                end: u32::try_from(*at).ok()?,
+                token,
+            };
         }
         None
     }
+}
+
+/// How many bytes `a` and `b` begin with alike: 32 at a time while they agree, then
+/// eight at a time in a register to find where they part.
+fn common_prefix(a: &[u8], b: &[u8]) -> usize {
+    let n = a.len().min(b.len());
+    let mut i = 0;
+    while let (Some(x), Some(y)) = (
+        a.get(i..n).and_then(|s| s.first_chunk::<32>()),
+        b.get(i..n).and_then(|s| s.first_chunk::<32>()),
+    ) {
+        if x != y {
+            break;
+        }
+        i += 32;
+    }
+    while let (Some(x), Some(y)) = (
+        a.get(i..n).and_then(|s| s.first_chunk::<8>()),
+        b.get(i..n).and_then(|s| s.first_chunk::<8>()),
+    ) {
+        let differ = u64::from_le_bytes(*x) ^ u64::from_le_bytes(*y);
+        if differ != 0 {
+            return i + differ.trailing_zeros() as usize / 8;
+        }
+        i += 8;
+    }
+    i + a[i..n]
+        .iter()
+        .zip(&b[i..n])
+        .take_while(|(x, y)| x == y)
+        .count()
 }
 
 /// Where an object is, for what its members mean.
@@ -365,7 +457,7 @@ mod tests {
 
     #[test]
     fn a_stream_s_chunks_are_read_from_their_shape() {
-        let shape = shape_of(CHUNK);
+        let mut shape = shape_of(CHUNK);
         assert_eq!(shape.runs.len(), 7, "{shape:?}"); // id, object, created, model, text, t, end
         let token = Some(Facts {
             tokens: 1,
@@ -410,7 +502,7 @@ mod tests {
             r#"{"id":"c","choices":[{"index":0,"text":"w","finish_reason":null,"stop_reason":null}],"created":3}"#,
             r#"{"id":"c","choices":[{"index":0,"delta":{"reasoning_content":"r","role":"a"},"finish_reason":null}],"x":[1,"y",{"z":2.5}]}"#,
         ];
-        let shapes: Vec<Shape> = seeds.iter().map(|s| shape_of(s)).collect();
+        let mut shapes: Vec<Shape> = seeds.iter().map(|s| shape_of(s)).collect();
         let pieces = [
             "",
             "x",
@@ -445,7 +537,10 @@ mod tests {
                 let p = pieces[rng.gen_range(0..pieces.len())];
                 c.splice(at..to, p.bytes());
             }
-            let Some(f) = shapes[i].read(&c) else {
+            // Read after the last chunk this shape read, as read afresh.
+            let f = shapes[i].read(&c);
+            assert_eq!(f, afresh(&shapes[i], &c), "{}", String::from_utf8_lossy(&c));
+            let Some(f) = f else {
                 continue;
             };
             hits += 1;
@@ -458,6 +553,67 @@ mod tests {
             }
         }
         assert!(compared > 2_000 && hits >= compared, "{compared} {hits}");
+    }
+
+    /// What `shape` reads of `data` with no last chunk to compare it with.
+    fn afresh(shape: &Shape, data: &[u8]) -> Option<Facts> {
+        Shape {
+            literal: shape.literal.clone(),
+            runs: shape.runs.clone(),
+            finished: shape.finished,
+            last: Vec::new(),
+            holes: vec![Seen::default(); shape.runs.len()],
+        }
+        .read(data)
+    }
+
+    /// A chunk read after another is read from where they part: a token's text, a number
+    /// grown by a digit at the end of the shared part, a string that ends where the last
+    /// one's did not, an empty text after a full one and back.
+    #[test]
+    fn a_chunk_is_read_from_where_it_parts_from_the_last() {
+        let mut shape = shape_of(CHUNK);
+        let token = |tokens| Facts {
+            tokens,
+            ..Facts::default()
+        };
+        let steps = [
+            (CHUNK.to_owned(), Some(token(1))),
+            (CHUNK.replace("\"Hi\"", "\"Hi there\""), Some(token(1))),
+            (CHUNK.replace("\"Hi\"", "\"\""), Some(token(0))),
+            (CHUNK.replace("\"Hi\"", "\"\""), Some(token(0))),
+            (CHUNK.replace("\"t\":17", "\"t\":175"), Some(token(1))),
+            (CHUNK.replace("\"t\":17", "\"t\":17.5"), Some(token(1))),
+            (CHUNK.replace("\"t\":17", "\"t\":1"), Some(token(1))),
+            (CHUNK.replace("\"t\":17", "\"t\":1x"), None),
+            (
+                CHUNK.replace("chatcmpl-1", "chatcmpl-1\\\""),
+                Some(token(1)),
+            ),
+            (CHUNK.replace("\"m\"", "\"mm\""), Some(token(1))),
+            (CHUNK.replace("\"Hi\"", "\"H\""), Some(token(1))),
+            (CHUNK.to_owned() + " ", None),
+            (CHUNK[..CHUNK.len() - 1].to_owned(), None),
+            (CHUNK.to_owned(), Some(token(1))),
+        ];
+        for (chunk, want) in steps {
+            assert_eq!(afresh(&shape, chunk.as_bytes()), want, "{chunk}");
+            assert_eq!(shape.read(chunk.as_bytes()), want, "{chunk}");
+        }
+    }
+
+    #[test]
+    fn common_prefixes() {
+        let a = b"0123456789abcdefghij";
+        for n in 0..=a.len() {
+            for at in 0..n {
+                let mut b = a[..n].to_vec();
+                b[at] = b'#';
+                assert_eq!(common_prefix(&a[..], &b), at);
+                assert_eq!(common_prefix(&b, &a[..]), at);
+            }
+            assert_eq!(common_prefix(&a[..], &a[..n]), n);
+        }
     }
 
     #[test]

@@ -90,8 +90,30 @@ pub(crate) struct Seen {
     /// The request body's `model`, at most 128 characters.
     pub(crate) model: Option<String>,
     pub(crate) queue_ms: f64,
-    pub(crate) summary: Option<Summary>,
+    /// Set as it ends, kept for the stream's whole life: the four figures the line has
+    /// of its record's [`Summary`] (48 bytes, not 88).
+    pub(crate) metered: Option<Metered>,
     pub(crate) stream: bool,
+}
+
+/// What the access-log line says of a metered request's record.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Metered {
+    pub(crate) ttft_ms: Option<f64>,
+    pub(crate) tpot_ms: Option<f64>,
+    pub(crate) output_tokens: u64,
+    pub(crate) exact: bool,
+}
+
+impl From<Summary> for Metered {
+    fn from(s: Summary) -> Metered {
+        Metered {
+            ttft_ms: s.ttft_ms,
+            tpot_ms: s.tpot_ms,
+            output_tokens: s.output_tokens,
+            exact: s.exact,
+        }
+    }
 }
 
 /// One access-log line (every field always present; `null` when unknown), written as

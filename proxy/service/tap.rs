@@ -266,7 +266,7 @@ impl TokenTap {
         match ctx.stream.take() {
             Some(stream) => {
                 if let Some(seen) = ctx.seen.as_mut() {
-                    seen.summary = Some(stream.summary());
+                    seen.metered = Some(stream.summary().into());
                 }
                 if ctx.who.is_some() {
                     self.settle(ctx, choice, outcome, stream.summary());
@@ -326,7 +326,7 @@ impl TokenTap {
         let Some(seen) = ctx.seen.as_deref() else {
             return;
         };
-        let summary = seen.summary;
+        let summary = seen.metered;
         let outcome = ctx
             .outcome
             .unwrap_or_else(|| Outcome::from_status(ctx.status));

@@ -4,12 +4,16 @@
 //! copy alone; the writer takes the whole batch every [`BATCH`] and writes it in one call.
 //! When the batch is full (the disk cannot keep up) a line is dropped and counted, never
 //! waited for. A file is appended to, and reopened on SIGUSR1 (after logrotate moved it).
+//!
+//! An operator's message (a new target, a reopen, a flush) takes the lines queued before
+//! it with it, under the batch's lock: each line goes where the log went when it was
+//! queued, in the order queued.
 
 use std::cell::RefCell;
 use std::fs::File;
 use std::io::{self, Write};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
-use std::sync::mpsc::{self, Receiver, SyncSender};
+use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use crate::config::AccessLog;
@@ -17,6 +21,9 @@ use crate::config::AccessLog;
 /// The most a batch holds, in bytes (some 10,000 lines): past it, lines are dropped. The
 /// writer keeps two batches' room at most, the one it writes and the one filling.
 const BATCH_BYTES: usize = 4 << 20;
+
+/// The room a batch keeps between bursts (some 600 lines).
+const KEPT_BYTES: usize = 256 << 10;
 
 /// How long the writer lets lines gather after the first of a batch: woken at most this
 /// often, it costs a request no wake-up of its own (a request appends its line without a
@@ -36,17 +43,20 @@ pub struct Access {
 struct Writer {
     /// Lines written since the writer last took them, each ending in a newline.
     batch: Arc<Mutex<Vec<u8>>>,
-    /// Wakes the writer: for a batch begun, and for the operator's messages.
-    tx: SyncSender<Msg>,
+    /// Wakes the writer: for a batch begun, and for the operator's messages. Unbounded: a
+    /// batch sends one wake-up at most, and it is sent under the batch's lock (an
+    /// operator's message), where nothing may wait.
+    tx: Sender<Msg>,
 }
 
+/// An operator's message carries the lines queued before it (see the module's doc).
 enum Msg {
     /// A batch was begun: the writer takes it after [`BATCH`].
     Lines,
-    Target(AccessLog),
-    Reopen,
+    Target(AccessLog, Vec<u8>),
+    Reopen(Vec<u8>),
     /// Everything before it is written and flushed when this is answered.
-    Flush(mpsc::Sender<()>),
+    Flush(mpsc::Sender<()>, Vec<u8>),
 }
 
 thread_local! {
@@ -75,7 +85,7 @@ impl Access {
         let on = *target != AccessLog::Off;
         if on && self.writer.get().is_none() {
             let batch = Arc::new(Mutex::new(Vec::new()));
-            let (tx, rx) = mpsc::sync_channel(64);
+            let (tx, rx) = mpsc::channel();
             let theirs = Arc::clone(&batch);
             let spawned = std::thread::Builder::new()
                 .name("tokentap-access".into())
@@ -88,9 +98,8 @@ impl Access {
                 Err(e) => tracing::error!("access log: cannot start its writer thread: {e}"),
             }
         }
-        if let Some(w) = self.writer.get() {
-            let _ = w.tx.send(Msg::Target(target.clone()));
-        }
+        let target = target.clone();
+        self.send(|before| Msg::Target(target, before));
         self.on.store(on, Relaxed);
     }
 
@@ -114,9 +123,7 @@ impl Access {
                 batch.len() == line.len()
             };
             if begun {
-                // Only a full queue of the operator's messages refuses this: the writer
-                // takes the batch after each of them too.
-                let _ = w.tx.try_send(Msg::Lines);
+                let _ = w.tx.send(Msg::Lines);
             }
         });
     }
@@ -134,13 +141,20 @@ impl Access {
     /// Waits until every line queued so far is written and flushed.
     pub fn flush(&self) {
         let (done, wait) = mpsc::channel();
-        if self.send(Msg::Flush(done)) {
+        if self.send(|before| Msg::Flush(done, before)) {
             let _ = wait.recv_timeout(std::time::Duration::from_secs(5));
         }
     }
 
-    fn send(&self, msg: Msg) -> bool {
-        self.writer.get().is_some_and(|w| w.tx.send(msg).is_ok())
+    /// Sends an operator's message with the lines queued before it, under the batch's
+    /// lock: a line queued after is in the next batch.
+    fn send(&self, msg: impl FnOnce(Vec<u8>) -> Msg) -> bool {
+        let Some(w) = self.writer.get() else {
+            return false;
+        };
+        let mut batch = w.batch.lock().unwrap_or_else(PoisonError::into_inner);
+        let before = std::mem::take(&mut *batch);
+        w.tx.send(msg(before)).is_ok()
     }
 }
 
@@ -173,8 +187,8 @@ fn open(target: &AccessLog) -> Sink {
     }
 }
 
-/// The writer thread: each batch in one write, a message handled after the lines queued
-/// before it are written.
+/// The writer thread: each batch in one write; an operator's message handled after the
+/// lines it carries are written where the log went before it.
 fn writer(rx: Receiver<Msg>, batch: &Mutex<Vec<u8>>) {
     let mut sink = Sink::Off;
     let mut taken = Vec::new();
@@ -184,46 +198,66 @@ fn writer(rx: Receiver<Msg>, batch: &Mutex<Vec<u8>>) {
             std::thread::sleep(BATCH);
         }
         let mut next = Some(first);
-        while let Some(msg) = next.take().or_else(|| rx.try_recv().ok()) {
-            write_batch(batch, &mut taken, &mut sink, &mut failed);
+        loop {
+            let msg = match next.take() {
+                Some(msg) => msg,
+                None => {
+                    // The batch is taken only when no message is waiting (they are sent
+                    // under its lock): lines queued after a message stay after it.
+                    let mut lines = batch.lock().unwrap_or_else(PoisonError::into_inner);
+                    match rx.try_recv() {
+                        Ok(msg) => msg,
+                        Err(_) => {
+                            std::mem::swap(&mut *lines, &mut taken);
+                            break;
+                        }
+                    }
+                }
+            };
             match msg {
+                // Taken with the batch: a batch begun while the last was written waits
+                // for the next wake-up, not a write of its own.
                 Msg::Lines => {}
-                Msg::Target(target) => {
+                Msg::Target(target, before) => {
+                    write_to(&mut sink, &before, &mut failed);
                     flush(&mut sink);
                     sink = open(&target);
                 }
-                Msg::Reopen => {
+                Msg::Reopen(before) => {
+                    write_to(&mut sink, &before, &mut failed);
                     flush(&mut sink);
                     if let Sink::File(path, _) = &sink {
                         sink = open(&AccessLog::File(path.clone()));
                         tracing::info!("access log reopened");
                     }
                 }
-                Msg::Flush(done) => {
+                Msg::Flush(done, before) => {
+                    write_to(&mut sink, &before, &mut failed);
                     flush(&mut sink);
                     let _ = done.send(());
                 }
             }
         }
+        write_to(&mut sink, &taken, &mut failed);
         flush(&mut sink);
+        taken.clear();
+        // After a burst, a few hundred KiB of room is kept, not the burst's.
+        if taken.capacity() > KEPT_BYTES * 4 {
+            taken = Vec::with_capacity(KEPT_BYTES);
+        }
     }
 }
 
-/// Takes the batch (leaving `taken`'s room in its place) and writes it.
-fn write_batch(batch: &Mutex<Vec<u8>>, taken: &mut Vec<u8>, sink: &mut Sink, failed: &mut bool) {
-    taken.clear();
-    std::mem::swap(
-        &mut *batch.lock().unwrap_or_else(PoisonError::into_inner),
-        taken,
-    );
-    if taken.is_empty() {
+/// Writes `lines` in one call; a failure is logged once until a write succeeds again.
+fn write_to(sink: &mut Sink, lines: &[u8], failed: &mut bool) {
+    if lines.is_empty() {
         return;
     }
     let written = match sink {
         Sink::Off => Ok(()),
-        Sink::Stdout(out) => out.lock().write_all(taken),
-        Sink::Stderr(err) => err.lock().write_all(taken),
-        Sink::File(_, file) => file.write_all(taken),
+        Sink::Stdout(out) => out.lock().write_all(lines),
+        Sink::Stderr(err) => err.lock().write_all(lines),
+        Sink::File(_, file) => file.write_all(lines),
     };
     match written {
         Err(e) if !*failed => {
@@ -247,6 +281,47 @@ fn flush(sink: &mut Sink) {
 mod tests {
     use super::*;
 
+    /// Lines from several threads at once, in bursts past the room a batch keeps, reach the
+    /// file whole and once each, each thread's in its order.
+    #[test]
+    fn lines_from_many_threads_arrive_whole_and_once() {
+        let dir = std::env::temp_dir().join(format!("tokentap-access-many-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("access.log");
+        let _ = std::fs::remove_file(&path);
+        let access = Access::new(&AccessLog::File(path.clone()));
+        const THREADS: usize = 4;
+        // 3.1 MB in all: under the 4 MiB a batch holds (none dropped however the writer
+        // keeps up), over the 1 MiB after which its room is given back.
+        const EACH: usize = 2_500;
+        let pad = "x".repeat(300);
+        std::thread::scope(|s| {
+            for t in 0..THREADS {
+                let (access, pad) = (&access, &pad);
+                s.spawn(move || {
+                    for i in 0..EACH {
+                        access.write(|line| {
+                            line.extend_from_slice(format!("{t} {i} {pad}").as_bytes())
+                        });
+                    }
+                });
+            }
+        });
+        access.flush();
+        let text = std::fs::read_to_string(&path).unwrap();
+        let mut next = [0usize; THREADS];
+        for line in text.lines() {
+            let mut parts = line.split(' ');
+            let t: usize = parts.next().unwrap().parse().unwrap();
+            let i: usize = parts.next().unwrap().parse().unwrap();
+            assert_eq!(parts.next(), Some(pad.as_str()), "{line}");
+            assert_eq!(i, next[t], "thread {t}'s lines in order, once each");
+            next[t] += 1;
+        }
+        assert_eq!(next, [EACH; THREADS], "dropped: {}", access.dropped());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     #[test]
     fn lines_reach_the_file_and_a_reopen_follows_a_rotation() {
         let dir = std::env::temp_dir().join(format!("tokentap-access-{}", std::process::id()));
@@ -266,8 +341,12 @@ mod tests {
             "one\n"
         );
         assert_eq!(std::fs::read_to_string(&path).unwrap(), "two\n");
+        // A line queued before the log is turned off goes where the log went then.
+        access.write(|line| line.extend_from_slice(b"three"));
         access.set(&AccessLog::Off);
         assert!(!access.on());
+        access.flush();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "two\nthree\n");
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

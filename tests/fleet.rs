@@ -1001,6 +1001,18 @@ async fn prefix_run(taps: usize, redis: Option<u16>) -> f64 {
         "{taps} tokentap(s), {}: {requests} requests, {hit:.1}% of prompt tokens from the cache, peaks {peaks:?}",
         if redis.is_some() { "[cluster]" } else { "alone" }
     );
+    // What each said of the fleet (a Redis found unreachable has each place prefixes
+    // alone until it answers again): a low figure explains itself.
+    for (i, tap) in running.iter().enumerate() {
+        for line in tap
+            .stderr()
+            .lines()
+            .filter(|l| l.contains("cluster"))
+            .take(3)
+        {
+            eprintln!("  tokentap {i}: {line}");
+        }
+    }
     if redis.is_some() || taps == 1 {
         // Leases hold each endpoint's cap across the fleet (without `[cluster]` each
         // tokentap holds its own 12).

@@ -49,14 +49,18 @@ struct Writer {
     tx: Sender<Msg>,
 }
 
-/// An operator's message carries the lines queued before it (see the module's doc).
 enum Msg {
     /// A batch was begun: the writer takes it after [`BATCH`].
     Lines,
-    Target(AccessLog, Vec<u8>),
-    Reopen(Vec<u8>),
+    /// An operator's message, with the lines queued before it (see the module's doc).
+    Op(Vec<u8>, Op),
+}
+
+enum Op {
+    Target(AccessLog),
+    Reopen,
     /// Everything before it is written and flushed when this is answered.
-    Flush(mpsc::Sender<()>, Vec<u8>),
+    Flush(mpsc::Sender<()>),
 }
 
 thread_local! {
@@ -98,8 +102,7 @@ impl Access {
                 Err(e) => tracing::error!("access log: cannot start its writer thread: {e}"),
             }
         }
-        let target = target.clone();
-        self.send(|before| Msg::Target(target, before));
+        self.send(Op::Target(target.clone()));
         self.on.store(on, Relaxed);
     }
 
@@ -135,26 +138,26 @@ impl Access {
 
     /// Reopens the file (SIGUSR1).
     pub fn reopen(&self) {
-        self.send(Msg::Reopen);
+        self.send(Op::Reopen);
     }
 
     /// Waits until every line queued so far is written and flushed.
     pub fn flush(&self) {
         let (done, wait) = mpsc::channel();
-        if self.send(|before| Msg::Flush(done, before)) {
+        if self.send(Op::Flush(done)) {
             let _ = wait.recv_timeout(std::time::Duration::from_secs(5));
         }
     }
 
     /// Sends an operator's message with the lines queued before it, under the batch's
     /// lock: a line queued after is in the next batch.
-    fn send(&self, msg: impl FnOnce(Vec<u8>) -> Msg) -> bool {
+    fn send(&self, op: Op) -> bool {
         let Some(w) = self.writer.get() else {
             return false;
         };
         let mut batch = w.batch.lock().unwrap_or_else(PoisonError::into_inner);
         let before = std::mem::take(&mut *batch);
-        w.tx.send(msg(before)).is_ok()
+        w.tx.send(Msg::Op(before, op)).is_ok()
     }
 }
 
@@ -214,26 +217,20 @@ fn writer(rx: Receiver<Msg>, batch: &Mutex<Vec<u8>>) {
                     }
                 }
             };
-            match msg {
-                // Taken with the batch: a batch begun while the last was written waits
-                // for the next wake-up, not a write of its own.
-                Msg::Lines => {}
-                Msg::Target(target, before) => {
-                    write_to(&mut sink, &before, &mut failed);
-                    flush(&mut sink);
-                    sink = open(&target);
-                }
-                Msg::Reopen(before) => {
-                    write_to(&mut sink, &before, &mut failed);
-                    flush(&mut sink);
+            // A `Lines` is taken with the batch: a batch begun while the last was written
+            // waits for the next wake-up, not a write of its own.
+            let Msg::Op(before, op) = msg else { continue };
+            write_to(&mut sink, &before, &mut failed);
+            flush(&mut sink);
+            match op {
+                Op::Target(target) => sink = open(&target),
+                Op::Reopen => {
                     if let Sink::File(path, _) = &sink {
                         sink = open(&AccessLog::File(path.clone()));
                         tracing::info!("access log reopened");
                     }
                 }
-                Msg::Flush(done, before) => {
-                    write_to(&mut sink, &before, &mut failed);
-                    flush(&mut sink);
+                Op::Flush(done) => {
                     let _ = done.send(());
                 }
             }
@@ -283,13 +280,19 @@ mod tests {
 
     /// Lines from several threads at once, in bursts past the room a batch keeps, reach the
     /// file whole and once each, each thread's in its order.
-    #[test]
-    fn lines_from_many_threads_arrive_whole_and_once() {
-        let dir = std::env::temp_dir().join(format!("tokentap-access-many-{}", std::process::id()));
+    /// An access log to a file of its own: (its directory, the file, the log).
+    fn log_in(name: &str) -> (std::path::PathBuf, std::path::PathBuf, Access) {
+        let dir = std::env::temp_dir().join(format!("tokentap-{name}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("access.log");
         let _ = std::fs::remove_file(&path);
         let access = Access::new(&AccessLog::File(path.clone()));
+        (dir, path, access)
+    }
+
+    #[test]
+    fn lines_from_many_threads_arrive_whole_and_once() {
+        let (dir, path, access) = log_in("access-many");
         const THREADS: usize = 4;
         // 3.1 MB in all: under the 4 MiB a batch holds (none dropped however the writer
         // keeps up), over the 1 MiB after which its room is given back.
@@ -324,11 +327,7 @@ mod tests {
 
     #[test]
     fn lines_reach_the_file_and_a_reopen_follows_a_rotation() {
-        let dir = std::env::temp_dir().join(format!("tokentap-access-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("access.log");
-        let _ = std::fs::remove_file(&path);
-        let access = Access::new(&AccessLog::File(path.clone()));
+        let (dir, path, access) = log_in("access");
         assert!(access.on());
         access.write(|line| line.extend_from_slice(b"one"));
         access.flush();

@@ -159,21 +159,21 @@ impl Line<'_> {
         out.extend_from_slice(b",\"path\":");
         json::str(out, self.path);
         out.extend_from_slice(b",\"upstream\":");
-        json::opt_str(out, self.upstream);
+        json::opt(out, self.upstream, json::str);
         out.extend_from_slice(b",\"endpoint\":");
-        json::opt_str(out, self.endpoint);
+        json::opt(out, self.endpoint, json::str);
         out.extend_from_slice(b",\"route\":");
-        json::opt_str(out, self.route);
+        json::opt(out, self.route, json::str);
         out.extend_from_slice(b",\"status\":");
-        json::opt_int(out, self.status);
+        json::opt(out, self.status, json::int);
         out.extend_from_slice(b",\"outcome\":");
         json::str(out, self.outcome);
         out.extend_from_slice(b",\"cause\":");
-        json::opt_str(out, self.cause);
+        json::opt(out, self.cause, json::str);
         out.extend_from_slice(b",\"dialect\":");
-        json::opt_str(out, self.dialect);
+        json::opt(out, self.dialect, json::str);
         out.extend_from_slice(b",\"model\":");
-        json::opt_str(out, self.model);
+        json::opt(out, self.model, json::str);
         out.extend_from_slice(if self.stream {
             b",\"stream\":true,\"queue_ms\":"
         } else {
@@ -181,24 +181,21 @@ impl Line<'_> {
         });
         json::float(out, self.queue_ms);
         out.extend_from_slice(b",\"ttft_ms\":");
-        json::opt_float(out, self.ttft_ms);
+        json::opt(out, self.ttft_ms, json::float);
         out.extend_from_slice(b",\"tpot_ms\":");
-        json::opt_float(out, self.tpot_ms);
+        json::opt(out, self.tpot_ms, json::float);
         out.extend_from_slice(b",\"e2e_ms\":");
         json::float(out, self.e2e_ms);
         out.extend_from_slice(b",\"input_tokens\":");
-        json::opt_int(out, self.input_tokens);
+        json::opt(out, self.input_tokens, json::int);
         out.extend_from_slice(b",\"output_tokens\":");
-        json::opt_int(out, self.output_tokens);
+        json::opt(out, self.output_tokens, json::int);
         out.extend_from_slice(b",\"counts\":");
-        json::opt_str(out, self.counts);
+        json::opt(out, self.counts, json::str);
         out.extend_from_slice(b",\"bytes_out\":");
         json::int(out, self.bytes_out);
         out.extend_from_slice(b",\"client\":");
-        match self.client {
-            Some(addr) => json::addr(out, addr),
-            None => out.extend_from_slice(b"null"),
-        }
+        json::opt(out, self.client, json::addr);
         out.push(b'}');
     }
 }
@@ -232,10 +229,10 @@ impl Timestamp {
             let text =
                 chrono::DateTime::<chrono::Utc>::from(UNIX_EPOCH + Duration::from_secs(secs))
                     .to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
-            let Some(head) = text.as_bytes().get(..19).filter(|_| text.len() == 20) else {
+            let Some(head) = text.as_bytes().first_chunk().filter(|_| text.len() == 20) else {
                 return json::str(out, &self.chrono());
             };
-            second = (secs, head.try_into().unwrap_or([b'0'; 19]));
+            second = (secs, *head);
             SECOND.set(second);
         }
         let ms = since.subsec_millis();
@@ -270,52 +267,17 @@ mod json {
     use std::net::SocketAddr;
 
     /// A string: copied whole when no byte needs an escape (one pass without a branch a
-    /// byte, which the compiler vectorises), else escaped byte by byte.
+    /// byte, which the compiler vectorises), else through serde_json itself.
     pub(super) fn str(out: &mut Vec<u8>, s: &str) {
-        let bytes = s.as_bytes();
-        out.push(b'"');
-        let plain = bytes.iter().fold(true, |plain, &b| {
+        let plain = s.bytes().fold(true, |plain, b| {
             plain & (b >= 0x20 && b != b'"' && b != b'\\')
         });
         if plain {
-            out.extend_from_slice(bytes);
+            out.push(b'"');
+            out.extend_from_slice(s.as_bytes());
+            out.push(b'"');
         } else {
-            escaped(out, bytes);
-        }
-        out.push(b'"');
-    }
-
-    /// serde_json's escapes: the two-character ones it has, `\u00xx` (lower-case hex) for
-    /// the other control characters, every other byte as it is.
-    fn escaped(out: &mut Vec<u8>, bytes: &[u8]) {
-        const HEX: &[u8; 16] = b"0123456789abcdef";
-        for &b in bytes {
-            let short = match b {
-                b'"' => b'"',
-                b'\\' => b'\\',
-                0x08 => b'b',
-                0x0c => b'f',
-                b'\n' => b'n',
-                b'\r' => b'r',
-                b'\t' => b't',
-                0x00..=0x1f => {
-                    out.extend_from_slice(b"\\u00");
-                    out.extend_from_slice(&[HEX[usize::from(b >> 4)], HEX[usize::from(b & 0xf)]]);
-                    continue;
-                }
-                _ => {
-                    out.push(b);
-                    continue;
-                }
-            };
-            out.extend_from_slice(&[b'\\', short]);
-        }
-    }
-
-    pub(super) fn opt_str(out: &mut Vec<u8>, s: Option<&str>) {
-        match s {
-            Some(s) => str(out, s),
-            None => out.extend_from_slice(b"null"),
+            serde(out, s);
         }
     }
 
@@ -323,24 +285,22 @@ mod json {
         out.extend_from_slice(itoa::Buffer::new().format(n).as_bytes());
     }
 
-    pub(super) fn opt_int(out: &mut Vec<u8>, n: Option<impl itoa::Integer>) {
-        match n {
-            Some(n) => int(out, n),
-            None => out.extend_from_slice(b"null"),
-        }
-    }
-
     /// Through serde_json itself: its shortest round-trip form, `null` when not finite.
     pub(super) fn float(out: &mut Vec<u8>, f: f64) {
-        if serde_json::to_writer(&mut *out, &f).is_err() {
-            out.extend_from_slice(b"null"); // not reached: a Vec takes every write
+        serde(out, &f);
+    }
+
+    /// `value` as `write` writes it, or `null`.
+    pub(super) fn opt<T>(out: &mut Vec<u8>, value: Option<T>, write: fn(&mut Vec<u8>, T)) {
+        match value {
+            Some(v) => write(out, v),
+            None => out.extend_from_slice(b"null"),
         }
     }
 
-    pub(super) fn opt_float(out: &mut Vec<u8>, f: Option<f64>) {
-        match f {
-            Some(f) => float(out, f),
-            None => out.extend_from_slice(b"null"),
+    fn serde(out: &mut Vec<u8>, value: &(impl serde::Serialize + ?Sized)) {
+        if serde_json::to_writer(&mut *out, value).is_err() {
+            out.extend_from_slice(b"null"); // not reached: a Vec takes every write
         }
     }
 

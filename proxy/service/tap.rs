@@ -326,7 +326,7 @@ impl TokenTap {
         let Some(seen) = ctx.seen.as_deref() else {
             return;
         };
-        let summary = seen.metered;
+        let metered = seen.metered;
         let outcome = ctx
             .outcome
             .unwrap_or_else(|| Outcome::from_status(ctx.status));
@@ -349,12 +349,12 @@ impl TokenTap {
             model: seen.model.as_deref(),
             stream: seen.stream,
             queue_ms: seen.queue_ms,
-            ttft_ms: summary.and_then(|s| s.ttft_ms),
-            tpot_ms: summary.and_then(|s| s.tpot_ms),
+            ttft_ms: metered.and_then(|m| m.ttft_ms),
+            tpot_ms: metered.and_then(|m| m.tpot_ms),
             e2e_ms: self.now().saturating_sub(ctx.t0) as f64 / 1e6,
             input_tokens: ctx.facts.input_tokens,
-            output_tokens: summary.map(|s| s.output_tokens),
-            counts: summary.map(|s| if s.exact { "exact" } else { "estimated" }),
+            output_tokens: metered.map(|m| m.output_tokens),
+            counts: metered.map(|m| if m.exact { "exact" } else { "estimated" }),
             bytes_out: ctx.bytes_out,
             client: seen.client,
         };

@@ -79,12 +79,12 @@ struct Shape {
     /// The last chunk this shape read (empty when there is none, or it was long).
     last: Vec<u8>,
     /// Where each hole of `last` ended, and whether it carried a token.
-    holes: Vec<Seen>,
+    holes: Vec<Filled>,
 }
 
 /// A hole as the last chunk filled it.
 #[derive(Debug, Clone, Copy, Default)]
-struct Seen {
+struct Filled {
     end: u32,
     token: bool,
 }
@@ -159,7 +159,7 @@ impl Shape {
         }
         literal.extend_from_slice(&data[from..]);
         runs.push((u32::try_from(literal.len()).ok()?, Hole::End));
-        let holes = vec![Seen::default(); runs.len()];
+        let holes = vec![Filled::default(); runs.len()];
         let mut shape = Shape {
             literal: literal.into(),
             runs: runs.into(),
@@ -182,7 +182,7 @@ impl Shape {
             .take_while(|h| (h.end as usize) < same)
             .count()
             .min(self.runs.len() - 1);
-        let (mut at, mut from, mut tokens) = match skip.checked_sub(1) {
+        let (at, from, tokens) = match skip.checked_sub(1) {
             Some(before) => (
                 self.holes[before].end as usize,
                 self.runs[before].0 as usize,
@@ -190,7 +190,7 @@ impl Shape {
             ),
             None => (0, 0, false),
         };
-        let facts = self.read_from(data, skip, &mut at, &mut from, &mut tokens);
+        let facts = self.read_from(data, skip, at, from, tokens);
         self.last.clear();
         if facts.is_some() && data.len() <= MAX_LAST {
             self.last.extend_from_slice(data);
@@ -204,38 +204,38 @@ impl Shape {
         &mut self,
         data: &[u8],
         first: usize,
-        at: &mut usize,
-        from: &mut usize,
-        tokens: &mut bool,
+        mut at: usize,
+        mut from: usize,
+        mut tokens: bool,
     ) -> Option<Facts> {
         for (i, &(end, hole)) in self.runs.iter().enumerate().skip(first) {
-            let run = &self.literal[*from..end as usize];
-            if data.get(*at..*at + run.len())? != run {
+            let run = &self.literal[from..end as usize];
+            if data.get(at..at + run.len())? != run {
                 return None;
             }
-            *at += run.len();
-            *from = end as usize;
-            let start = *at;
+            at += run.len();
+            from = end as usize;
+            let start = at;
             match hole {
                 Hole::End => {
-                    return (*at == data.len()).then_some(Facts {
-                        tokens: u32::from(*tokens),
+                    return (at == data.len()).then_some(Facts {
+                        tokens: u32::from(tokens),
                         finished: self.finished,
                         ..Facts::default()
                     })
                 }
-                Hole::Num => *at += number_len(&data[*at..])?,
+                Hole::Num => at += number_len(&data[at..])?,
                 Hole::Str | Hole::Text => {
-                    if data.get(*at) != Some(&b'"') {
+                    if data.get(at) != Some(&b'"') {
                         return None;
                     }
-                    *at = string_end(data, *at)?;
+                    at = string_end(data, at)?;
                 }
             }
-            let token = hole == Hole::Text && *at - start > 2;
-            *tokens |= token;
-            self.holes[i] = Seen {
-                end: u32::try_from(*at).ok()?,
+            let token = hole == Hole::Text && at - start > 2;
+            tokens |= token;
+            self.holes[i] = Filled {
+                end: u32::try_from(at).ok()?,
                 token,
             };
         }
@@ -562,7 +562,7 @@ mod tests {
             runs: shape.runs.clone(),
             finished: shape.finished,
             last: Vec::new(),
-            holes: vec![Seen::default(); shape.runs.len()],
+            holes: vec![Filled::default(); shape.runs.len()],
         }
         .read(data)
     }

@@ -117,6 +117,20 @@ async fn the_paired_verdict_names_the_faster_on_the_same_prompts() {
             .contains("along b's own curve"),
         "{c:#}"
     );
+    // Each TTFT waited on its own side's arrivals: not moved past the loads b ran at.
+    assert_eq!(
+        c["metrics"]["ttft_ms"]["ci95_pct"],
+        serde_json::Value::Null,
+        "{c:#}"
+    );
+    assert!(
+        c["verdict"].as_str().unwrap().contains("TTFT: b ")
+            && c["verdict"]
+                .as_str()
+                .unwrap()
+                .contains("as they ran, not moved"),
+        "{c:#}"
+    );
     // The same prompt, so the same length.
     assert_eq!(c["length_differs_pct"], 0.0, "{c:#}");
     // b is a mirror, a fifth of a's requests, and so marked.

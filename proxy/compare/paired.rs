@@ -8,10 +8,13 @@
 //!   the intercept (the ratio at a difference of 0) is taken;
 //! - the copies ran apart from their primaries (more or fewer in flight, never matched: a
 //!   mirrored share that is small, or 100% of a slower backend): each copy's figure is
-//!   moved to its primary's concurrency along b's own curve (its log figure regressed on
-//!   its concurrency over the copies), and the CI carries that step's uncertainty. With b's
-//!   load never varying the step cannot be taken: no CI, and the verdict says why. A CI
-//!   never claims a precision the design cannot give.
+//!   moved to its primary's concurrency along b's own curve, and the CI carries that
+//!   step's uncertainty. The curve's slope is read from the pairs' log ratios (regressed on
+//!   b's concurrency, a's beside it), not from b's figures alone: a stall of the machine
+//!   slows both sides of a pair and cancels in its ratio, where on b's figures alone it
+//!   would read as a rising curve (a slower stream stays longer, so more copies are in
+//!   flight). With b's load never varying the step cannot be taken: no CI, and the verdict
+//!   says why. A CI never claims a precision the design cannot give.
 //!
 //! A different output length is reported, not hidden.
 
@@ -184,12 +187,11 @@ pub enum Matching {
 }
 
 /// One pair's figures for a metric: the log ratio b/a, the concurrency difference b − a,
-/// and b's own log figure and concurrency (b's curve).
+/// and b's concurrency.
 #[derive(Debug, Clone, Copy)]
 struct Obs {
     log_ratio: f64,
     dc: f64,
-    log_b: f64,
     cb: f64,
 }
 
@@ -213,7 +215,6 @@ pub fn compare(a: &str, b: &str, pairs: &[Pair], since_secs: u64) -> PairedCompa
                 (x > 0.0 && y > 0.0 && x.is_finite() && y.is_finite()).then(|| Obs {
                     log_ratio: (y / x).ln(),
                     dc,
-                    log_b: y.ln(),
                     cb,
                 })
             })
@@ -256,11 +257,18 @@ pub fn compare(a: &str, b: &str, pairs: &[Pair], since_secs: u64) -> PairedCompa
         });
         a_conc.is_some_and(|ac| ac < lo || ac > hi)
     };
-    let lower_better = |o: &[Obs]| diff(a, b, o, matching, true);
+    // A first token waits on b's arrivals as much as on its load (a burst of copies queues
+    // their prefills): past the loads b ran at, its curve says nothing of a's, and TTFT and
+    // e2e are given as they ran, with no interval. A token's pace follows the batch.
+    let queued = if extrapolated {
+        Matching::None
+    } else {
+        matching
+    };
     let metrics = PairedMetrics {
-        tpot_ms: lower_better(&tpot),
-        ttft_ms: lower_better(&obs(|s| s.ttft_ms)),
-        e2e_ms: lower_better(&obs(|s| Some(s.e2e_ms))),
+        tpot_ms: diff(a, b, &tpot, matching, true),
+        ttft_ms: diff(a, b, &obs(|s| s.ttft_ms), queued, true),
+        e2e_ms: diff(a, b, &obs(|s| Some(s.e2e_ms)), queued, true),
         // Neither is better for a length, and a length does not depend on the load:
         // compared as it ran, and `better` stays empty.
         output_tokens: diff(
@@ -328,6 +336,52 @@ fn least_squares(points: impl Iterator<Item = (f64, f64)> + Clone) -> (f64, f64,
     (alpha, beta, rss / (n - 2.0).max(1.0), sxx, mx)
 }
 
+/// b's curve: the slope of the log figure against b's concurrency, and its variance, from
+/// the pairs' log ratios regressed on b's concurrency and a's (a's curve is the other
+/// slope). A pair's ratio holds nothing the two sides shared. None where b's concurrency
+/// never varies.
+fn b_slope(o: &[Obs]) -> Option<(f64, f64)> {
+    let n = o.len() as f64;
+    let ca = |p: &Obs| p.cb - p.dc;
+    let (mb, ma) = (
+        o.iter().map(|p| p.cb).sum::<f64>() / n,
+        o.iter().map(ca).sum::<f64>() / n,
+    );
+    let my = o.iter().map(|p| p.log_ratio).sum::<f64>() / n;
+    let (mut sbb, mut saa, mut sab, mut sby, mut say) = (0.0, 0.0, 0.0, 0.0, 0.0);
+    for p in o {
+        let (b, a, y) = (p.cb - mb, ca(p) - ma, p.log_ratio - my);
+        sbb += b * b;
+        saa += a * a;
+        sab += a * b;
+        sby += b * y;
+        say += a * y;
+    }
+    if sbb <= 0.0 {
+        return None;
+    }
+    let det = sbb * saa - sab * sab;
+    // a's load never varied apart from b's: b's slope alone.
+    if det <= 1e-9 * sbb * saa || saa <= 0.0 {
+        let slope = sby / sbb;
+        let rss: f64 = o
+            .iter()
+            .map(|p| (p.log_ratio - my - slope * (p.cb - mb)).powi(2))
+            .sum();
+        return Some((slope, rss / (n - 2.0).max(1.0) / sbb));
+    }
+    let slope_b = (saa * sby - sab * say) / det;
+    let slope_a = (sbb * say - sab * sby) / det;
+    let rss: f64 = o
+        .iter()
+        .map(|p| {
+            let fit = my + slope_b * (p.cb - mb) + slope_a * (ca(p) - ma);
+            (p.log_ratio - fit).powi(2)
+        })
+        .sum();
+    Some((slope_b, rss / (n - 3.0).max(1.0) * saa / det))
+}
+
 /// The mean of `values` and its standard error.
 fn mean_and_se(values: impl Iterator<Item = f64>) -> (f64, f64) {
     let v: Vec<f64> = values.collect();
@@ -355,16 +409,13 @@ fn diff(a: &str, b: &str, o: &[Obs], matching: Matching, lower: bool) -> MetricD
             (alpha, se)
         }
         Matching::BCurve => {
-            // b's curve: its log figure against its concurrency, over the copies. Each
-            // copy moved by its slope to its primary's concurrency; the slope's own
+            // Each copy moved by b's slope to its primary's concurrency; the slope's own
             // uncertainty, times the mean step, widens the interval.
-            let (_, slope, s2, sxx, _) = least_squares(o.iter().map(|p| (p.cb, p.log_b)));
-            if sxx <= 0.0 {
+            let Some((slope, var_slope)) = b_slope(o) else {
                 return none;
-            }
+            };
             let (m, se_moved) = mean_and_se(o.iter().map(|p| p.log_ratio - slope * p.dc));
             let step = o.iter().map(|p| p.dc).sum::<f64>() / nf;
-            let var_slope = s2 / sxx;
             (m, (se_moved.powi(2) + step * step * var_slope).sqrt())
         }
         Matching::None => {
@@ -421,6 +472,9 @@ fn verdict(a: &str, b: &str, m: &PairedMetrics, d: &Design) -> String {
         (Some(_), Some(pct), Some([lo, hi])) => format!(
             "{what}: {b} is {:.1}% faster than {a} (95% CI {:.1}–{:.1}%)",
             -pct, -hi, -lo
+        ),
+        (None, Some(pct), None) if extrapolated => format!(
+            "{what}: {b} {pct:+.1}% against {a} as they ran, not moved past the loads {b} ran at"
         ),
         _ => format!("{what}: no significant difference"),
     };
@@ -515,10 +569,56 @@ mod tests {
         assert!(lo < 10.0 && 10.0 < hi, "{t:?}");
         assert!(hi - lo < 5.0, "still a useful interval: {t:?}");
         assert!(c.verdict.contains("along b's own curve"), "{}", c.verdict);
+        // A first token's wait is not carried past the loads b ran at.
+        for m in [&c.metrics.ttft_ms, &c.metrics.e2e_ms] {
+            assert_eq!((m.ci95_pct, &m.better), (None, &None), "{m:?}");
+        }
+        assert!(
+            c.verdict
+                .contains("TTFT: b +0.0% against a as they ran, not moved past the loads b ran at"),
+            "{}",
+            c.verdict
+        );
         // As they ran, the mean alone would have excluded 10%.
         let plain = diff("a", "b", &obs_of(&pairs), Matching::Matched, true);
         let [plo, _] = plain.ci95_pct.unwrap_or_default();
         assert!(plo > 10.5, "{plain:?}");
+    }
+
+    /// Both backends flat (b 10% slower at every load), mirrored at a fifth, on a machine
+    /// that stalls: a stall slows both sides of a pair, and a slower copy stays longer, so
+    /// more copies are in flight when the machine stalls. On b's figures alone its curve
+    /// would seem to rise steeply and the move to a's load would carry that; in the pairs'
+    /// ratios the stall cancels, and the CI covers 10%.
+    #[test]
+    fn a_stall_both_sides_share_does_not_bend_bs_curve() {
+        let mut rng = rand::rngs::SmallRng::seed_from_u64(11);
+        let pairs: Vec<Pair> = (0..300)
+            .map(|i| {
+                let stall: f64 = rng.gen_range(0.0..0.3);
+                let ca = 31.5 + rng.gen_range(-0.5..0.5);
+                let cb = 6.0 + 20.0 * stall + rng.gen_range(-1.0..1.0);
+                let slow = stall.exp();
+                Pair {
+                    at: i,
+                    primary: "a".into(),
+                    a: side(50.0 * slow * rng.gen_range(0.99..1.01), ca),
+                    b: side(55.0 * slow * rng.gen_range(0.99..1.01), cb),
+                }
+            })
+            .collect();
+        let c = compare("a", "b", &pairs, 600);
+        assert_eq!(c.matching, Matching::BCurve, "{c:?}");
+        let t = &c.metrics.tpot_ms;
+        let [lo, hi] = t.ci95_pct.unwrap_or_default();
+        assert!(lo < 10.0 && 10.0 < hi && hi - lo < 3.0, "{t:?}");
+        // b's own figures against its load: a slope that would have moved b by over half.
+        let b_alone = least_squares(pairs.iter().map(|p| {
+            let b = p.b.tpot_ms.unwrap_or(1.0).ln();
+            (p.b.concurrency.unwrap_or(0.0), b)
+        }));
+        let moved = (b_alone.1 * -25.0).exp();
+        assert!(moved < 0.5, "{b_alone:?}");
     }
 
     fn obs_of(pairs: &[Pair]) -> Vec<Obs> {
@@ -533,7 +633,6 @@ mod tests {
                 Obs {
                     log_ratio: (y / x).ln(),
                     dc: cb - ca,
-                    log_b: y.ln(),
                     cb,
                 }
             })

@@ -59,7 +59,8 @@
 //! `heaptrack -o FILE`): at the end the proxy itself gets SIGTERM and the profiler up to
 //! 2 minutes to write its report.
 //!
-//! `TOKENTAP_OVERHEAD_SECTIONS` adds config sections of its own (`[tenants]`, say), and
+//! `TOKENTAP_OVERHEAD_SECTIONS` adds config sections of its own (`[tenants]`, or a second
+//! upstream at the origin's `{url}` and a route between the two, say), and
 //! `TOKENTAP_OVERHEAD_UPSTREAM` keys to the upstream (`max_concurrency = 48`, say).
 //! `TOKENTAP_OVERHEAD_PATH=/raw` sends the requests to a path tokentap does not meter, to
 //! see the cost of the proxy without the metering. `TOKENTAP_OVERHEAD_QUEUED=1` gives
@@ -1010,7 +1011,9 @@ async fn start_proxy(
                     // TOKENTAP_OVERHEAD_SERVER="work_stealing = false" adds [server] settings.
                     std::env::var("TOKENTAP_OVERHEAD_SERVER").unwrap_or_default(),
                     // TOKENTAP_OVERHEAD_SECTIONS adds sections of its own ("[tenants]…").
-                    std::env::var("TOKENTAP_OVERHEAD_SECTIONS").unwrap_or_default(),
+                    std::env::var("TOKENTAP_OVERHEAD_SECTIONS")
+                        .unwrap_or_default()
+                        .replace("{url}", &url),
                 ),
             )
             .ok()?;

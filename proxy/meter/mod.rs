@@ -36,6 +36,7 @@ pub use samples::{ControlSample, Gaps};
 use shard::Shard;
 pub use stats::{CurvePoint, Goodput, MeterStats, Percentiles, TokensPerEvent};
 pub use stream::{Stream, Summary};
+pub use window::SLOTS;
 use window::{Sums, Windows};
 
 /// The curve bucket (0 for 1, 1 for 2, 2 for 3–4, …; labelled `1 << bucket`) of a mean

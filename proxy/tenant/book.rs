@@ -2,7 +2,9 @@
 //! and TPOT of recent requests, goodput, queue wait and refusals by cause — what `/stats`
 //! `tenants[]` and `/metrics` `tokentap_tenant_*` show. At most [`TENANTS`] tenants are
 //! kept; past it the one seen least recently is folded into `other`, so 100,000 distinct
-//! tenants cost what 1,024 do.
+//! tenants cost what 1,024 do. A tenant's rate is counted in the window's slots, as the
+//! meter counts an upstream's: a tenant costs the same at 10 requests a second as at
+//! 100,000, over a window of 10 s as of an hour.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::AtomicU64;
@@ -19,8 +21,8 @@ use crate::meter::Percentiles;
 pub const TENANTS: usize = 1024;
 /// Recent requests each tenant's TTFT and TPOT percentiles are over.
 const RECENT: usize = 256;
-/// Finished requests `other` keeps for its rate, at most.
-const OTHER_FINISHED: usize = 4096;
+/// Slots of the window a tenant's output tokens are counted in (the meter's).
+const SLOTS: usize = crate::meter::SLOTS;
 
 /// Why a tenant's request was refused (`refused_by_cause`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -76,11 +78,19 @@ pub struct Served {
 }
 
 /// Every tenant's figures.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Book {
     inner: Mutex<Inner>,
+    /// Where the window's slots are counted from.
+    epoch: Instant,
     /// Requests whose priority header was not one of the three (kept across reloads).
     pub invalid_priority: AtomicU64,
+}
+
+impl Default for Book {
+    fn default() -> Self {
+        Book::new(Instant::now())
+    }
 }
 
 #[derive(Debug, Default)]
@@ -99,14 +109,88 @@ struct Figures {
     judged: u64,
     queue_ms: f64,
     refused: [u64; 5],
-    /// (when, output tokens) of recent requests, for the window's rate.
-    finished: VecDeque<(Instant, u64)>,
+    /// Output tokens of the requests that finished in the window.
+    rate: Rate,
     recent: VecDeque<Latency>,
     seen: Option<Instant>,
 }
 
 /// A recent request's TTFT and TPOT, ms.
 type Latency = (Option<f64>, Option<f64>);
+
+/// Output tokens by when their requests finished, in the window's [`SLOTS`] slots: the
+/// newest filling, the rate over the time they cover (between 19/20 of the window and all
+/// of it), so a steady rate reads as it is.
+#[derive(Debug, Clone, Default)]
+struct Rate {
+    /// Each slot's length (zero until the first request); a reload that changes the
+    /// window starts the count afresh.
+    slot: Duration,
+    /// Each slot's number since the book's epoch, and its tokens; slot `n` at `n % SLOTS`.
+    slots: [(u64, u64); SLOTS],
+}
+
+impl Rate {
+    fn slot_of(window: Duration) -> Duration {
+        (window / SLOTS as u32).max(Duration::from_millis(1))
+    }
+
+    /// The number of the slot `since` the epoch falls in, and how far into it.
+    fn number(since: Duration, slot: Duration) -> (u64, Duration) {
+        // In u64: 584 years of nanoseconds.
+        let (at, slot) = (since.as_nanos() as u64, slot.as_nanos() as u64);
+        (at / slot, Duration::from_nanos(at % slot))
+    }
+
+    fn add(&mut self, since: Duration, window: Duration, tokens: u64) {
+        let slot = Rate::slot_of(window);
+        if slot != self.slot {
+            *self = Rate {
+                slot,
+                ..Rate::default()
+            };
+        }
+        let (n, _) = Rate::number(since, slot);
+        let s = &mut self.slots[n as usize % SLOTS];
+        if s.0 != n {
+            *s = (n, 0);
+        }
+        s.1 += tokens;
+    }
+
+    /// Another tenant's count folded in: slot by slot, the newer slot's kept where they
+    /// differ (the older one has left the window).
+    fn merge(&mut self, o: &Rate) {
+        if self.slot.is_zero() {
+            self.clone_from(o);
+        }
+        if o.slot != self.slot {
+            return;
+        }
+        for (mine, theirs) in self.slots.iter_mut().zip(o.slots) {
+            match mine.0.cmp(&theirs.0) {
+                std::cmp::Ordering::Equal => mine.1 += theirs.1,
+                std::cmp::Ordering::Less => *mine = theirs,
+                std::cmp::Ordering::Greater => {}
+            }
+        }
+    }
+
+    /// Output tokens a second over the window ending `since` the epoch.
+    fn per_second(&self, since: Duration, window: Duration) -> f64 {
+        let slot = Rate::slot_of(window);
+        if slot != self.slot {
+            return 0.0;
+        }
+        let (n, into_newest) = Rate::number(since, slot);
+        let tokens: u64 = (self.slots.iter())
+            .filter(|(k, _)| *k <= n && k + SLOTS as u64 > n)
+            .map(|(_, t)| t)
+            .sum();
+        let covered = slot * (SLOTS as u32 - 1) + into_newest;
+        tokens as f64 / covered.as_secs_f64()
+    }
+}
 
 /// What `/stats` shows of a tenant.
 #[derive(Debug, Clone, Serialize, PartialEq)]
@@ -141,16 +225,10 @@ impl Figures {
         for (a, b) in self.refused.iter_mut().zip(o.refused) {
             *a += b;
         }
-        self.finished.extend(o.finished.iter().copied());
+        self.rate.merge(&o.rate);
     }
 
-    fn stats(&self, tenant: &str, now: Instant, window: Duration, all_out: u64) -> TenantStats {
-        // (`other`'s are several tenants' together, not in one order.)
-        let cutoff = now.checked_sub(window);
-        let in_window: u64 = (self.finished.iter())
-            .filter(|(at, _)| cutoff.is_none_or(|c| *at >= c))
-            .map(|(_, n)| n)
-            .sum();
+    fn stats(&self, tenant: &str, since: Duration, window: Duration, all_out: u64) -> TenantStats {
         let pct = |f: fn(&Latency) -> Option<f64>| {
             let mut v: Vec<f64> = self.recent.iter().filter_map(f).collect();
             Percentiles::of(&mut v)
@@ -165,7 +243,7 @@ impl Figures {
             } else {
                 (1000.0 * self.output_tokens as f64 / all_out as f64).round() / 10.0
             },
-            output_tps: (in_window as f64 / window.as_secs_f64().max(1.0) * 10.0).round() / 10.0,
+            output_tps: (self.rate.per_second(since, window) * 10.0).round() / 10.0,
             ttft_ms: pct(|r| r.0),
             tpot_ms: pct(|r| r.1),
             goodput_pct: (self.judged > 0)
@@ -186,8 +264,18 @@ impl Figures {
 }
 
 impl Book {
+    /// A book whose window's slots are counted from `epoch`.
+    pub fn new(epoch: Instant) -> Book {
+        Book {
+            inner: Mutex::default(),
+            epoch,
+            invalid_priority: AtomicU64::new(0),
+        }
+    }
+
     /// A request of `tenant` finished at `now`.
     pub fn served(&self, tenant: &Tenant, now: Instant, window: Duration, s: Served) {
+        let since = now.saturating_duration_since(self.epoch);
         let mut inner = self.lock();
         let f = inner.figures(tenant, now);
         f.requests += 1;
@@ -198,12 +286,7 @@ impl Book {
             f.judged += 1;
             f.good += u64::from(good);
         }
-        // Older than the window: one subtraction, then comparisons.
-        let cutoff = now.checked_sub(window);
-        while (f.finished.front()).is_some_and(|(at, _)| cutoff.is_some_and(|c| *at < c)) {
-            f.finished.pop_front();
-        }
-        f.finished.push_back((now, s.output_tokens));
+        f.rate.add(since, window, s.output_tokens);
         if f.recent.len() == RECENT {
             f.recent.pop_front();
         }
@@ -218,6 +301,7 @@ impl Book {
     /// The figures of the `top` tenants by output tokens (then by requests), and of all the
     /// others together as `other` (when there are any).
     pub fn stats(&self, now: Instant, window: Duration, top: usize) -> Vec<TenantStats> {
+        let since = now.saturating_duration_since(self.epoch);
         let inner = self.lock();
         let all_out: u64 = inner.tenants.values().map(|f| f.output_tokens).sum::<u64>()
             + inner.other.output_tokens;
@@ -226,14 +310,14 @@ impl Book {
             (b.1.output_tokens, b.1.requests, b.0).cmp(&(a.1.output_tokens, a.1.requests, a.0))
         });
         let mut out: Vec<TenantStats> = (ranked.iter().take(top))
-            .map(|(t, f)| f.stats(t, now, window, all_out))
+            .map(|(t, f)| f.stats(t, since, window, all_out))
             .collect();
         let mut rest = inner.other.clone();
         for (_, f) in ranked.iter().skip(top) {
             rest.add(f);
         }
         if rest.requests > 0 || rest.refused.iter().any(|&n| n > 0) {
-            out.push(rest.stats("other", now, window, all_out));
+            out.push(rest.stats("other", since, window, all_out));
         }
         out
     }
@@ -263,9 +347,6 @@ impl Inner {
                 .map(|(t, _)| t.clone());
             if let Some(f) = oldest.and_then(|t| self.tenants.remove(&t)) {
                 self.other.add(&f);
-                // Bounded: under heavy churn its rate counts the latest only.
-                let excess = self.other.finished.len().saturating_sub(OTHER_FINISHED);
-                self.other.finished.drain(..excess);
             }
         }
         let f = self.tenants.entry(tenant.clone()).or_default();
@@ -281,7 +362,8 @@ mod tests {
 
     #[test]
     fn figures_per_tenant_and_the_rest_as_other() {
-        let (b, now, w) = (Book::default(), Instant::now(), Duration::from_secs(10));
+        let (now, w) = (Instant::now(), Duration::from_secs(10));
+        let b = Book::new(now);
         let (a, c): (Tenant, Tenant) = (Arc::from("a"), Arc::from("c"));
         for i in 0..4 {
             b.served(
@@ -314,11 +396,66 @@ mod tests {
         assert_eq!(first.tenant, "a");
         assert_eq!((first.requests_total, first.output_tokens_total), (4, 120));
         assert_eq!(first.output_share_pct, 92.3);
-        assert_eq!(first.output_tps, 12.0);
+        // 120 tokens in the first instant of the newest slot: over 19 slots of 0.5 s.
+        assert_eq!(first.output_tps, 12.6);
         assert_eq!(first.goodput_pct, Some(75.0));
         assert_eq!(first.queue_wait_ms, 4.0);
         assert_eq!(other.tenant, "other");
         assert_eq!(other.refused_by_cause.get("output_token_budget"), Some(&1));
+    }
+
+    /// 10 tokens every 100 ms, read at any moment: 100 a second, over windows of 10 s and
+    /// of an hour (a million requests, in 20 slots), and nothing once the window has
+    /// passed; folded into `other`, a tenant's rate goes with it.
+    #[test]
+    fn a_tenant_s_rate_is_counted_in_the_window_s_slots() {
+        let epoch = Instant::now();
+        let t: Tenant = std::sync::Arc::from("a");
+        for (window, requests) in [(10, 600), (3_600, 1_000_000)] {
+            let (b, w) = (Book::new(epoch), Duration::from_secs(window));
+            let at = |i: u64| epoch + Duration::from_millis(100 * i);
+            let one = Served {
+                output_tokens: 10,
+                ..Served::default()
+            };
+            for i in 0..requests {
+                b.served(&t, at(i), w, one);
+            }
+            for late in [0, 30, 99] {
+                let now = at(requests - 1) + Duration::from_millis(late);
+                let tps = b.stats(now, w, 1)[0].output_tps;
+                assert!((tps - 100.0).abs() <= 1.0, "{window} s, +{late} ms: {tps}");
+            }
+            let gone = at(requests) + w + Duration::from_secs(1);
+            assert_eq!(b.stats(gone, w, 1)[0].output_tps, 0.0);
+            // A reload to another window starts the count afresh.
+            assert_eq!(b.stats(at(requests), w * 2, 1)[0].output_tps, 0.0);
+        }
+        // Folded into `other` with the others, its rate goes with it.
+        let (b, w) = (Book::new(epoch), Duration::from_secs(10));
+        for i in 0..=TENANTS as u64 {
+            let name: Tenant = std::sync::Arc::from(format!("t{i}"));
+            for k in 0..100 {
+                let at = epoch + Duration::from_millis(100 * k);
+                b.served(
+                    &name,
+                    at,
+                    w,
+                    Served {
+                        output_tokens: 1,
+                        ..Served::default()
+                    },
+                );
+            }
+        }
+        let s = b.stats(epoch + Duration::from_millis(9_950), w, 0);
+        assert_eq!(s[0].tenant, "other");
+        let want = (TENANTS + 1) as f64 * 100.0 / 9.95;
+        assert!(
+            (s[0].output_tps - want).abs() / want < 0.001,
+            "{} against {want}",
+            s[0].output_tps
+        );
     }
 
     #[test]

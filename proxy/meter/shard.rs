@@ -14,6 +14,11 @@ use super::records::{into_slot_us, window_tpot, InFlight, Retired, Segment};
 use super::window::{bucket, ms, slot_ns, Span, Sums, SLOTS};
 use super::Nanos;
 
+/// Finished requests a shard keeps for the window's TTFT, TPOT and e2e percentiles, at
+/// most (64 MiB): past it, the newest. Tokens and rates are counted in the ring's slots
+/// and hold every request whatever the window.
+pub(super) const MAX_RETIRED: usize = 1 << 20;
+
 /// One slot of a shard's ring: its tokens and per-token gaps.
 struct RingSlot {
     epoch: u64,
@@ -30,9 +35,11 @@ pub(super) struct Shard {
     ring: Vec<RingSlot>,
     /// The requests in flight.
     records: Slab<InFlight>,
-    /// Finished requests in finishing order, dropped once they leave the window; a read
-    /// walks all but the newest without the shard's lock.
+    /// Finished requests in finishing order, dropped once they leave the window (or past
+    /// [`MAX_RETIRED`]); a read walks all but the newest without the shard's lock.
     retired: ChunkLog<Retired>,
+    /// The window held more than [`MAX_RETIRED`] finished requests at some point.
+    full: bool,
     curve: Events,
     /// Per-token gaps since the SLO controller's last read.
     control_gaps: Histogram<u32>,
@@ -58,6 +65,7 @@ impl Shard {
                 .collect(),
             records: Slab::new(),
             retired: ChunkLog::default(),
+            full: false,
             curve: Events::new(curve_window),
             control_gaps: histogram(),
             tokens_per_event: histogram64(),
@@ -151,17 +159,31 @@ impl Shard {
     }
 
     /// Ends request `key`'s record at `now`. `estimated` is the tokens its events counted;
-    /// an `exact` total replaces that estimate (see [`Self::correct`]).
-    pub(super) fn finish(&mut self, key: usize, now: Nanos, estimated: u64, exact: Option<u64>) {
+    /// an `exact` total replaces that estimate (see [`Self::correct`]). True the first
+    /// time the window holds more finished requests than [`MAX_RETIRED`].
+    #[must_use = "the window's first overflow is logged"]
+    pub(super) fn finish(
+        &mut self,
+        key: usize,
+        now: Nanos,
+        estimated: u64,
+        exact: Option<u64>,
+    ) -> bool {
         let now = self.clamp(now);
         self.running = self.running.saturating_sub(estimated);
         if let Some(total) = exact {
             self.correct(key, now, estimated, total);
         }
+        self.purge(now);
+        let mut first_overflow = false;
         if let Some(rec) = self.records.try_remove(key) {
+            if self.retired.len() >= MAX_RETIRED {
+                self.retired.drop_oldest();
+                first_overflow = !std::mem::replace(&mut self.full, true);
+            }
             self.retired.push(Retired::of(rec, now));
         }
-        self.purge(now);
+        first_overflow
     }
 
     /// Replaces a request's estimated tokens by its exact total. Streamed: each of its
@@ -319,7 +341,7 @@ mod tests {
         for i in 1..=16 {
             shard.tokens(key, 100 * MS + i * MS, 1, 1, 1);
         }
-        shard.finish(key, 120 * MS, 16, None);
+        assert!(!shard.finish(key, 120 * MS, 16, None));
         assert_eq!((shard.records.len(), shard.retired.len()), (0, 1));
         let retired = shard.retired.open().next().unwrap();
         assert_eq!(retired.segments.as_slice().len(), 1);
@@ -335,7 +357,36 @@ mod tests {
         assert_eq!(sums.tpot, vec![1.0]);
         // 10 s later it has left the window, and nothing is held.
         let late = shard.begin(11_000 * MS, 11_000 * MS);
-        shard.finish(late, 11_000 * MS, 0, None);
+        assert!(!shard.finish(late, 11_000 * MS, 0, None));
         assert_eq!(shard.records_held(), 1);
+    }
+
+    /// More finished requests in the window than a shard keeps: the newest
+    /// [`MAX_RETIRED`] are kept for the percentiles, the first overflow is said once, and
+    /// the window's tokens still count every request.
+    #[test]
+    fn a_window_of_more_requests_than_kept_holds_the_newest() {
+        const MS: Nanos = 1_000_000;
+        let mut shard = Shard::new(Duration::from_secs(3_600), Duration::from_secs(900));
+        let n = MAX_RETIRED + 1_000;
+        let mut overflows = 0;
+        for i in 0..n as Nanos {
+            let key = shard.begin(i, i);
+            shard.tokens(key, i + MS, 1, 1, 1);
+            // The last thousand end 6 ms later than the others: e2e 8 ms, not 2.
+            let late = if i >= MAX_RETIRED as Nanos { 6 * MS } else { 0 };
+            shard.tokens(key, i + MS + late, 1, 1, 1);
+            overflows += usize::from(shard.finish(key, i + 2 * MS + late, 2, None));
+        }
+        assert_eq!(overflows, 1);
+        assert_eq!(shard.records_held(), MAX_RETIRED);
+        let mut sums = Sums::new();
+        let now = n as Nanos + 10 * MS;
+        let span = Span::of(now, shard.slot_ns);
+        let sealed = shard.add_to(&mut sums, now, span);
+        add_sealed(&mut sums, span, &sealed);
+        assert_eq!(sums.e2e.len(), MAX_RETIRED);
+        assert_eq!(sums.e2e.iter().filter(|&&e| e == 8.0).count(), 1_000);
+        assert_eq!(sums.tokens, 2 * n as u64);
     }
 }

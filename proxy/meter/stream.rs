@@ -253,9 +253,15 @@ impl Stream {
         self.done = true;
         self.endpoint.streams.fetch_sub(1, Relaxed);
         let total = self.output_tokens();
-        self.meter
-            .shard(self.shard)
-            .finish(self.key, now, self.tokens, self.exact);
+        let full = (self.meter.shard(self.shard)).finish(self.key, now, self.tokens, self.exact);
+        if full {
+            tracing::warn!(
+                upstream = %self.meter.name(),
+                "meter: the window holds more than {} finished requests on one worker thread; \
+                 its TTFT, TPOT and e2e percentiles are of the newest (rates count every request)",
+                super::shard::MAX_RETIRED
+            );
+        }
         let summary = self.summary();
         // The batch it ran in: the mean over its token events, or (none: not streamed) the
         // endpoint's as it ends.

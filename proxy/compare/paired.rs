@@ -187,12 +187,13 @@ pub enum Matching {
 }
 
 /// One pair's figures for a metric: the log ratio b/a, the concurrency difference b − a,
-/// and b's concurrency.
+/// and each side's concurrency.
 #[derive(Debug, Clone, Copy)]
 struct Obs {
     log_ratio: f64,
     dc: f64,
     cb: f64,
+    ca: f64,
 }
 
 /// The paired comparison of `pairs` (a: the primary, b: the mirror).
@@ -210,12 +211,12 @@ pub fn compare(a: &str, b: &str, pairs: &[Pair], since_secs: u64) -> PairedCompa
         both.iter()
             .filter_map(|p| {
                 let (x, y) = (f(&p.a)?, f(&p.b)?);
-                let cb = p.b.concurrency?;
-                let dc = cb - p.a.concurrency?;
+                let (cb, ca) = (p.b.concurrency?, p.a.concurrency?);
                 (x > 0.0 && y > 0.0 && x.is_finite() && y.is_finite()).then(|| Obs {
                     log_ratio: (y / x).ln(),
-                    dc,
+                    dc: cb - ca,
                     cb,
+                    ca,
                 })
             })
             .collect()
@@ -339,18 +340,21 @@ fn least_squares(points: impl Iterator<Item = (f64, f64)> + Clone) -> (f64, f64,
 /// b's curve: the slope of the log figure against b's concurrency, and its variance, from
 /// the pairs' log ratios regressed on b's concurrency and a's (a's curve is the other
 /// slope). A pair's ratio holds nothing the two sides shared. None where b's concurrency
-/// never varies.
+/// never varies, where it moved only in step with a's (the two slopes are not told apart),
+/// or with too few pairs to leave a residual.
 fn b_slope(o: &[Obs]) -> Option<(f64, f64)> {
+    if o.len() < 4 {
+        return None;
+    }
     let n = o.len() as f64;
-    let ca = |p: &Obs| p.cb - p.dc;
     let (mb, ma) = (
         o.iter().map(|p| p.cb).sum::<f64>() / n,
-        o.iter().map(ca).sum::<f64>() / n,
+        o.iter().map(|p| p.ca).sum::<f64>() / n,
     );
     let my = o.iter().map(|p| p.log_ratio).sum::<f64>() / n;
     let (mut sbb, mut saa, mut sab, mut sby, mut say) = (0.0, 0.0, 0.0, 0.0, 0.0);
     for p in o {
-        let (b, a, y) = (p.cb - mb, ca(p) - ma, p.log_ratio - my);
+        let (b, a, y) = (p.cb - mb, p.ca - ma, p.log_ratio - my);
         sbb += b * b;
         saa += a * a;
         sab += a * b;
@@ -360,26 +364,29 @@ fn b_slope(o: &[Obs]) -> Option<(f64, f64)> {
     if sbb <= 0.0 {
         return None;
     }
-    let det = sbb * saa - sab * sab;
-    // a's load never varied apart from b's: b's slope alone.
-    if det <= 1e-9 * sbb * saa || saa <= 0.0 {
+    // a's load never varied (its mean's rounding aside): b's slope alone.
+    if saa <= 1e-12 * sbb {
         let slope = sby / sbb;
         let rss: f64 = o
             .iter()
             .map(|p| (p.log_ratio - my - slope * (p.cb - mb)).powi(2))
             .sum();
-        return Some((slope, rss / (n - 2.0).max(1.0) / sbb));
+        return Some((slope, rss / (n - 2.0) / sbb));
+    }
+    let det = sbb * saa - sab * sab;
+    if det <= 1e-9 * sbb * saa {
+        return None;
     }
     let slope_b = (saa * sby - sab * say) / det;
     let slope_a = (sbb * say - sab * sby) / det;
     let rss: f64 = o
         .iter()
         .map(|p| {
-            let fit = my + slope_b * (p.cb - mb) + slope_a * (ca(p) - ma);
+            let fit = my + slope_b * (p.cb - mb) + slope_a * (p.ca - ma);
             (p.log_ratio - fit).powi(2)
         })
         .sum();
-    Some((slope_b, rss / (n - 3.0).max(1.0) * saa / det))
+    Some((slope_b, rss / (n - 3.0) * saa / det))
 }
 
 /// The mean of `values` and its standard error.
@@ -484,12 +491,12 @@ fn verdict(a: &str, b: &str, m: &PairedMetrics, d: &Design) -> String {
         Matching::Matched => format!("{a} at {ac:.1} in flight, {b} at {bc:.1}"),
         Matching::BCurve => format!(
             "the copies ran apart from their primaries, {b} at {bc:.1} in flight against \
-             {a}'s {ac:.1}: each moved to its primary's concurrency along {b}'s own curve{}, \
-             the intervals widened by that step",
+             {a}'s {ac:.1}: each moved to its primary's concurrency along {b}'s own curve{}",
             if extrapolated {
-                ", extrapolated past the loads it ran at"
+                ", extrapolated past the loads it ran at, TPOT's interval widened by that \
+                 step; TTFT and e2e as they ran"
             } else {
-                ""
+                ", the intervals widened by that step"
             }
         ),
         Matching::None => {
@@ -634,6 +641,7 @@ mod tests {
                     log_ratio: (y / x).ln(),
                     dc: cb - ca,
                     cb,
+                    ca,
                 }
             })
             .collect()

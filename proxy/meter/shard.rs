@@ -14,8 +14,8 @@ use super::records::{into_slot_us, window_tpot, InFlight, Retired, Segment};
 use super::window::{bucket, ms, slot_ns, Span, Sums, SLOTS};
 use super::Nanos;
 
-/// Finished requests a shard keeps for the window's TTFT, TPOT and e2e percentiles, at
-/// most (64 MiB): past it, the newest. Tokens and rates are counted in the ring's slots
+/// Finished requests a shard keeps for the window's TTFT, TPOT and e2e figures, at most
+/// (64 MiB): past it, the newest. Tokens and rates are counted in the ring's slots
 /// and hold every request whatever the window.
 pub(super) const MAX_RETIRED: usize = 1 << 20;
 

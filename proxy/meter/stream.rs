@@ -257,8 +257,8 @@ impl Stream {
         if full {
             tracing::warn!(
                 upstream = %self.meter.name(),
-                "meter: the window holds more than {} finished requests on one worker thread; \
-                 its TTFT, TPOT and e2e percentiles are of the newest (rates count every request)",
+                "meter: the window holds more than {} finished requests on this worker thread; \
+                 its TTFT, TPOT and e2e figures are of the newest (rates count every request)",
                 super::shard::MAX_RETIRED
             );
         }

@@ -205,25 +205,24 @@ impl Tenants {
 
 /// The output tokens a request body asks for at most (`max_tokens`,
 /// `max_completion_tokens`, `max_output_tokens`, `max_new_tokens`, `num_predict`,
-/// `n_predict`), read without parsing the body: a key as a JSON key (not inside a string's
-/// escaped quotes), followed by a number.
+/// `n_predict`, the first of these there is), read without parsing the body: a key as a
+/// JSON key (not inside a string's escaped quotes), followed by a number.
 pub fn max_tokens(body: &[u8]) -> Option<u64> {
     use memchr::memmem::Finder;
-    // Built once: a searcher costs more to build than to run over a short body.
-    static KEYS: std::sync::LazyLock<[Finder<'static>; 6]> = std::sync::LazyLock::new(|| {
-        [
-            &b"\"max_tokens\""[..],
-            b"\"max_completion_tokens\"",
-            b"\"max_output_tokens\"",
-            b"\"max_new_tokens\"",
-            b"\"num_predict\"",
-            b"\"n_predict\"",
-        ]
-        .map(Finder::new)
-    });
-    KEYS.iter().find_map(|key| {
-        let at = (key.find_iter(body)).find(|&at| at == 0 || body[at - 1] != b'\\')?;
-        let rest = body[at + key.needle().len()..].trim_ascii_start();
+    const KEYS: [&[u8]; 6] = [
+        b"\"max_tokens\"",
+        b"\"max_completion_tokens\"",
+        b"\"max_output_tokens\"",
+        b"\"max_new_tokens\"",
+        b"\"num_predict\"",
+        b"\"n_predict\"",
+    ];
+    // Every key ends in one of two words: a pass over a long prompt for each, not one for
+    // each key. Built once: a searcher costs more to build than to run over a short body.
+    static ENDS: std::sync::LazyLock<[Finder<'static>; 2]> =
+        std::sync::LazyLock::new(|| [&b"tokens\""[..], b"predict\""].map(Finder::new));
+    let number = |after: usize| {
+        let rest = body[after..].trim_ascii_start();
         let rest = rest.strip_prefix(b":")?.trim_ascii_start();
         // Its digits (none, or past u64: not read).
         let mut digits = rest.iter().take_while(|b| b.is_ascii_digit());
@@ -231,7 +230,32 @@ pub fn max_tokens(body: &[u8]) -> Option<u64> {
             Some((n.checked_mul(10)?.checked_add(u64::from(d - b'0'))?, true))
         })?;
         any.then_some(n)
-    })
+    };
+    // Where each key first ends.
+    let mut ends: [Option<usize>; KEYS.len()] = [None; KEYS.len()];
+    for word in ENDS.iter() {
+        // The keys the first pass found outrank those the second would.
+        if let Some(n) = ends.iter().find_map(|end| number((*end)?)) {
+            return Some(n);
+        }
+        for at in word.find_iter(body) {
+            let end = at + word.needle().len();
+            for (k, key) in KEYS.iter().enumerate() {
+                let start = end.wrapping_sub(key.len());
+                if ends[k].is_none()
+                    && body[..end].ends_with(key)
+                    && (start == 0 || body[start - 1] != b'\\')
+                {
+                    ends[k] = Some(end);
+                    // The first key's number: no other is read.
+                    if k == 0 && number(end).is_some() {
+                        return number(end);
+                    }
+                }
+            }
+        }
+    }
+    ends.iter().find_map(|end| number((*end)?))
 }
 
 /// `key-` and the first 16 hex digits of `v`'s SHA-256.
@@ -291,6 +315,73 @@ mod tests {
         assert!(who.tenant.starts_with("key-"));
         // No header: the default tenant.
         assert_eq!(&*t.who(|_| None).tenant, "default");
+    }
+
+    /// The six keys searched for one at a time, as `max_tokens` did before it read them in
+    /// two passes.
+    fn max_tokens_key_by_key(body: &[u8]) -> Option<u64> {
+        [
+            &b"\"max_tokens\""[..],
+            b"\"max_completion_tokens\"",
+            b"\"max_output_tokens\"",
+            b"\"max_new_tokens\"",
+            b"\"num_predict\"",
+            b"\"n_predict\"",
+        ]
+        .iter()
+        .find_map(|key| {
+            let at = (memchr::memmem::find_iter(body, key))
+                .find(|&at| at == 0 || body[at - 1] != b'\\')?;
+            let rest = body[at + key.len()..].trim_ascii_start();
+            let rest = rest.strip_prefix(b":")?.trim_ascii_start();
+            let digits: Vec<u8> = rest
+                .iter()
+                .copied()
+                .take_while(u8::is_ascii_digit)
+                .collect();
+            std::str::from_utf8(&digits).ok()?.parse().ok()
+        })
+    }
+
+    /// Bodies made of the keys, their look-alikes, escapes and values in every order: the
+    /// same answer as the key-by-key search.
+    #[test]
+    fn max_tokens_in_two_passes_reads_what_six_did() {
+        use rand::{Rng, SeedableRng};
+        let parts = [
+            r#""max_tokens":5"#,
+            r#""max_tokens":null"#,
+            r#""max_completion_tokens": 9"#,
+            r#""max_output_tokens" : 11"#,
+            r#""max_new_tokens":12"#,
+            r#""num_predict":7"#,
+            r#""n_predict":8"#,
+            r#""n_predict":"x""#,
+            r#"\"max_tokens\":3"#,
+            r#"\\"max_tokens":4"#,
+            r#""xmax_tokens":6"#,
+            r#""tokens":1"#,
+            r#""predict":2"#,
+            r#""content":"say max_tokens\": 5""#,
+            r#""max_tokens":99999999999999999999999"#,
+            r#""max_completion_tokens""#,
+            "tokens\"",
+            ",",
+            " ",
+        ];
+        let mut rng = rand::rngs::SmallRng::seed_from_u64(48);
+        for _ in 0..50_000 {
+            let n = rng.gen_range(0..8);
+            let body: String = (0..n)
+                .map(|_| parts[rng.gen_range(0..parts.len())])
+                .collect();
+            let body = format!("{{{body}}}");
+            assert_eq!(
+                max_tokens(body.as_bytes()),
+                max_tokens_key_by_key(body.as_bytes()),
+                "{body}"
+            );
+        }
     }
 
     #[test]

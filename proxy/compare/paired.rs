@@ -366,12 +366,8 @@ fn b_slope(o: &[Obs]) -> Option<(f64, f64)> {
     }
     // a's load never varied (its mean's rounding aside): b's slope alone.
     if saa <= 1e-12 * sbb {
-        let slope = sby / sbb;
-        let rss: f64 = o
-            .iter()
-            .map(|p| (p.log_ratio - my - slope * (p.cb - mb)).powi(2))
-            .sum();
-        return Some((slope, rss / (n - 2.0) / sbb));
+        let (_, slope, s2, sxx, _) = least_squares(o.iter().map(|p| (p.cb, p.log_ratio)));
+        return Some((slope, s2 / sxx));
     }
     let det = sbb * saa - sab * sab;
     if det <= 1e-9 * sbb * saa {
@@ -525,6 +521,16 @@ mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
 
+    /// A mirrored request of primary `a`, finished at `at`.
+    fn pair(at: Nanos, a: Side, b: Side) -> Pair {
+        Pair {
+            at,
+            primary: "a".into(),
+            a,
+            b,
+        }
+    }
+
     fn side(tpot: f64, c: f64) -> Side {
         Side {
             ttft_ms: Some(50.0),
@@ -558,12 +564,11 @@ mod tests {
                 let cb = 1.1 * ca + rng.gen_range(1.0..8.0);
                 // The same prompt: shared noise, and each side's own.
                 let base = rng.gen_range(0.9..1.1);
-                Pair {
-                    at: i,
-                    primary: "a".into(),
-                    a: side(base * reference(ca) * rng.gen_range(0.99..1.01), ca),
-                    b: side(1.1 * base * reference(cb) * rng.gen_range(0.99..1.01), cb),
-                }
+                pair(
+                    i,
+                    side(base * reference(ca) * rng.gen_range(0.99..1.01), ca),
+                    side(1.1 * base * reference(cb) * rng.gen_range(0.99..1.01), cb),
+                )
             })
             .collect();
         let c = compare("a", "b", &pairs, 600);
@@ -606,12 +611,11 @@ mod tests {
                 let ca = 31.5 + rng.gen_range(-0.5..0.5);
                 let cb = 6.0 + 20.0 * stall + rng.gen_range(-1.0..1.0);
                 let slow = stall.exp();
-                Pair {
-                    at: i,
-                    primary: "a".into(),
-                    a: side(50.0 * slow * rng.gen_range(0.99..1.01), ca),
-                    b: side(55.0 * slow * rng.gen_range(0.99..1.01), cb),
-                }
+                pair(
+                    i,
+                    side(50.0 * slow * rng.gen_range(0.99..1.01), ca),
+                    side(55.0 * slow * rng.gen_range(0.99..1.01), cb),
+                )
             })
             .collect();
         let c = compare("a", "b", &pairs, 600);
@@ -655,12 +659,11 @@ mod tests {
         let pairs: Vec<Pair> = (0..200)
             .map(|i| {
                 let base = 20.0 * rng.gen_range(0.9..1.1);
-                Pair {
-                    at: i,
-                    primary: "a".into(),
-                    a: side(base * rng.gen_range(0.98..1.02), 32.0),
-                    b: side(1.1 * base * rng.gen_range(0.98..1.02), 6.0),
-                }
+                pair(
+                    i,
+                    side(base * rng.gen_range(0.98..1.02), 32.0),
+                    side(1.1 * base * rng.gen_range(0.98..1.02), 6.0),
+                )
             })
             .collect();
         let c = compare("a", "b", &pairs, 600);
@@ -690,12 +693,11 @@ mod tests {
                 let (ca, cb): (f64, f64) = (16.0, rng.gen_range(13.0..26.0));
                 let base = 20.0 * rng.gen_range(0.95..1.05);
                 let slow = 1.05 * (0.01 * (cb - ca)).exp();
-                Pair {
-                    at: i,
-                    primary: "a".into(),
-                    a: side(base, ca),
-                    b: side(base * slow * rng.gen_range(0.99..1.01), cb),
-                }
+                pair(
+                    i,
+                    side(base, ca),
+                    side(base * slow * rng.gen_range(0.99..1.01), cb),
+                )
             })
             .collect();
         let c = compare("a", "b", &pairs, 600);
@@ -714,12 +716,7 @@ mod tests {
         let c = compare("a", "b", &[p], 600);
         assert!(c.reason.is_some() && c.verdict.starts_with("no verdict"));
         let pairs = Pairs::default();
-        pairs.push(Pair {
-            at: 5,
-            primary: "a".into(),
-            a: side(1.0, 1.0),
-            b: side(1.0, 1.0),
-        });
+        pairs.push(pair(5, side(1.0, 1.0), side(1.0, 1.0)));
         assert_eq!(pairs.of("a", 5).len(), 1);
         assert!(pairs.of("a", 6).is_empty() && pairs.of("x", 0).is_empty());
         assert_eq!(

@@ -37,6 +37,7 @@ use shard::Shard;
 pub use stats::{CurvePoint, Goodput, MeterStats, Percentiles, TokensPerEvent};
 pub use stream::{Stream, Summary};
 pub use window::SLOTS;
+pub(crate) use window::{slot_ns, Span};
 use window::{Sums, Windows};
 
 /// The curve bucket (0 for 1, 1 for 2, 2 for 3–4, …; labelled `1 << bucket`) of a mean

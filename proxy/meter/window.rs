@@ -61,14 +61,14 @@ pub(super) fn ms(ns: Nanos) -> f64 {
 
 /// The epochs `oldest..=newest` of the window that ends at `now`.
 #[derive(Debug, Clone, Copy)]
-pub(super) struct Span {
+pub(crate) struct Span {
     pub(super) oldest: u64,
-    pub(super) newest: u64,
+    pub(crate) newest: u64,
     pub(super) slot_ns: Nanos,
 }
 
 impl Span {
-    pub(super) fn of(now: Nanos, slot_ns: Nanos) -> Span {
+    pub(crate) fn of(now: Nanos, slot_ns: Nanos) -> Span {
         let newest = now / slot_ns;
         Span {
             oldest: newest.saturating_sub(SLOTS as u64 - 1),
@@ -77,7 +77,7 @@ impl Span {
         }
     }
 
-    pub(super) fn contains(self, epoch: u64) -> bool {
+    pub(crate) fn contains(self, epoch: u64) -> bool {
         epoch != u64::MAX && epoch >= self.oldest && epoch <= self.newest
     }
 
@@ -272,7 +272,7 @@ pub(super) struct Windows {
     control_since: Nanos,
 }
 
-pub(super) fn slot_ns(window: Duration) -> Nanos {
+pub(crate) fn slot_ns(window: Duration) -> Nanos {
     let window_ns = u64::try_from(window.as_nanos()).unwrap_or(u64::MAX);
     (window_ns / SLOTS as u64).max(1)
 }

@@ -21,8 +21,7 @@ use crate::meter::Percentiles;
 pub const TENANTS: usize = 1024;
 /// Recent requests each tenant's TTFT and TPOT percentiles are over.
 const RECENT: usize = 256;
-/// Slots of the window a tenant's output tokens are counted in (the meter's).
-const SLOTS: usize = crate::meter::SLOTS;
+use crate::meter::{slot_ns, Nanos, Span, SLOTS};
 
 /// Why a tenant's request was refused (`refused_by_cause`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -118,39 +117,28 @@ struct Figures {
 /// A recent request's TTFT and TPOT, ms.
 type Latency = (Option<f64>, Option<f64>);
 
-/// Output tokens by when their requests finished, in the window's [`SLOTS`] slots: the
-/// newest filling, the rate over the time they cover (between 19/20 of the window and all
-/// of it), so a steady rate reads as it is.
+/// Output tokens by when their requests finished, in the window's slots as the meter
+/// keeps them ([`slot_ns`], [`Span`]): the newest filling, the rate over the time they
+/// cover (between 19/20 of the window and all of it), so a steady rate reads as it is.
 #[derive(Debug, Clone, Default)]
 struct Rate {
     /// Each slot's length (zero until the first request); a reload that changes the
     /// window starts the count afresh.
-    slot: Duration,
+    slot_ns: Nanos,
     /// Each slot's number since the book's epoch, and its tokens; slot `n` at `n % SLOTS`.
     slots: [(u64, u64); SLOTS],
 }
 
 impl Rate {
-    fn slot_of(window: Duration) -> Duration {
-        (window / SLOTS as u32).max(Duration::from_millis(1))
-    }
-
-    /// The number of the slot `since` the epoch falls in, and how far into it.
-    fn number(since: Duration, slot: Duration) -> (u64, Duration) {
-        // In u64: 584 years of nanoseconds.
-        let (at, slot) = (since.as_nanos() as u64, slot.as_nanos() as u64);
-        (at / slot, Duration::from_nanos(at % slot))
-    }
-
-    fn add(&mut self, since: Duration, window: Duration, tokens: u64) {
-        let slot = Rate::slot_of(window);
-        if slot != self.slot {
+    fn add(&mut self, now: Nanos, window: Duration, tokens: u64) {
+        let slot_ns = slot_ns(window);
+        if slot_ns != self.slot_ns {
             *self = Rate {
-                slot,
+                slot_ns,
                 ..Rate::default()
             };
         }
-        let (n, _) = Rate::number(since, slot);
+        let n = now / slot_ns;
         let s = &mut self.slots[n as usize % SLOTS];
         if s.0 != n {
             *s = (n, 0);
@@ -161,11 +149,11 @@ impl Rate {
     /// Another tenant's count folded in: slot by slot, the newer slot's kept where they
     /// differ (the older one has left the window).
     fn merge(&mut self, o: &Rate) {
-        if self.slot.is_zero() {
+        if self.slot_ns == 0 {
             self.clone_from(o);
             return;
         }
-        if o.slot != self.slot {
+        if o.slot_ns != self.slot_ns {
             return;
         }
         for (mine, theirs) in self.slots.iter_mut().zip(o.slots) {
@@ -177,19 +165,19 @@ impl Rate {
         }
     }
 
-    /// Output tokens a second over the window ending `since` the epoch.
-    fn per_second(&self, since: Duration, window: Duration) -> f64 {
-        let slot = Rate::slot_of(window);
-        if slot != self.slot {
+    /// Output tokens a second over the window ending `now`.
+    fn per_second(&self, now: Nanos, window: Duration) -> f64 {
+        let slot_ns = slot_ns(window);
+        if slot_ns != self.slot_ns {
             return 0.0;
         }
-        let (n, into_newest) = Rate::number(since, slot);
+        let span = Span::of(now, slot_ns);
         let tokens: u64 = (self.slots.iter())
-            .filter(|(k, _)| *k <= n && k + SLOTS as u64 > n)
+            .filter(|(k, _)| span.contains(*k))
             .map(|(_, t)| t)
             .sum();
-        let covered = slot * (SLOTS as u32 - 1) + into_newest;
-        tokens as f64 / covered.as_secs_f64()
+        let covered = (SLOTS as u64 - 1) * slot_ns + (now - span.newest * slot_ns);
+        tokens as f64 / (covered as f64 / 1e9)
     }
 }
 
@@ -229,7 +217,7 @@ impl Figures {
         self.rate.merge(&o.rate);
     }
 
-    fn stats(&self, tenant: &str, since: Duration, window: Duration, all_out: u64) -> TenantStats {
+    fn stats(&self, tenant: &str, now: Nanos, window: Duration, all_out: u64) -> TenantStats {
         let pct = |f: fn(&Latency) -> Option<f64>| {
             let mut v: Vec<f64> = self.recent.iter().filter_map(f).collect();
             Percentiles::of(&mut v)
@@ -244,7 +232,7 @@ impl Figures {
             } else {
                 (1000.0 * self.output_tokens as f64 / all_out as f64).round() / 10.0
             },
-            output_tps: (self.rate.per_second(since, window) * 10.0).round() / 10.0,
+            output_tps: (self.rate.per_second(now, window) * 10.0).round() / 10.0,
             ttft_ms: pct(|r| r.0),
             tpot_ms: pct(|r| r.1),
             goodput_pct: (self.judged > 0)
@@ -276,7 +264,7 @@ impl Book {
 
     /// A request of `tenant` finished at `now`.
     pub fn served(&self, tenant: &Tenant, now: Instant, window: Duration, s: Served) {
-        let since = now.saturating_duration_since(self.epoch);
+        let at = self.at(now);
         let mut inner = self.lock();
         let f = inner.figures(tenant, now);
         f.requests += 1;
@@ -287,7 +275,7 @@ impl Book {
             f.judged += 1;
             f.good += u64::from(good);
         }
-        f.rate.add(since, window, s.output_tokens);
+        f.rate.add(at, window, s.output_tokens);
         if f.recent.len() == RECENT {
             f.recent.pop_front();
         }
@@ -302,7 +290,7 @@ impl Book {
     /// The figures of the `top` tenants by output tokens (then by requests), and of all the
     /// others together as `other` (when there are any).
     pub fn stats(&self, now: Instant, window: Duration, top: usize) -> Vec<TenantStats> {
-        let since = now.saturating_duration_since(self.epoch);
+        let at = self.at(now);
         let inner = self.lock();
         let all_out: u64 = inner.tenants.values().map(|f| f.output_tokens).sum::<u64>()
             + inner.other.output_tokens;
@@ -311,16 +299,21 @@ impl Book {
             (b.1.output_tokens, b.1.requests, b.0).cmp(&(a.1.output_tokens, a.1.requests, a.0))
         });
         let mut out: Vec<TenantStats> = (ranked.iter().take(top))
-            .map(|(t, f)| f.stats(t, since, window, all_out))
+            .map(|(t, f)| f.stats(t, at, window, all_out))
             .collect();
         let mut rest = inner.other.clone();
         for (_, f) in ranked.iter().skip(top) {
             rest.add(f);
         }
         if rest.requests > 0 || rest.refused.iter().any(|&n| n > 0) {
-            out.push(rest.stats("other", since, window, all_out));
+            out.push(rest.stats("other", at, window, all_out));
         }
         out
+    }
+
+    /// `now` on the slots' clock: nanoseconds since the epoch (584 years of them).
+    fn at(&self, now: Instant) -> Nanos {
+        now.saturating_duration_since(self.epoch).as_nanos() as Nanos
     }
 
     /// Tenants kept apart now.

@@ -163,6 +163,11 @@ impl Slot {
     pub fn settle(&mut self, tokens: u64) {
         self.permit.settle(tokens);
     }
+
+    /// Its request ended `at` (see [`Permit::ended_at`]).
+    pub fn ended_at(&mut self, at: Instant) {
+        self.permit.ended_at(at);
+    }
 }
 
 // === impl FleetLink ===

@@ -442,9 +442,16 @@ impl Limiter {
 
     /// A slot of `who`'s comes back (`anticipate`: its request ran, and the slot may be
     /// held for its tenant's next).
-    fn release(self: &Arc<Self>, who: &Who, anticipate: bool, tokens: Option<u64>) {
+    /// `at`: when, if the caller has read the clock already.
+    fn release(
+        self: &Arc<Self>,
+        who: &Who,
+        anticipate: bool,
+        tokens: Option<u64>,
+        at: Option<Instant>,
+    ) {
+        let now = at.unwrap_or_else(Instant::now);
         let mut st = self.lock();
-        let now = Instant::now();
         st.queue.ended(who, tokens);
         if st.freed.len() == FREED_KEPT {
             st.freed.pop_front();
@@ -508,6 +515,7 @@ impl Limiter {
             shared,
             who: who.clone(),
             tokens: None,
+            ended: None,
         }
     }
 
@@ -533,7 +541,7 @@ impl Drop for QueueGuard<'_> {
         let mut st = self.limiter.lock();
         if !st.queue.remove(self.id) {
             drop(st);
-            self.limiter.release(self.who, false, None);
+            self.limiter.release(self.who, false, None, None);
         }
     }
 }
@@ -547,6 +555,8 @@ pub struct Permit {
     who: Who,
     /// The output tokens its request was served, once it ended.
     tokens: Option<u64>,
+    /// When its request ended, as the caller read it (else read as it is dropped).
+    ended: Option<Instant>,
 }
 
 impl Permit {
@@ -565,11 +575,18 @@ impl Permit {
     pub fn settle(&mut self, tokens: u64) {
         self.tokens = Some(tokens);
     }
+
+    /// Its request ended `at`: the freeing rate counts the slot back then, with no clock
+    /// read of its own.
+    pub fn ended_at(&mut self, at: Instant) {
+        self.ended = Some(at);
+    }
 }
 
 impl Drop for Permit {
     fn drop(&mut self) {
-        self.limiter.release(&self.who, true, self.tokens);
+        self.limiter
+            .release(&self.who, true, self.tokens, self.ended);
     }
 }
 

@@ -242,6 +242,11 @@ impl TokenTap {
 
     /// Records how the request ended (`e`: the error that ended it).
     pub(super) fn finish(&self, ctx: &mut Ctx, e: Option<&pingora::Error>) {
+        self.finish_at(ctx, e, self.now());
+    }
+
+    /// [`TokenTap::finish`] at `now`, the clock read by the caller for the request's end.
+    pub(super) fn finish_at(&self, ctx: &mut Ctx, e: Option<&pingora::Error>, now: Nanos) {
         let Some(choice) = ctx.choice else {
             return;
         };
@@ -272,19 +277,21 @@ impl TokenTap {
                     self.settle(ctx, choice, outcome, stream.summary());
                 }
                 let summary = mirrored.as_ref().map(|_| stream.summary());
-                stream.finish(self.now(), outcome);
+                stream.finish(now, outcome);
                 if let Some(link) = mirrored {
-                    link.primary_done(self.now(), outcome, summary);
+                    link.primary_done(now, outcome, summary);
                 }
             }
             None => {
                 meter.count_plain(outcome);
                 if let Some(link) = mirrored {
-                    link.primary_done(self.now(), outcome, None);
+                    link.primary_done(now, outcome, None);
                 }
             }
         }
-        ctx.permit = None;
+        if let Some(mut slot) = ctx.permit.take() {
+            slot.ended_at(self.live.clock().instant(now));
+        }
     }
 
     /// A metered request ended: its tenant's fair-queue charge and budget reservation made

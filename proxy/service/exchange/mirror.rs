@@ -346,7 +346,7 @@ impl TokenTap {
         let read_timeout = Some(upstream.config.read_timeout);
         let relayed = self.relay(None, ctx, &mut open, read_timeout).await;
         let body = relayed.as_ref().map(|_| ()).map_err(|e| &**e);
-        self.body_ended(ctx, choice, open, body);
+        self.body_ended(ctx, choice, open, body, self.now());
         relayed
     }
 }

@@ -168,7 +168,8 @@ impl TokenTap {
         incoming: Box<Incoming>,
         shutdown: bool,
     ) -> After {
-        let mut ctx = self.new_ctx();
+        // Its time is the head's arrival, read once when the head was (not read again).
+        let mut ctx = Ctx::new(self.live.load(), incoming.t0);
         let req = &incoming.checked.req;
         ctx.request_id = RequestId::of(&req.fields);
         if self.live.access.on() {
@@ -258,7 +259,9 @@ impl TokenTap {
         let linger = !open.watch || !open.leftover.is_empty();
         let keep_alive = open.keep_alive;
         let body = relayed.as_ref().map(|_| ()).map_err(|e| &**e);
-        self.body_ended(ctx, choice, open, body);
+        // One clock read for the request's end: its pool connection, meter and slot.
+        let end = self.now();
+        self.body_ended(ctx, choice, open, body, end);
         let result = relayed.map(|()| {
             if linger {
                 After::Linger
@@ -268,13 +271,20 @@ impl TokenTap {
                 After::Close
             }
         });
-        self.finish(ctx, result.as_ref().err().map(|e| &**e));
+        self.finish_at(ctx, result.as_ref().err().map(|e| &**e), end);
         Exchanged::Done(ended(result, read_whole), failure)
     }
 
     /// A response's body ended, as `body` says (the primary's or a copy's): its endpoint's
     /// passive health, and a clean connection back to its pool.
-    fn body_ended(&self, ctx: &Ctx, choice: Choice, open: Open, body: Result<(), &Error>) {
+    fn body_ended(
+        &self,
+        ctx: &Ctx,
+        choice: Choice,
+        open: Open,
+        body: Result<(), &Error>,
+        now: Nanos,
+    ) {
         let Some(held) = &ctx.endpoint else { return };
         let upstream = &ctx.shared.upstreams[choice.upstream];
         let read_timeout = upstream.config.read_timeout;
@@ -287,16 +297,22 @@ impl TokenTap {
             read_timeout,
         );
         if ok && open.relay.reusable {
-            self.release(open.up, &held.endpoint, upstream.config.idle_timeout);
+            let now = self.live.clock().instant(now);
+            self.release(open.up, &held.endpoint, upstream.config.idle_timeout, now);
         }
     }
 
     /// Gives a clean upstream connection back to its pool (plain TCP: tokentap's; TLS:
-    /// pingora's), kept `idle` at most.
-    fn release(&self, up: Io, endpoint: &crate::pool::Endpoint, idle: Duration) {
+    /// pingora's), kept `idle` at most from `now`.
+    fn release(
+        &self,
+        up: Io,
+        endpoint: &crate::pool::Endpoint,
+        idle: Duration,
+        now: std::time::Instant,
+    ) {
         match up {
             Io::Tcp(tcp) => {
-                let now = std::time::Instant::now();
                 self.transport
                     .pool
                     .release(endpoint.at.addr, tcp, now, idle);

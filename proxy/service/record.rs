@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::routing::Fields;
+use arrayvec::ArrayString;
 #[cfg(test)]
 use serde::Serialize;
 
@@ -25,7 +26,7 @@ pub(crate) enum RequestId {
     /// The client's.
     Given(Box<str>),
     /// tokentap's, its text kept in place: no allocation a request.
-    Ours([u8; uuid::fmt::Hyphenated::LENGTH]),
+    Ours(ArrayString<{ uuid::fmt::Hyphenated::LENGTH }>),
 }
 
 impl Default for RequestId {
@@ -60,8 +61,7 @@ impl RequestId {
     pub(crate) fn as_str(&self) -> &str {
         match self {
             RequestId::Given(id) => id,
-            // A UUID's text is ASCII.
-            RequestId::Ours(text) => std::str::from_utf8(text).unwrap_or_default(),
+            RequestId::Ours(text) => text,
         }
     }
 }
@@ -72,11 +72,12 @@ impl RequestId {
 /// ChaCha generator, seeded from the OS once and reseeded every 64 KiB it gives: no system
 /// call per id, and two ids from any threads or starts are the same only by a chance of
 /// about 1 in 10^19 among a billion. Its text, hyphenated and in lower case.
-fn new_id() -> [u8; uuid::fmt::Hyphenated::LENGTH] {
+fn new_id() -> ArrayString<{ uuid::fmt::Hyphenated::LENGTH }> {
     let uuid = uuid::Builder::from_random_bytes(rand::random()).into_uuid();
     let mut text = [0u8; uuid::fmt::Hyphenated::LENGTH];
-    uuid.hyphenated().encode_lower(&mut text);
-    text
+    let mut id = ArrayString::new();
+    id.push_str(uuid.hyphenated().encode_lower(&mut text));
+    id
 }
 
 /// What the access log needs of a request beyond its ctx, gathered only when it is on.

@@ -18,7 +18,7 @@ use http::uri::PathAndQuery;
 use http::{Method, StatusCode, Uri};
 
 use super::body::BodyFraming;
-use super::{content_length, only_chunked, Head, HOP_BY_HOP, MAX_HEADERS};
+use super::{content_length, eq_ignore_case, only_chunked, Head, HOP_BY_HOP, MAX_HEADERS};
 
 /// One field of a head: where its name and value are in the head's bytes.
 #[derive(Clone, Copy)]
@@ -101,6 +101,7 @@ impl Fields {
     }
 
     /// The fields present (not removed), name and value.
+    #[cfg(test)]
     pub(crate) fn iter(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
         self.list
             .iter()
@@ -108,28 +109,31 @@ impl Fields {
             .map(|f| (self.slice(f.name), self.slice(f.value)))
     }
 
-    /// The values of the fields named `name` (case-insensitive).
-    pub(crate) fn get_all<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a [u8]> + 'a {
-        let list = if self.may_have(name.as_bytes()) {
+    /// The fields named `name` (case-insensitive) present. A field's name is compared only
+    /// when its length is the name's: most are not, and are passed over without a slice.
+    fn named<'a>(&'a self, name: &'a [u8]) -> impl Iterator<Item = &'a Field> + 'a {
+        let list = if self.may_have(name) {
             &self.list[..]
         } else {
             &[]
         };
-        list.iter()
-            .filter(|f| !f.removed)
-            .map(|f| (self.slice(f.name), self.slice(f.value)))
-            .filter(move |(n, _)| n.eq_ignore_ascii_case(name.as_bytes()))
-            .map(|(_, v)| v)
+        list.iter().filter(move |f| {
+            f.name.1 as usize == name.len()
+                && !f.removed
+                && eq_ignore_case(self.slice(f.name), name)
+        })
+    }
+
+    /// The values of the fields named `name` (case-insensitive).
+    pub(crate) fn get_all<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a [u8]> + 'a {
+        self.named(name.as_bytes()).map(|f| self.slice(f.value))
     }
 
     /// The first value of the field named `name`.
     pub(crate) fn get(&self, name: &str) -> Option<&[u8]> {
-        if !self.may_have(name.as_bytes()) {
-            return None;
-        }
-        self.iter()
-            .find(|(n, _)| n.eq_ignore_ascii_case(name.as_bytes()))
-            .map(|(_, v)| v)
+        self.named(name.as_bytes())
+            .next()
+            .map(|f| self.slice(f.value))
     }
 
     pub(crate) fn contains(&self, name: &str) -> bool {
@@ -150,7 +154,8 @@ impl Fields {
         }
         let Self { bytes, list, .. } = self;
         for f in list.iter_mut() {
-            if bytes[range(f.name)].eq_ignore_ascii_case(name.as_bytes()) {
+            let named = |f: &Field| eq_ignore_case(&bytes[range(f.name)], name.as_bytes());
+            if f.name.1 as usize == name.len() && named(f) {
                 f.removed = true;
             }
         }
@@ -160,13 +165,13 @@ impl Fields {
     /// `keep`.
     pub(crate) fn remove_hop_by_hop(&mut self, keep: &str) {
         let Self { bytes, list, .. } = self;
-        let kept = |name: &[u8]| name.eq_ignore_ascii_case(keep.as_bytes());
+        let kept = |name: &[u8]| eq_ignore_case(name, keep.as_bytes());
         for f in list.iter_mut() {
             let name = &bytes[range(f.name)];
             if !kept(name)
                 && HOP_BY_HOP
                     .iter()
-                    .any(|h| name.eq_ignore_ascii_case(h.as_bytes()))
+                    .any(|h| eq_ignore_case(name, h.as_bytes()))
             {
                 f.removed = true;
             }
@@ -175,14 +180,14 @@ impl Fields {
         // against every field: one pass over the fields a token.
         for c in 0..list.len() {
             let connection = list[c];
-            if !bytes[range(connection.name)].eq_ignore_ascii_case(b"connection") {
+            if !eq_ignore_case(&bytes[range(connection.name)], b"connection") {
                 continue;
             }
             for token in bytes[range(connection.value)].split(|&b| b == b',') {
                 let token = token.trim_ascii();
                 for f in list.iter_mut() {
                     let name = &bytes[range(f.name)];
-                    if name.eq_ignore_ascii_case(token) && !kept(name) {
+                    if eq_ignore_case(name, token) && !kept(name) {
                         f.removed = true;
                     }
                 }
@@ -199,7 +204,7 @@ impl Fields {
         let mut written = 0u64;
         let find = |name: &[u8]| {
             set.iter().enumerate().find_map(|(i, s)| match s {
-                Some((n, v)) if name.eq_ignore_ascii_case(n.as_bytes()) => Some((i, *n, *v)),
+                Some((n, v)) if eq_ignore_case(name, n.as_bytes()) => Some((i, *n, *v)),
                 _ => None,
             })
         };

@@ -1089,8 +1089,12 @@ async fn start_proxy(
                 ),
             )
             .ok()?;
+            // The profiler wraps nginx too (callgrind with `--trace-children=yes` follows its
+            // master into the worker), so that both are counted alike.
+            let wrap = std::env::var("TOKENTAP_OVERHEAD_WRAP").unwrap_or_default();
             let child = Command::new("taskset")
                 .args(["-c", "1"])
+                .args(wrap.split_whitespace())
                 .arg("nginx")
                 .arg("-c")
                 .arg(&conf)

@@ -164,9 +164,12 @@ impl Slot {
         self.permit.settle(tokens);
     }
 
-    /// Its request ended `at` (see [`Permit::ended_at`]).
-    pub fn ended_at(&mut self, at: Instant) {
-        self.permit.ended_at(at);
+    /// Given back as its request ended `at` (see [`Permit::release_at`]): its lease first,
+    /// as dropping it does.
+    pub fn release_at(self, at: Instant) {
+        let Slot { _lease, permit } = self;
+        drop(_lease);
+        permit.release_at(at);
     }
 }
 

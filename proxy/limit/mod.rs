@@ -515,7 +515,7 @@ impl Limiter {
             shared,
             who: who.clone(),
             tokens: None,
-            ended: None,
+            released: false,
         }
     }
 
@@ -555,8 +555,8 @@ pub struct Permit {
     who: Who,
     /// The output tokens its request was served, once it ended.
     tokens: Option<u64>,
-    /// When its request ended, as the caller read it (else read as it is dropped).
-    ended: Option<Instant>,
+    /// Given back already ([`Permit::release_at`]): dropping it does nothing more.
+    released: bool,
 }
 
 impl Permit {
@@ -576,17 +576,19 @@ impl Permit {
         self.tokens = Some(tokens);
     }
 
-    /// Its request ended `at`: the freeing rate counts the slot back then, with no clock
-    /// read of its own.
-    pub fn ended_at(&mut self, at: Instant) {
-        self.ended = Some(at);
+    /// Gives the slot back as its request ended `at` (the clock read by the caller): as
+    /// dropping it does, with no clock read of its own.
+    pub fn release_at(mut self, at: Instant) {
+        self.limiter.release(&self.who, true, self.tokens, Some(at));
+        self.released = true;
     }
 }
 
 impl Drop for Permit {
     fn drop(&mut self) {
-        self.limiter
-            .release(&self.who, true, self.tokens, self.ended);
+        if !self.released {
+            self.limiter.release(&self.who, true, self.tokens, None);
+        }
     }
 }
 
@@ -605,6 +607,25 @@ mod tests {
             },
             metrics::Histogram::noop(),
         )
+    }
+
+    /// A slot given back at a time the caller read is freed once, at that time: dropping
+    /// the permit after does not free it again.
+    #[test]
+    fn a_permit_released_at_a_time_is_freed_once_then() {
+        let l = limiter(2, 0, 100);
+        let (a, b) = (
+            l.try_acquire(&Who::default()),
+            l.try_acquire(&Who::default()),
+        );
+        let at = Instant::now() - Duration::from_secs(3);
+        a.unwrap().release_at(at);
+        assert_eq!(l.stats().in_flight, 1);
+        assert_eq!(l.lock().freed.back(), Some(&at));
+        drop(b);
+        assert_eq!(l.stats().in_flight, 0);
+        assert_eq!(l.lock().freed.len(), 2);
+        assert!(l.lock().freed.back().is_some_and(|&t| t > at));
     }
 
     #[tokio::test(start_paused = true)]

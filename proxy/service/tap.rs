@@ -289,8 +289,8 @@ impl TokenTap {
                 }
             }
         }
-        if let Some(mut slot) = ctx.permit.take() {
-            slot.ended_at(self.live.clock().instant(now));
+        if let Some(slot) = ctx.permit.take() {
+            slot.release_at(self.live.clock().instant(now));
         }
     }
 

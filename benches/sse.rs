@@ -19,6 +19,10 @@
 //!   threads at once 70 ns per event each with per-thread shards, 320 ns with the single
 //!   lock per upstream it had before (the threads queued on it)
 //!
+//! - whole non-streamed replies (`chat.completion`, 495 B on average, each with its own
+//!   id, time, text and counts; 2026-12-05): 116 ns a reply read from the replies' shape,
+//!   221 ns when each was walked key by key
+//!
 //! Targets: ≥ 1 GB/s framing, ≥ 1 M events/s framing plus dialect, ≤ 0.5 µs per event for
 //! the meter's whole cost.
 
@@ -112,6 +116,39 @@ fn bench(c: &mut Criterion) {
                 now += 20_000_000;
                 stream.tokens(now, tokens_carried(&facts, stream.counted_tokens()));
             }
+        })
+    });
+    g.finish();
+
+    // Whole non-streamed replies of one server, each with its own id, time, text and
+    // counts: read from the replies' shape after the first (walked before).
+    let bodies: Vec<Vec<u8>> = (0..1000)
+        .map(|i| {
+            let text = stream(1 + i % 40)
+                .iter()
+                .map(|e| e.len().to_string())
+                .collect::<Vec<_>>()
+                .join(" ");
+            format!(
+                r#"{{"id":"chatcmpl-{i:08x}","object":"chat.completion","created":{},"model":"meta-llama/Llama-3.1-8B-Instruct","choices":[{{"index":0,"message":{{"role":"assistant","reasoning_content":null,"content":"{text}","tool_calls":[]}},"logprobs":null,"finish_reason":"stop","stop_reason":null}}],"usage":{{"prompt_tokens":{},"total_tokens":{},"completion_tokens":{},"prompt_tokens_details":null}},"prompt_logprobs":null}}"#,
+                1_733_000_000 + i,
+                20 + i % 700,
+                20 + i % 700 + 1 + i % 40,
+                1 + i % 40,
+            )
+            .into_bytes()
+        })
+        .collect();
+    let mean = bodies.iter().map(Vec::len).sum::<usize>() / bodies.len();
+    let mut g = c.benchmark_group(format!("non-streamed replies ({mean} B each)"));
+    g.throughput(Throughput::Elements(bodies.len() as u64));
+    g.bench_function("OpenAI dialect, per reply", |b| {
+        b.iter(|| {
+            let mut tokens = 0;
+            for body in &bodies {
+                tokens += Dialect::OpenAi.body(body).exact_total.unwrap_or(0);
+            }
+            tokens
         })
     });
     g.finish();

@@ -24,7 +24,21 @@ mod fast {
     mod body;
     mod shape;
 
-    pub use body::body;
+    /// The facts of a whole non-streamed reply: read from a shape of the replies this
+    /// thread has seen, else walked (and then a shape); `None` for the parser.
+    pub fn body(data: &[u8]) -> Option<Facts> {
+        // Not a form feed, which `trim_ascii` takes and JSON does not.
+        let json_space = |b: &u8| matches!(b, b' ' | b'\t' | b'\n' | b'\r');
+        let start = data
+            .iter()
+            .position(|b| !json_space(b))
+            .unwrap_or(data.len());
+        let end = data
+            .iter()
+            .rposition(|b| !json_space(b))
+            .map_or(start, |i| i + 1);
+        shape::body_facts(&data[start..end], body::body)
+    }
 
     use std::ops::Not;
     use std::sync::LazyLock;

@@ -15,10 +15,17 @@
 //! token text, reads only whether it is empty, which the match reads too. Keys are
 //! compared as bytes; a key with an escape (which could spell a key the parser reads) is
 //! never made a shape.
+//!
+//! A whole non-streamed reply has shapes too ([`body_facts`], a cache of their own): its
+//! id, time, message and every value the walk skips are holes, and so are its usage's
+//! counts, read as the walk reads them (plain digits up to `MAX_COUNT`). Bodies part from
+//! the last one early (their ids), so a body is mostly read run by run: a compare of each
+//! literal run and a jump over each hole, not a walk over every key.
 
 use std::cell::RefCell;
 
 use super::{string_end, Facts};
+use crate::dialect::MAX_COUNT;
 
 /// Keys whose values the parser or the scan reads: kept literal (but a token text).
 const READ: [&[u8]; 19] = [
@@ -65,8 +72,18 @@ enum Hole {
     Num,
     /// A token text: a string, a token when not empty.
     Text,
+    /// A body's usage count, read as the walk reads it.
+    Count(Count),
     /// The end of the chunk.
     End,
+}
+
+/// Which of a body's usage counts a [`Hole::Count`] is.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Count {
+    Completion,
+    Prompt,
+    Cached,
 }
 
 /// A chunk's literal bytes, cut at its holes.
@@ -75,7 +92,12 @@ struct Shape {
     literal: Box<[u8]>,
     /// Each literal run's end in `literal`, and the hole after it.
     runs: Box<[(u32, Hole)]>,
-    finished: bool,
+    /// A whole body's shape (else a stream's chunk's): its tokens are counted, one a
+    /// choice's text, not one at most.
+    body: bool,
+    /// The facts its literal bytes hold (a chunk's finish reason; a body's error, and its
+    /// counts held literal, as `null`); the holes' are read into them.
+    fixed: Facts,
     /// The last chunk this shape read (empty when there is none, or it was long).
     last: Vec<u8>,
     /// Where each hole of `last` ended, and whether it carried a token.
@@ -87,6 +109,24 @@ struct Shape {
 struct Filled {
     end: u32,
     token: bool,
+    /// A count's value.
+    count: u64,
+}
+
+/// What the holes read so far hold.
+#[derive(Default)]
+struct Read {
+    tokens: u32,
+    counts: [Option<u64>; 3],
+}
+
+impl Read {
+    fn add(&mut self, hole: Hole, filled: Filled) {
+        self.tokens += u32::from(filled.token);
+        if let Hole::Count(c) = hole {
+            self.counts[c as usize] = Some(filled.count);
+        }
+    }
 }
 
 /// The longest chunk a shape keeps to compare the next with.
@@ -104,12 +144,33 @@ thread_local! {
             misses: 0,
         })
     };
+    static BODIES: RefCell<Cache> = const {
+        RefCell::new(Cache {
+            shapes: Vec::new(),
+            misses: 0,
+        })
+    };
 }
 
 /// The facts of chunk `data` (trimmed, an object): from a shape this thread has seen,
 /// else from `scan`, whose chunk then becomes a shape.
 pub fn facts(data: &[u8], scan: impl FnOnce(&[u8]) -> Option<Facts>) -> Option<Facts> {
-    CACHE.with(|cache| {
+    cached(&CACHE, false, data, scan)
+}
+
+/// The facts of a whole non-streamed reply `data` (without the spaces around it): from a
+/// body's shape this thread has seen, else from `walk`, whose body then becomes a shape.
+pub fn body_facts(data: &[u8], walk: impl FnOnce(&[u8]) -> Option<Facts>) -> Option<Facts> {
+    cached(&BODIES, true, data, walk)
+}
+
+fn cached(
+    cache: &'static std::thread::LocalKey<RefCell<Cache>>,
+    body: bool,
+    data: &[u8],
+    scan: impl FnOnce(&[u8]) -> Option<Facts>,
+) -> Option<Facts> {
+    cache.with(|cache| {
         let Ok(mut c) = cache.try_borrow_mut() else {
             return scan(data);
         };
@@ -123,7 +184,7 @@ pub fn facts(data: &[u8], scan: impl FnOnce(&[u8]) -> Option<Facts>) -> Option<F
         let facts = scan(data)?;
         c.misses = c.misses.saturating_add(1);
         if c.misses <= LEARN_FREELY || c.misses % LEARN_EVERY == 0 {
-            if let Some(shape) = Shape::learn(data, facts) {
+            if let Some(shape) = Shape::learn(data, facts, body) {
                 if c.shapes.len() == CACHED {
                     c.shapes.pop();
                 }
@@ -139,11 +200,12 @@ pub fn facts(data: &[u8], scan: impl FnOnce(&[u8]) -> Option<Facts>) -> Option<F
 impl Shape {
     /// The shape of `data`, whose facts the scan found to be `facts`; `None` when it has
     /// nothing a shape can hold (spaces, escaped keys, deep nesting).
-    fn learn(data: &[u8], facts: Facts) -> Option<Shape> {
+    fn learn(data: &[u8], facts: Facts, body: bool) -> Option<Shape> {
         let mut l = Learner {
             data,
             at: 0,
             holes: Vec::new(),
+            body,
         };
         l.value(Place::Top, Role::Literal, 0)?;
         if l.at != data.len() {
@@ -160,10 +222,18 @@ impl Shape {
         literal.extend_from_slice(&data[from..]);
         runs.push((u32::try_from(literal.len()).ok()?, Hole::End));
         let holes = vec![Filled::default(); runs.len()];
+        let fixed = match body {
+            true => facts,
+            false => Facts {
+                finished: facts.finished,
+                ..Facts::default()
+            },
+        };
         let mut shape = Shape {
             literal: literal.into(),
             runs: runs.into(),
-            finished: facts.finished,
+            body,
+            fixed,
             last: Vec::new(),
             holes,
         };
@@ -182,15 +252,18 @@ impl Shape {
             .take_while(|h| (h.end as usize) < same)
             .count()
             .min(self.runs.len() - 1);
-        let (at, from, tokens) = match skip.checked_sub(1) {
+        let mut read = Read::default();
+        for (&(_, hole), &filled) in self.runs.iter().zip(&self.holes).take(skip) {
+            read.add(hole, filled);
+        }
+        let (at, from) = match skip.checked_sub(1) {
             Some(before) => (
                 self.holes[before].end as usize,
                 self.runs[before].0 as usize,
-                self.holes[..skip].iter().any(|h| h.token),
             ),
-            None => (0, 0, false),
+            None => (0, 0),
         };
-        let facts = self.read_from(data, skip, at, from, tokens);
+        let facts = self.read_from(data, skip, at, from, read);
         self.last.clear();
         if facts.is_some() && data.len() <= MAX_LAST {
             self.last.extend_from_slice(data);
@@ -199,14 +272,14 @@ impl Shape {
     }
 
     /// [`Shape::read`] from run `first` on, at `at` in `data` and `from` in the literal,
-    /// with a token seen before if `tokens`; the holes' places are kept as it goes.
+    /// with what the holes before it held in `read`; the holes' places are kept as it goes.
     fn read_from(
         &mut self,
         data: &[u8],
         first: usize,
         mut at: usize,
         mut from: usize,
-        mut tokens: bool,
+        mut read: Read,
     ) -> Option<Facts> {
         for (i, &(end, hole)) in self.runs.iter().enumerate().skip(first) {
             let run = &self.literal[from..end as usize];
@@ -216,14 +289,9 @@ impl Shape {
             at += run.len();
             from = end as usize;
             let start = at;
+            let mut count = 0;
             match hole {
-                Hole::End => {
-                    return (at == data.len()).then_some(Facts {
-                        tokens: u32::from(tokens),
-                        finished: self.finished,
-                        ..Facts::default()
-                    })
-                }
+                Hole::End => return (at == data.len()).then(|| self.facts(&read)),
                 Hole::Num => at += number_len(&data[at..])?,
                 Hole::Str | Hole::Text => {
                     if data.get(at) != Some(&b'"') {
@@ -231,15 +299,36 @@ impl Shape {
                     }
                     at = string_end(data, at)?;
                 }
+                Hole::Count(_) => {
+                    let (n, len) = count_at(&data[at..])?;
+                    count = n;
+                    at += len;
+                }
             }
-            let token = hole == Hole::Text && at - start > 2;
-            tokens |= token;
-            self.holes[i] = Filled {
+            let filled = Filled {
                 end: u32::try_from(at).ok()?,
-                token,
+                token: hole == Hole::Text && at - start > 2,
+                count,
             };
+            read.add(hole, filled);
+            self.holes[i] = filled;
         }
         None
+    }
+
+    /// The facts of a match whose holes held `read`.
+    fn facts(&self, read: &Read) -> Facts {
+        let mut facts = self.fixed;
+        if !self.body {
+            facts.tokens = u32::from(read.tokens > 0);
+            return facts;
+        }
+        facts.tokens = read.tokens;
+        let [completion, prompt, cached] = read.counts;
+        facts.exact_total = completion.or(facts.exact_total);
+        facts.input_tokens = prompt.or(facts.input_tokens);
+        facts.cached_input_tokens = cached.or(facts.cached_input_tokens);
+        facts
     }
 }
 
@@ -274,6 +363,23 @@ fn common_prefix(a: &[u8], b: &[u8]) -> usize {
         .count()
 }
 
+/// A body's usage count at the start of `data`, as the walk reads one: plain digits (no
+/// leading zero but `0`, at most ten, no fraction or exponent after) up to `MAX_COUNT`;
+/// its value and length.
+fn count_at(data: &[u8]) -> Option<(u64, usize)> {
+    let digits = data.iter().take_while(|b| b.is_ascii_digit()).count();
+    if digits == 0 || digits > 10 || (digits > 1 && data[0] == b'0') {
+        return None;
+    }
+    if matches!(data.get(digits), Some(b'.' | b'e' | b'E' | b'-' | b'+')) {
+        return None;
+    }
+    let n = data[..digits]
+        .iter()
+        .fold(0u64, |n, &d| n * 10 + u64::from(d - b'0'));
+    (n <= MAX_COUNT).then_some((n, digits))
+}
+
 /// Where an object is, for what its members mean.
 #[derive(Clone, Copy, PartialEq)]
 enum Place {
@@ -282,6 +388,10 @@ enum Place {
     Choices,
     Choice,
     Delta,
+    /// A body's `usage` object.
+    Usage,
+    /// A body's `usage.prompt_tokens_details`.
+    Details,
     Other,
 }
 
@@ -292,12 +402,16 @@ enum Role {
     /// The value of a key the parser does not read.
     Free,
     Text,
+    /// A body's usage count.
+    Count(Count),
 }
 
 struct Learner<'a> {
     data: &'a [u8],
     at: usize,
     holes: Vec<(usize, usize, Hole)>,
+    /// A whole body's shape: only what the walk reads is literal.
+    body: bool,
 }
 
 impl Learner<'_> {
@@ -314,15 +428,17 @@ impl Learner<'_> {
                 match role {
                     Role::Free => self.holes.push((start, self.at, Hole::Str)),
                     Role::Text => self.holes.push((start, self.at, Hole::Text)),
-                    Role::Literal => {}
+                    Role::Literal | Role::Count(_) => {}
                 }
                 Some(())
             }
             b'-' | b'0'..=b'9' => {
                 let start = self.at;
                 self.at += number_len(&self.data[start..])?;
-                if role == Role::Free {
-                    self.holes.push((start, self.at, Hole::Num));
+                match role {
+                    Role::Free => self.holes.push((start, self.at, Hole::Num)),
+                    Role::Count(c) => self.holes.push((start, self.at, Hole::Count(c))),
+                    Role::Literal | Role::Text => {}
                 }
                 Some(())
             }
@@ -351,19 +467,17 @@ impl Learner<'_> {
             if key.contains(&b'\\') || !self.eat(b':') {
                 return None;
             }
-            let read = READ.contains(&key);
-            let (child, role) = match place {
-                Place::Top if key == b"choices" => (Place::Choices, Role::Literal),
-                Place::Choice if key == b"delta" => (Place::Delta, Role::Literal),
-                Place::Choice if key == b"text" => (Place::Other, Role::Text),
-                Place::Delta if DELTA_TEXT.contains(&key) => (Place::Other, Role::Text),
-                _ if read => (Place::Other, Role::Literal),
-                _ => (Place::Other, Role::Free),
+            let (child, role) = match self.body {
+                true => body_member(place, key)?,
+                false => chunk_member(place, key),
             };
-            // A text that is not a string (null) stays literal.
-            let role = match role {
-                Role::Text if self.data.get(self.at) != Some(&b'"') => Role::Literal,
-                r => r,
+            // A text that is not a string (null), or a count that is not a number, stays
+            // literal.
+            let role = match (role, self.data.get(self.at)) {
+                (Role::Text, Some(b'"')) => Role::Text,
+                (Role::Count(c), Some(b'0'..=b'9')) => Role::Count(c),
+                (Role::Text | Role::Count(_), _) => Role::Literal,
+                (r, _) => r,
             };
             self.value(child, role, depth + 1)?;
             if self.eat(b'}') {
@@ -385,12 +499,17 @@ impl Learner<'_> {
         } else {
             Place::Other
         };
+        // In a body, an array the walk does not read holds free values too.
+        let role = match self.body && place != Place::Choices {
+            true => Role::Free,
+            false => Role::Literal,
+        };
         loop {
             // A choice is an object (the scan reads no other).
             if place == Place::Choices && self.data.get(self.at) != Some(&b'{') {
                 return None;
             }
-            self.value(element, Role::Literal, depth + 1)?;
+            self.value(element, role, depth + 1)?;
             if self.eat(b']') {
                 return Some(());
             }
@@ -405,6 +524,38 @@ impl Learner<'_> {
         self.at += usize::from(ate);
         ate
     }
+}
+
+/// What a chunk's member `key` at `place` holds, and where its value is.
+fn chunk_member(place: Place, key: &[u8]) -> (Place, Role) {
+    match place {
+        Place::Top if key == b"choices" => (Place::Choices, Role::Literal),
+        Place::Choice if key == b"delta" => (Place::Delta, Role::Literal),
+        Place::Choice if key == b"text" => (Place::Other, Role::Text),
+        Place::Delta if DELTA_TEXT.contains(&key) => (Place::Other, Role::Text),
+        _ if READ.contains(&key) => (Place::Other, Role::Literal),
+        _ => (Place::Other, Role::Free),
+    }
+}
+
+/// What a body's member `key` at `place` holds, as the walk reads it: its choices' texts
+/// and finish reasons, its usage's counts and its error; everything else is free, nested
+/// or not (a message, its content, its tool calls). `None` for a streamed `delta`, which
+/// the walk leaves to the parser.
+fn body_member(place: Place, key: &[u8]) -> Option<(Place, Role)> {
+    Some(match (place, key) {
+        (Place::Top, b"choices") => (Place::Choices, Role::Literal),
+        (Place::Top, b"usage") => (Place::Usage, Role::Literal),
+        (Place::Top, b"error") => (Place::Other, Role::Literal),
+        (Place::Choice, b"text") => (Place::Other, Role::Text),
+        (Place::Choice, b"finish_reason") => (Place::Other, Role::Literal),
+        (Place::Choice, b"delta") => return None,
+        (Place::Usage, b"completion_tokens") => (Place::Other, Role::Count(Count::Completion)),
+        (Place::Usage, b"prompt_tokens") => (Place::Other, Role::Count(Count::Prompt)),
+        (Place::Usage, b"prompt_tokens_details") => (Place::Details, Role::Literal),
+        (Place::Details, b"cached_tokens") => (Place::Other, Role::Count(Count::Cached)),
+        _ => (Place::Other, Role::Free),
+    })
 }
 
 /// The length of the JSON number `data` starts with (RFC 8259 §6), `None` if it does not
@@ -452,7 +603,12 @@ mod tests {
     const CHUNK: &str = r#"{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1700000000,"model":"m","choices":[{"index":0,"delta":{"content":"Hi"},"logprobs":null,"finish_reason":null}],"t":17}"#;
 
     fn shape_of(chunk: &str) -> Shape {
-        Shape::learn(chunk.as_bytes(), event_scanned(chunk.as_bytes()).unwrap()).unwrap()
+        Shape::learn(
+            chunk.as_bytes(),
+            event_scanned(chunk.as_bytes()).unwrap(),
+            false,
+        )
+        .unwrap()
     }
 
     #[test]
@@ -486,7 +642,8 @@ mod tests {
         let escaped = CHUNK.replace("\"t\":", "\"\\u0074\":");
         assert!(Shape::learn(
             escaped.as_bytes(),
-            event_scanned(escaped.as_bytes()).unwrap()
+            event_scanned(escaped.as_bytes()).unwrap(),
+            false
         )
         .is_none());
     }
@@ -560,7 +717,8 @@ mod tests {
         Shape {
             literal: shape.literal.clone(),
             runs: shape.runs.clone(),
-            finished: shape.finished,
+            body: shape.body,
+            fixed: shape.fixed,
             last: Vec::new(),
             holes: vec![Filled::default(); shape.runs.len()],
         }
@@ -600,6 +758,151 @@ mod tests {
             assert_eq!(afresh(&shape, chunk.as_bytes()), want, "{chunk}");
             assert_eq!(shape.read(chunk.as_bytes()), want, "{chunk}");
         }
+    }
+
+    const BODY: &str = r#"{"id":"chatcmpl-1","object":"chat.completion","created":1733000000,"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"Hello there","refusal":null,"tool_calls":[]},"logprobs":null,"finish_reason":"stop"}],"usage":{"prompt_tokens":12,"completion_tokens":2,"total_tokens":14,"prompt_tokens_details":{"cached_tokens":8}},"system_fingerprint":null}"#;
+
+    fn walk(b: &str) -> Option<Facts> {
+        super::super::body::body(b.as_bytes())
+    }
+
+    fn body_shape_of(b: &str) -> Shape {
+        Shape::learn(b.as_bytes(), walk(b).unwrap(), true).unwrap()
+    }
+
+    /// A body's id, time, message and the counts of its usage are holes: another reply
+    /// of the server is read from the shape, its counts as the walk reads them; what the
+    /// walk reads literally (a finish reason, an error, a count's `null`) is the shape's.
+    #[test]
+    fn a_body_is_read_from_its_shape() {
+        let mut shape = body_shape_of(BODY);
+        let counts = |completion, prompt, cached| {
+            Some(Facts {
+                exact_total: Some(completion),
+                input_tokens: Some(prompt),
+                cached_input_tokens: Some(cached),
+                finished: true,
+                ..Facts::default()
+            })
+        };
+        assert_eq!(shape.read(BODY.as_bytes()), counts(2, 12, 8));
+        let other = BODY
+            .replace("chatcmpl-1", "chatcmpl-987")
+            .replace("1733000000", "1733000123")
+            .replace(
+                "Hello there",
+                r#"A longer \"reply\", with {braces} and [brackets]"#,
+            )
+            .replace("\"prompt_tokens\":12", "\"prompt_tokens\":4096")
+            .replace("\"completion_tokens\":2", "\"completion_tokens\":0")
+            .replace("\"total_tokens\":14", "\"total_tokens\":4096.5")
+            .replace("\"cached_tokens\":8", "\"cached_tokens\":4294967296");
+        assert_eq!(shape.read(other.as_bytes()), counts(0, 4096, 1 << 32));
+        assert_eq!(shape.read(other.as_bytes()), walk(&other));
+        // Counts the walk does not read as counts, and changed literals, are not the shape.
+        for changed in [
+            BODY.replace("\"completion_tokens\":2", "\"completion_tokens\":02"),
+            BODY.replace("\"completion_tokens\":2", "\"completion_tokens\":2.0"),
+            BODY.replace("\"completion_tokens\":2", "\"completion_tokens\":2e1"),
+            BODY.replace("\"completion_tokens\":2", "\"completion_tokens\":-2"),
+            BODY.replace("\"completion_tokens\":2", "\"completion_tokens\":null"),
+            BODY.replace("\"prompt_tokens\":12", "\"prompt_tokens\":4294967297"),
+            BODY.replace("\"cached_tokens\":8", "\"cached_tokens\":12345678901"),
+            BODY.replace("\"finish_reason\":\"stop\"", "\"finish_reason\":\"length\""),
+            BODY.replace("\"finish_reason\":\"stop\"", "\"finish_reason\":null"),
+            BODY.replace(
+                "\"system_fingerprint\":null",
+                "\"system_fingerprint\":\"fp\"",
+            ),
+            BODY.replace("\"tool_calls\":[]", "\"tool_calls\":[{}]"),
+            BODY.replace("}],\"usage\"", "},{\"index\":1}],\"usage\""),
+            BODY.to_owned() + " ",
+        ] {
+            assert_eq!(shape.read(changed.as_bytes()), None, "{changed}");
+        }
+        // A completion's texts: a token each when not empty.
+        let completion = r#"{"id":"cmpl-1","object":"text_completion","choices":[{"index":0,"text":" world","logprobs":null,"finish_reason":"length"},{"index":1,"text":"","finish_reason":null}],"usage":{"prompt_tokens":3,"completion_tokens":16,"total_tokens":19}}"#;
+        let mut shape = body_shape_of(completion);
+        for (a, b) in [("\"\"", "\"x\""), ("\" world\"", "\"\"")] {
+            let other = completion.replace(a, b);
+            assert_eq!(shape.read(other.as_bytes()), walk(&other), "{other}");
+        }
+        // A streamed delta in a body is the parser's: never a body's shape.
+        let delta = r#"{"choices":[{"index":0,"delta":{"content":"x"}}]}"#;
+        let facts = serde_json::from_slice::<Chunk>(delta.as_bytes())
+            .unwrap()
+            .facts();
+        assert!(Shape::learn(delta.as_bytes(), facts, true).is_none());
+    }
+
+    /// Bodies made from the seeds by rewriting their strings and numbers: each is read
+    /// after the one before it and afresh alike, and wherever the shape answers, the walk
+    /// says the same (and the parser, where it reads the body).
+    #[test]
+    fn body_shapes_agree_with_the_walk_on_rewritten_values() {
+        use rand::{rngs::StdRng, Rng, SeedableRng};
+        let seeds = [
+            BODY,
+            r#"{"id":"cmpl-1","object":"text_completion","choices":[{"index":0,"text":" world","logprobs":null,"finish_reason":"length"},{"index":1,"text":"","finish_reason":null}],"usage":{"prompt_tokens":3,"completion_tokens":16,"total_tokens":19}}"#,
+            r#"{"choices":[{"index":0,"message":{"tool_calls":[{"id":"t","function":{"name":"f","arguments":"{\"a\":[1,2]}"}}]},"finish_reason":"tool_calls"}],"usage":null}"#,
+            r#"{"choices":[],"usage":{"completion_tokens":5,"prompt_tokens":9,"prompt_tokens_details":null}}"#,
+            r#"{"error":{"message":"boom","code":500},"choices":[{"text":null}],"usage":{"completion_tokens":null,"prompt_tokens":0}}"#,
+        ];
+        let mut shapes: Vec<Shape> = seeds.iter().map(|s| body_shape_of(s)).collect();
+        let pieces = [
+            "",
+            "x",
+            "\\\"",
+            "\\\\",
+            "\"",
+            ":",
+            ",",
+            "}",
+            "]",
+            " ",
+            "\\u0041",
+            "0",
+            "00",
+            "-",
+            ".",
+            "e",
+            "9999999999",
+            "null",
+            "\"delta\":{}",
+            "\"text\":\"x\"",
+        ];
+        let mut rng = StdRng::seed_from_u64(61);
+        let (mut compared, mut hits) = (0, 0);
+        for _ in 0..60_000 {
+            let i = rng.gen_range(0..seeds.len());
+            let mut c = seeds[i].as_bytes().to_vec();
+            for _ in 0..rng.gen_range(1..3) {
+                let marks: Vec<usize> = (0..c.len())
+                    .filter(|&j| matches!(c[j], b'"' | b':' | b'0'..=b'9'))
+                    .collect();
+                let at = marks[rng.gen_range(0..marks.len())] + 1;
+                let to = (at + rng.gen_range(0..3)).min(c.len());
+                let p = pieces[rng.gen_range(0..pieces.len())];
+                c.splice(at..to, p.bytes());
+            }
+            let f = shapes[i].read(&c);
+            assert_eq!(f, afresh(&shapes[i], &c), "{}", String::from_utf8_lossy(&c));
+            let Some(f) = f else {
+                continue;
+            };
+            hits += 1;
+            assert_eq!(
+                Some(f),
+                super::super::body::body(&c),
+                "{}",
+                String::from_utf8_lossy(&c)
+            );
+            if let Ok(chunk) = serde_json::from_slice::<Chunk>(&c) {
+                compared += 1;
+                assert_eq!(f, chunk.facts(), "{}", String::from_utf8_lossy(&c));
+            }
+        }
+        assert!(compared > 2_000 && hits >= compared, "{compared} {hits}");
     }
 
     #[test]

@@ -101,7 +101,7 @@ impl Fields {
     }
 
     /// The fields present (not removed), name and value.
-    #[cfg(test)]
+    #[cfg(any(test, feature = "fuzzing"))]
     pub(crate) fn iter(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
         self.list
             .iter()

@@ -436,6 +436,13 @@ mod tests {
         for _ in 0..30_000 {
             let b = mutated(&mut rng, &BODIES, &pieces);
             let walked = body(&b);
+            // Through the replies' shapes too (learned from these bodies as they come).
+            assert_eq!(
+                super::super::body(&b),
+                walked,
+                "{}",
+                String::from_utf8_lossy(&b)
+            );
             answered += usize::from(walked.is_some());
             if let (Some(w), Some(p)) = (walked, parsed(&b)) {
                 compared += 1;

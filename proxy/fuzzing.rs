@@ -120,8 +120,10 @@ pub fn dialects(data: &[u8]) {
         let _ = d.body(data);
     }
     openai::fast_path_agrees(data);
+    openai::body_shapes_agree(data);
     for (_, data) in &events {
         openai::fast_path_agrees(data);
+        openai::body_shapes_agree(data);
     }
 }
 

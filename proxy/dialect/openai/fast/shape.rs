@@ -86,7 +86,7 @@ enum Count {
     Cached,
 }
 
-/// A chunk's literal bytes, cut at its holes.
+/// A chunk's (or a body's) literal bytes, cut at its holes.
 #[derive(Debug)]
 struct Shape {
     literal: Box<[u8]>,
@@ -95,13 +95,20 @@ struct Shape {
     /// A whole body's shape (else a stream's chunk's): its tokens are counted, one a
     /// choice's text, not one at most.
     body: bool,
-    /// The facts its literal bytes hold (a chunk's finish reason; a body's error, and its
-    /// counts held literal, as `null`); the holes' are read into them.
+    /// The facts its literal bytes hold: a chunk's finish reason; every fact of the body
+    /// it was learned from (its finish, error, whether it had usage only, a count held
+    /// literal as `null`). A match's tokens, and its counts where they are holes, are read
+    /// into them.
     fixed: Facts,
+    /// Which of a body's counts are holes ([`Count`] as the index).
+    count_holes: [bool; 3],
     /// The last chunk this shape read (empty when there is none, or it was long).
     last: Vec<u8>,
     /// Where each hole of `last` ended, and whether it carried a token.
     holes: Vec<Filled>,
+    /// The counts' holes as they were last read ([`Count`] as the index): each is in a
+    /// body once, and a read that fails leaves no `last`, so the next is read whole.
+    counts: [u64; 3],
 }
 
 /// A hole as the last chunk filled it.
@@ -109,25 +116,13 @@ struct Shape {
 struct Filled {
     end: u32,
     token: bool,
-    /// A count's value.
-    count: u64,
 }
 
-/// What the holes read so far hold.
-#[derive(Default)]
-struct Read {
-    tokens: u32,
-    counts: [Option<u64>; 3],
-}
-
-impl Read {
-    fn add(&mut self, hole: Hole, filled: Filled) {
-        self.tokens += u32::from(filled.token);
-        if let Hole::Count(c) = hole {
-            self.counts[c as usize] = Some(filled.count);
-        }
-    }
-}
+/// The most holes, and literal bytes, a body's shape may have: a reply with a long list
+/// (logprobs, many tool calls) is seldom alike the next, and its shape would keep ~24
+/// bytes a hole on top of its literal bytes, per worker thread.
+const BODY_HOLES: usize = 64;
+const BODY_LITERAL: usize = 4096;
 
 /// The longest chunk a shape keeps to compare the next with.
 const MAX_LAST: usize = 1024;
@@ -176,7 +171,9 @@ fn cached(
         };
         for i in 0..c.shapes.len() {
             if let Some(f) = c.shapes[i].read(data) {
-                c.shapes.swap(0, i);
+                if i != 0 {
+                    c.shapes.swap(0, i);
+                }
                 c.misses = 0;
                 return Some(f);
             }
@@ -198,8 +195,9 @@ fn cached(
 // === impl Shape ===
 
 impl Shape {
-    /// The shape of `data`, whose facts the scan found to be `facts`; `None` when it has
-    /// nothing a shape can hold (spaces, escaped keys, deep nesting).
+    /// The shape of `data`, whose facts the scan (or, for a `body`, the walk) found to be
+    /// `facts`; `None` when it has nothing a shape can hold (spaces, escaped keys, deep
+    /// nesting, a body's `delta`, a body too large to keep).
     fn learn(data: &[u8], facts: Facts, body: bool) -> Option<Shape> {
         let mut l = Learner {
             data,
@@ -208,7 +206,7 @@ impl Shape {
             body,
         };
         l.value(Place::Top, Role::Literal, 0)?;
-        if l.at != data.len() {
+        if l.at != data.len() || (body && l.holes.len() > BODY_HOLES) {
             return None;
         }
         let mut literal = Vec::with_capacity(data.len());
@@ -221,6 +219,9 @@ impl Shape {
         }
         literal.extend_from_slice(&data[from..]);
         runs.push((u32::try_from(literal.len()).ok()?, Hole::End));
+        if body && literal.len() > BODY_LITERAL {
+            return None;
+        }
         let holes = vec![Filled::default(); runs.len()];
         let fixed = match body {
             true => facts,
@@ -229,13 +230,21 @@ impl Shape {
                 ..Facts::default()
             },
         };
+        let mut count_holes = [false; 3];
+        for (_, hole) in &runs {
+            if let Hole::Count(c) = hole {
+                count_holes[*c as usize] = true;
+            }
+        }
         let mut shape = Shape {
             literal: literal.into(),
             runs: runs.into(),
             body,
             fixed,
+            count_holes,
             last: Vec::new(),
             holes,
+            counts: [0; 3],
         };
         // Everything the facts say must come from where the shape reads them.
         (shape.read(data) == Some(facts)).then_some(shape)
@@ -252,18 +261,15 @@ impl Shape {
             .take_while(|h| (h.end as usize) < same)
             .count()
             .min(self.runs.len() - 1);
-        let mut read = Read::default();
-        for (&(_, hole), &filled) in self.runs.iter().zip(&self.holes).take(skip) {
-            read.add(hole, filled);
-        }
-        let (at, from) = match skip.checked_sub(1) {
+        let (at, from, tokens) = match skip.checked_sub(1) {
             Some(before) => (
                 self.holes[before].end as usize,
                 self.runs[before].0 as usize,
+                self.holes[..skip].iter().map(|h| u32::from(h.token)).sum(),
             ),
-            None => (0, 0),
+            None => (0, 0, 0),
         };
-        let facts = self.read_from(data, skip, at, from, read);
+        let facts = self.read_from(data, skip, at, from, tokens);
         self.last.clear();
         if facts.is_some() && data.len() <= MAX_LAST {
             self.last.extend_from_slice(data);
@@ -272,14 +278,15 @@ impl Shape {
     }
 
     /// [`Shape::read`] from run `first` on, at `at` in `data` and `from` in the literal,
-    /// with what the holes before it held in `read`; the holes' places are kept as it goes.
+    /// with the `tokens` the holes before it carried; the holes' places (and counts) are
+    /// kept as it goes.
     fn read_from(
         &mut self,
         data: &[u8],
         first: usize,
         mut at: usize,
         mut from: usize,
-        mut read: Read,
+        mut tokens: u32,
     ) -> Option<Facts> {
         for (i, &(end, hole)) in self.runs.iter().enumerate().skip(first) {
             let run = &self.literal[from..end as usize];
@@ -289,9 +296,8 @@ impl Shape {
             at += run.len();
             from = end as usize;
             let start = at;
-            let mut count = 0;
             match hole {
-                Hole::End => return (at == data.len()).then(|| self.facts(&read)),
+                Hole::End => return (at == data.len()).then(|| self.facts(tokens)),
                 Hole::Num => at += number_len(&data[at..])?,
                 Hole::Str | Hole::Text => {
                     if data.get(at) != Some(&b'"') {
@@ -299,35 +305,37 @@ impl Shape {
                     }
                     at = string_end(data, at)?;
                 }
-                Hole::Count(_) => {
+                Hole::Count(c) => {
                     let (n, len) = count_at(&data[at..])?;
-                    count = n;
+                    self.counts[c as usize] = n;
                     at += len;
                 }
             }
-            let filled = Filled {
+            let token = hole == Hole::Text && at - start > 2;
+            tokens += u32::from(token);
+            self.holes[i] = Filled {
                 end: u32::try_from(at).ok()?,
-                token: hole == Hole::Text && at - start > 2,
-                count,
+                token,
             };
-            read.add(hole, filled);
-            self.holes[i] = filled;
         }
         None
     }
 
-    /// The facts of a match whose holes held `read`.
-    fn facts(&self, read: &Read) -> Facts {
+    /// The facts of a match whose holes carried `tokens` (and its counts, in `counts`).
+    fn facts(&self, tokens: u32) -> Facts {
         let mut facts = self.fixed;
         if !self.body {
-            facts.tokens = u32::from(read.tokens > 0);
+            facts.tokens = u32::from(tokens > 0);
             return facts;
         }
-        facts.tokens = read.tokens;
-        let [completion, prompt, cached] = read.counts;
-        facts.exact_total = completion.or(facts.exact_total);
-        facts.input_tokens = prompt.or(facts.input_tokens);
-        facts.cached_input_tokens = cached.or(facts.cached_input_tokens);
+        facts.tokens = tokens;
+        let count = |c: Count, fixed| match self.count_holes[c as usize] {
+            true => Some(self.counts[c as usize]),
+            false => fixed,
+        };
+        facts.exact_total = count(Count::Completion, facts.exact_total);
+        facts.input_tokens = count(Count::Prompt, facts.input_tokens);
+        facts.cached_input_tokens = count(Count::Cached, facts.cached_input_tokens);
         facts
     }
 }
@@ -399,7 +407,8 @@ enum Place {
 #[derive(Clone, Copy, PartialEq)]
 enum Role {
     Literal,
-    /// The value of a key the parser does not read.
+    /// The value of a key the parser does not read (in a body, every value the walk does
+    /// not read, an array's elements too).
     Free,
     Text,
     /// A body's usage count.
@@ -719,8 +728,10 @@ mod tests {
             runs: shape.runs.clone(),
             body: shape.body,
             fixed: shape.fixed,
+            count_holes: shape.count_holes,
             last: Vec::new(),
             holes: vec![Filled::default(); shape.runs.len()],
+            counts: [0; 3],
         }
         .read(data)
     }
@@ -808,6 +819,11 @@ mod tests {
             BODY.replace("\"completion_tokens\":2", "\"completion_tokens\":null"),
             BODY.replace("\"prompt_tokens\":12", "\"prompt_tokens\":4294967297"),
             BODY.replace("\"cached_tokens\":8", "\"cached_tokens\":12345678901"),
+            // 2^64 + 1, which a fold of all its digits would wrap to 1.
+            BODY.replace(
+                "\"completion_tokens\":2",
+                "\"completion_tokens\":18446744073709551617",
+            ),
             BODY.replace("\"finish_reason\":\"stop\"", "\"finish_reason\":\"length\""),
             BODY.replace("\"finish_reason\":\"stop\"", "\"finish_reason\":null"),
             BODY.replace(
@@ -826,6 +842,19 @@ mod tests {
         for (a, b) in [("\"\"", "\"x\""), ("\" world\"", "\"\"")] {
             let other = completion.replace(a, b);
             assert_eq!(shape.read(other.as_bytes()), walk(&other), "{other}");
+        }
+        // A long list (logprobs) makes no shape: it is seldom alike the next.
+        let entries = |n| {
+            let e = r#"{"token":"x","logprob":-0.1,"bytes":[120],"top_logprobs":[]}"#;
+            vec![e; n].join(",")
+        };
+        for (n, kept) in [(15, true), (40, false)] {
+            let long = BODY.replace(
+                "\"logprobs\":null",
+                &format!("\"logprobs\":{{\"content\":[{}]}}", entries(n)),
+            );
+            let learned = Shape::learn(long.as_bytes(), walk(&long).unwrap(), true);
+            assert_eq!(learned.is_some(), kept, "{n} entries");
         }
         // A streamed delta in a body is the parser's: never a body's shape.
         let delta = r#"{"choices":[{"index":0,"delta":{"content":"x"}}]}"#;

@@ -164,12 +164,10 @@ impl Slot {
         self.permit.settle(tokens);
     }
 
-    /// Given back as its request ended `at` (see [`Permit::release_at`]): its lease first,
-    /// as dropping it does.
+    /// Given back as its request ended `at` ([`Permit::release_at`]), its lease first.
     pub fn release_at(self, at: Instant) {
-        let Slot { _lease, permit } = self;
-        drop(_lease);
-        permit.release_at(at);
+        drop(self._lease);
+        self.permit.release_at(at);
     }
 }
 

@@ -30,7 +30,6 @@ use std::time::Duration;
 
 use bytes::BytesMut;
 use pingora::prelude::*;
-use pingora::upstreams::peer::Peer as _;
 use pingora::ErrorSource;
 
 use super::ctx::Ctx;
@@ -299,30 +298,6 @@ impl TokenTap {
         if ok && open.relay.reusable {
             let now = self.live.clock().instant(now);
             self.release(open.up, &held.endpoint, upstream.config.idle_timeout, now);
-        }
-    }
-
-    /// Gives a clean upstream connection back to its pool (plain TCP: tokentap's; TLS:
-    /// pingora's), kept `idle` at most from `now`.
-    fn release(
-        &self,
-        up: Io,
-        endpoint: &crate::pool::Endpoint,
-        idle: Duration,
-        now: std::time::Instant,
-    ) {
-        match up {
-            Io::Tcp(tcp) => {
-                self.transport
-                    .pool
-                    .release(endpoint.at.addr, tcp, now, idle);
-            }
-            Io::Pingora(tls) => {
-                let hash = endpoint.peer().reuse_hash();
-                self.transport
-                    .connector
-                    .release_stream(tls, hash, Some(idle));
-            }
         }
     }
 

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use pingora::prelude::*;
-use pingora::upstreams::peer::HttpPeer;
+use pingora::upstreams::peer::{HttpPeer, Peer as _};
 use tokio::io::AsyncWriteExt;
 use tokio::time::timeout;
 
@@ -232,6 +232,30 @@ impl TokenTap {
         })?;
         let _ = tcp.set_nodelay(true);
         Ok(Io::Tcp(tcp))
+    }
+
+    /// Gives a clean upstream connection back to its pool (plain TCP: tokentap's; TLS:
+    /// pingora's), kept `idle` at most from `now`.
+    pub(super) fn release(
+        &self,
+        up: Io,
+        endpoint: &crate::pool::Endpoint,
+        idle: Duration,
+        now: std::time::Instant,
+    ) {
+        match up {
+            Io::Tcp(tcp) => {
+                self.transport
+                    .pool
+                    .release(endpoint.at.addr, tcp, now, idle);
+            }
+            Io::Pingora(tls) => {
+                let hash = endpoint.peer().reuse_hash();
+                self.transport
+                    .connector
+                    .release_stream(tls, hash, Some(idle));
+            }
+        }
     }
 
     /// Connects to the request's endpoint and writes the request head with the body read so

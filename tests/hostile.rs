@@ -414,24 +414,10 @@ async fn ask(s: &mut TcpStream) {
     s.write_all(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
         .await
         .unwrap();
-    let mut got = Vec::new();
-    let whole = |got: &[u8]| {
-        let text = String::from_utf8_lossy(got).to_ascii_lowercase();
-        let (head, body) = text.split_once("\r\n\r\n")?;
-        let length = head
-            .lines()
-            .find_map(|l| l.strip_prefix("content-length:"))?;
-        (body.len() >= length.trim().parse::<usize>().ok()?).then_some(())
-    };
-    while whole(&got).is_none() {
-        let mut buf = vec![0u8; 4096];
-        let n = timeout(Duration::from_secs(5), s.read(&mut buf))
-            .await
-            .unwrap()
-            .unwrap();
-        assert!(n > 0, "closed after {:?}", String::from_utf8_lossy(&got));
-        got.extend_from_slice(&buf[..n]);
-    }
+    let got = timeout(Duration::from_secs(5), read_message(s))
+        .await
+        .unwrap()
+        .expect("a response before the connection closed");
     assert!(
         got.starts_with(b"HTTP/1.1 404"),
         "{:?}",

@@ -252,6 +252,15 @@ pub async fn mock(routes: Vec<(&'static str, Reply)>) -> Mock {
 
 /// Reads one request; returns its path.
 async fn read_request(s: &mut TcpStream) -> Option<String> {
+    let message = read_message(s).await?;
+    let head = String::from_utf8_lossy(&message);
+    Some(head.split_whitespace().nth(1)?.to_owned())
+}
+
+/// Reads one HTTP/1.1 message whole from `s`, head and body (by its `Content-Length`, or
+/// chunked to its last chunk; none without either): its bytes, or `None` when `s` closed
+/// or failed first.
+pub async fn read_message(s: &mut TcpStream) -> Option<Vec<u8>> {
     let mut buf = Vec::new();
     let mut tmp = [0u8; 4096];
     let head_end = loop {
@@ -264,33 +273,25 @@ async fn read_request(s: &mut TcpStream) -> Option<String> {
         }
         buf.extend_from_slice(&tmp[..n]);
     };
-    let head = String::from_utf8_lossy(&buf[..head_end]).to_string();
-    let path = head.split_whitespace().nth(1)?.to_owned();
-    let lower = head.to_ascii_lowercase();
-    let mut rest = buf.len() - head_end;
-    if let Some(len) = lower
+    let lower = String::from_utf8_lossy(&buf[..head_end]).to_ascii_lowercase();
+    let length = lower
         .lines()
         .find_map(|l| l.strip_prefix("content-length:"))
-        .and_then(|v| v.trim().parse::<usize>().ok())
-    {
-        while rest < len {
-            let n = s.read(&mut tmp).await.ok()?;
-            if n == 0 {
-                return None;
-            }
-            rest += n;
+        .and_then(|v| v.trim().parse::<usize>().ok());
+    let chunked = lower.contains("transfer-encoding: chunked");
+    let whole = |buf: &[u8]| match length {
+        Some(len) => buf.len() - head_end >= len,
+        None if chunked => buf[head_end..].windows(5).any(|w| w == b"0\r\n\r\n"),
+        None => true,
+    };
+    while !whole(&buf) {
+        let n = s.read(&mut tmp).await.ok()?;
+        if n == 0 {
+            return None;
         }
-    } else if lower.contains("transfer-encoding: chunked") {
-        let mut body = buf[head_end..].to_vec();
-        while !body.windows(5).any(|w| w == b"0\r\n\r\n") {
-            let n = s.read(&mut tmp).await.ok()?;
-            if n == 0 {
-                return None;
-            }
-            body.extend_from_slice(&tmp[..n]);
-        }
+        buf.extend_from_slice(&tmp[..n]);
     }
-    Some(path)
+    Some(buf)
 }
 
 async fn write_reply(s: &mut TcpStream, reply: Reply, aborted: &AtomicU64) -> bool {

@@ -83,6 +83,23 @@ fn stop_in_string(data: &[u8], from: usize) -> Option<usize> {
     Some(i + memchr::memchr2(b'"', b'\\', data.get(i..)?)?)
 }
 
+/// A token count at the start of `data` as the parser reads one: plain digits (no leading
+/// zero but `0`, at most ten, as `MAX_COUNT` has; no fraction or exponent after) up to
+/// `MAX_COUNT`; its value and length. A reply's shape reads its counts by it too.
+pub(super) fn count_at(data: &[u8]) -> Option<(u64, usize)> {
+    let digits = data.iter().take_while(|b| b.is_ascii_digit()).count();
+    if digits == 0 || digits > 10 || (digits > 1 && data[0] == b'0') {
+        return None;
+    }
+    if matches!(data.get(digits), Some(b'.' | b'e' | b'E' | b'-' | b'+')) {
+        return None;
+    }
+    let n = data[..digits]
+        .iter()
+        .fold(0u64, |n, &d| n * 10 + u64::from(d - b'0'));
+    (n <= MAX_COUNT).then_some((n, digits))
+}
+
 /// Sets a member read once; `None` (to the parser) when it is read twice.
 fn set<T>(slot: &mut Option<T>, value: T) -> Option<()> {
     slot.replace(value).is_none().then_some(())
@@ -265,24 +282,9 @@ impl Walk<'_> {
         if self.null()? {
             return Some(None);
         }
-        let digits = self.data[self.at..]
-            .iter()
-            .take_while(|b| b.is_ascii_digit())
-            .count();
-        let text = &self.data[self.at..self.at + digits];
-        // No leading zero but "0", at most 10 digits (MAX_COUNT has 10).
-        if digits == 0 || digits > 10 || (digits > 1 && text[0] == b'0') {
-            return None;
-        }
-        if matches!(
-            self.data.get(self.at + digits),
-            Some(b'.' | b'e' | b'E' | b'-' | b'+')
-        ) {
-            return None;
-        }
-        let n = text.iter().fold(0u64, |n, &d| n * 10 + u64::from(d - b'0'));
+        let (n, digits) = count_at(&self.data[self.at..])?;
         self.at += digits;
-        (n <= MAX_COUNT).then_some(Some(n))
+        Some(Some(n))
     }
 
     /// Past any value: a string, an object or array (by its brackets, strings skipped

@@ -24,8 +24,8 @@
 
 use std::cell::RefCell;
 
+use super::body::count_at;
 use super::{string_end, Facts};
-use crate::dialect::MAX_COUNT;
 
 /// Keys whose values the parser or the scan reads: kept literal (but a token text).
 const READ: [&[u8]; 19] = [
@@ -371,23 +371,6 @@ fn common_prefix(a: &[u8], b: &[u8]) -> usize {
         .count()
 }
 
-/// A body's usage count at the start of `data`, as the walk reads one: plain digits (no
-/// leading zero but `0`, at most ten, no fraction or exponent after) up to `MAX_COUNT`;
-/// its value and length.
-fn count_at(data: &[u8]) -> Option<(u64, usize)> {
-    let digits = data.iter().take_while(|b| b.is_ascii_digit()).count();
-    if digits == 0 || digits > 10 || (digits > 1 && data[0] == b'0') {
-        return None;
-    }
-    if matches!(data.get(digits), Some(b'.' | b'e' | b'E' | b'-' | b'+')) {
-        return None;
-    }
-    let n = data[..digits]
-        .iter()
-        .fold(0u64, |n, &d| n * 10 + u64::from(d - b'0'));
-    (n <= MAX_COUNT).then_some((n, digits))
-}
-
 /// Where an object is, for what its members mean.
 #[derive(Clone, Copy, PartialEq)]
 enum Place {
@@ -692,17 +675,7 @@ mod tests {
         let (mut compared, mut hits) = (0, 0);
         for _ in 0..60_000 {
             let i = rng.gen_range(0..seeds.len());
-            let mut c = seeds[i].as_bytes().to_vec();
-            for _ in 0..rng.gen_range(1..3) {
-                // Somewhere after a quote, a colon or a digit: inside or at the edge of a value.
-                let marks: Vec<usize> = (0..c.len())
-                    .filter(|&j| matches!(c[j], b'"' | b':' | b'0'..=b'9'))
-                    .collect();
-                let at = marks[rng.gen_range(0..marks.len())] + 1;
-                let to = (at + rng.gen_range(0..3)).min(c.len());
-                let p = pieces[rng.gen_range(0..pieces.len())];
-                c.splice(at..to, p.bytes());
-            }
+            let c = rewritten(&mut rng, seeds[i], &pieces);
             // Read after the last chunk this shape read, as read afresh.
             let f = shapes[i].read(&c);
             assert_eq!(f, afresh(&shapes[i], &c), "{}", String::from_utf8_lossy(&c));
@@ -719,6 +692,23 @@ mod tests {
             }
         }
         assert!(compared > 2_000 && hits >= compared, "{compared} {hits}");
+    }
+
+    /// `seed` with one or two of `pieces` put somewhere after a quote, a colon or a digit
+    /// (inside or at the edge of a value), over up to two of its bytes.
+    fn rewritten(rng: &mut rand::rngs::StdRng, seed: &str, pieces: &[&str]) -> Vec<u8> {
+        use rand::Rng;
+        let mut c = seed.as_bytes().to_vec();
+        for _ in 0..rng.gen_range(1..3) {
+            let marks: Vec<usize> = (0..c.len())
+                .filter(|&j| matches!(c[j], b'"' | b':' | b'0'..=b'9'))
+                .collect();
+            let at = marks[rng.gen_range(0..marks.len())] + 1;
+            let to = (at + rng.gen_range(0..3)).min(c.len());
+            let p = pieces[rng.gen_range(0..pieces.len())];
+            c.splice(at..to, p.bytes());
+        }
+        c
     }
 
     /// What `shape` reads of `data` with no last chunk to compare it with.
@@ -904,16 +894,7 @@ mod tests {
         let (mut compared, mut hits) = (0, 0);
         for _ in 0..60_000 {
             let i = rng.gen_range(0..seeds.len());
-            let mut c = seeds[i].as_bytes().to_vec();
-            for _ in 0..rng.gen_range(1..3) {
-                let marks: Vec<usize> = (0..c.len())
-                    .filter(|&j| matches!(c[j], b'"' | b':' | b'0'..=b'9'))
-                    .collect();
-                let at = marks[rng.gen_range(0..marks.len())] + 1;
-                let to = (at + rng.gen_range(0..3)).min(c.len());
-                let p = pieces[rng.gen_range(0..pieces.len())];
-                c.splice(at..to, p.bytes());
-            }
+            let c = rewritten(&mut rng, seeds[i], &pieces);
             let f = shapes[i].read(&c);
             assert_eq!(f, afresh(&shapes[i], &c), "{}", String::from_utf8_lossy(&c));
             let Some(f) = f else {

@@ -11,7 +11,7 @@
 //! [`SseParser::oversized_events`]), never buffered whole. After the first few events the
 //! buffers have reached their working size and `push` does not allocate.
 
-use memchr::{memchr, memchr2};
+use memchr::memchr;
 
 const BOM: &[u8; 3] = b"\xEF\xBB\xBF";
 
@@ -115,7 +115,7 @@ impl SseParser {
                 buf = &buf[1..];
             }
         }
-        while let Some(i) = memchr2(b'\n', b'\r', buf) {
+        while let Some(i) = next_line_end(buf) {
             let between_events =
                 self.line.is_empty() && !self.line_overflow && !self.has_data && !self.overflow;
             if between_events {
@@ -236,6 +236,22 @@ impl SseParser {
         self.has_data = false;
         self.overflow = false;
     }
+}
+
+/// Where the first line of `buf` ends (its LF or CR). On x86-64 with AVX2, memchr's
+/// searcher is made once rather than on each call: its setup and dispatch were ~60 of the
+/// ~175 instructions an event's data line cost to search.
+fn next_line_end(buf: &[u8]) -> Option<usize> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use memchr::arch::x86_64::avx2::memchr::Two;
+        static SEARCH: std::sync::LazyLock<Option<Two>> =
+            std::sync::LazyLock::new(|| Two::new(b'\n', b'\r'));
+        if let Some(two) = SEARCH.as_ref() {
+            return two.find(buf);
+        }
+    }
+    memchr::memchr2(b'\n', b'\r', buf)
 }
 
 /// The usual event, whole: a `data` line ending at `i` and, right after it, the blank line

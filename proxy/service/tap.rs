@@ -202,6 +202,28 @@ impl TokenTap {
         }
     }
 
+    /// [`TokenTap::fragment`] of a fragment whose body bytes are one run. A non-streamed
+    /// reply that came whole in it (the usual short one) is read where it is rather than
+    /// copied into the body's buffer first (an allocation, a copy and a free a request).
+    pub(super) fn fragment_one(
+        &self,
+        ctx: &mut Ctx,
+        now: Nanos,
+        payload: &[u8],
+        end: bool,
+        emit: impl FnMut(&[u8]),
+    ) {
+        if let (true, Body::Json(buf), Some(dialect)) = (end, &ctx.body, ctx.dialect) {
+            if buf.is_empty() && !payload.is_empty() && payload.len() <= MAX_JSON_BODY {
+                let facts = dialect.body(payload);
+                // Read: the fragment's metering below passes over it.
+                ctx.body = Body::Ignore;
+                Self::apply(ctx, now, facts);
+            }
+        }
+        self.fragment(ctx, now, [payload], end, emit);
+    }
+
     /// Meters one upstream fragment, handed over once: each of its payload runs
     /// (`payloads`: a chunked body's, or the body bytes it carried) through the framing and
     /// the dialect, the events it carried recorded at once (see

@@ -114,7 +114,7 @@ impl ProxyHttp for TokenTap {
         // With the usage chunk being taken out, the client gets what the tap lets through.
         let stripping = ctx.strip_usage.is_some();
         let mut kept = bytes::BytesMut::new();
-        self.fragment(ctx, now, [&payload[..]], end_of_stream, |b| {
+        self.fragment_one(ctx, now, &payload, end_of_stream, |b| {
             kept.extend_from_slice(b);
         });
         *body = match stripping {

@@ -493,7 +493,7 @@ impl Relay {
                 tap.fragment(ctx, now, payloads, done, emit);
             });
         } else {
-            tap.fragment(ctx, now, [body], done, emit);
+            tap.fragment_one(ctx, now, body, done, emit);
         }
         if done && mode == ToClient::Chunked {
             kept.extend_from_slice(body::LAST_CHUNK);

@@ -164,6 +164,10 @@ impl Fields {
     /// Removes the hop-by-hop fields (RFC 9110 §7.6.1, and those `Connection` names) but
     /// `keep`.
     pub(crate) fn remove_hop_by_hop(&mut self, keep: &str) {
+        // Most heads have no field that could be one (nor a `Connection`, one of them).
+        if self.names & HOP_BY_HOP_BITS == 0 {
+            return;
+        }
         let Self { bytes, list, .. } = self;
         let kept = |name: &[u8]| eq_ignore_case(name, keep.as_bytes());
         for f in list.iter_mut() {
@@ -270,11 +274,15 @@ impl ResponseHead {
     /// as pingora's client does) has each fold's CR and LF replaced by spaces (RFC 9112
     /// §5.2), so the client gets one line: a fold can neither reach it nor start a field of
     /// its own there.
+    #[cfg(any(test, feature = "fuzzing"))]
     pub(crate) fn copy(&mut self, buf: &[u8], len: usize) {
+        self.copy_as(buf, len, super::line_ends(&buf[..len]).folded);
+    }
+
+    /// [`copy`](Self::copy), where the caller has read whether the head has a fold (a line
+    /// that starts with a space or tab: there is none in most heads).
+    pub(crate) fn copy_as(&mut self, buf: &[u8], len: usize, folded: bool) {
         let head = &buf[..len];
-        // A line that starts with a space or tab is a fold: there is none in most heads.
-        let folded =
-            memchr::memchr_iter(b'\n', head).any(|i| matches!(head.get(i + 1), Some(b' ' | b'\t')));
         if !folded {
             self.fields.bytes = Bytes::copy_from_slice(head);
             return;
@@ -473,13 +481,27 @@ impl RequestHead {
 /// Where an (offset, length) pair is in the head's bytes.
 /// One of 64 bits for a field name, from its length and its last byte (either case): two
 /// names that are equal without case get the same bit.
-fn name_bit(name: &[u8]) -> u64 {
-    let last = name.last().map_or(0, |&b| b | 0x20);
+const fn name_bit(name: &[u8]) -> u64 {
+    let last = match name.last() {
+        Some(&b) => b | 0x20,
+        None => 0,
+    };
     1 << ((name.len() as u32)
         .wrapping_mul(7)
-        .wrapping_add(u32::from(last))
+        .wrapping_add(last as u32)
         & 63)
 }
+
+/// The [`name_bit`]s of the hop-by-hop fields.
+const HOP_BY_HOP_BITS: u64 = {
+    let mut bits = 0;
+    let mut i = 0;
+    while i < HOP_BY_HOP.len() {
+        bits |= name_bit(HOP_BY_HOP[i].as_bytes());
+        i += 1;
+    }
+    bits
+};
 
 fn range((at, len): (u32, u32)) -> std::ops::Range<usize> {
     at as usize..at as usize + len as usize

@@ -34,6 +34,7 @@ pub(crate) enum Head<T> {
 /// Whether `a` and `b` are the same but for the case of ASCII letters, as
 /// `<[u8]>::eq_ignore_ascii_case` says, eight bytes at a time: a head's names are looked up
 /// several times a request, and a byte at a time a 14-byte name cost ~100 instructions.
+#[inline]
 pub(crate) fn eq_ignore_case(a: &[u8], b: &[u8]) -> bool {
     if a.len() != b.len() {
         return false;
@@ -51,10 +52,14 @@ pub(crate) fn eq_ignore_case(a: &[u8], b: &[u8]) -> bool {
         u64::from_le_bytes(w)
     };
     let last = a.len() - 8;
-    (0..last)
-        .step_by(8)
-        .chain(std::iter::once(last))
-        .all(|at| words_eq_ignore_case(word(a, at), word(b, at)))
+    let mut at = 0;
+    while at < last {
+        if !words_eq_ignore_case(word(a, at), word(b, at)) {
+            return false;
+        }
+        at += 8;
+    }
+    words_eq_ignore_case(word(a, last), word(b, last))
 }
 
 /// [`eq_ignore_case`] of eight bytes: each pair equal, or differing in the case bit
@@ -80,6 +85,50 @@ fn words_eq_ignore_case(a: u64, b: u64) -> bool {
     let past_z = low + u64::from_ne_bytes([0x80 - 0x7b; 8]);
     let letter = at_least_a & !past_z & !lower & HIGH;
     differ & !letter == 0
+}
+
+/// What a head's line ends say: whether one is a bare LF (no CR before it), and whether a
+/// line starts with a space or tab (a fold, obs-fold).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct LineEnds {
+    pub(crate) bare_lf: bool,
+    pub(crate) folded: bool,
+}
+
+/// The [`LineEnds`] of `head`, found eight bytes at a time in one pass: a short head has a
+/// few lines, and a `memchr` call a line cost more than the line.
+pub(crate) fn line_ends(head: &[u8]) -> LineEnds {
+    const LOW7: u64 = u64::from_ne_bytes([0x7f; 8]);
+    const HIGH: u64 = u64::from_ne_bytes([0x80; 8]);
+    const LF: u64 = u64::from_ne_bytes([b'\n'; 8]);
+    let mut ends = LineEnds::default();
+    let mut at_lf = |i: usize| {
+        ends.bare_lf |= i == 0 || head[i - 1] != b'\r';
+        ends.folded |= matches!(head.get(i + 1), Some(b' ' | b'\t'));
+    };
+    let mut words = head.chunks_exact(8);
+    for (n, word) in words.by_ref().enumerate() {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(word);
+        // A byte's high bit set where it is an LF: its low seven bits plus 0x7f carry into
+        // the high bit unless they are zero, and no carry crosses into the next byte.
+        let x = u64::from_le_bytes(w) ^ LF;
+        let mut lfs = !(((x & LOW7) + LOW7) | x) & HIGH;
+        while lfs != 0 {
+            at_lf(n * 8 + lfs.trailing_zeros() as usize / 8);
+            lfs &= lfs - 1;
+        }
+    }
+    let tail = head.len() - words.remainder().len();
+    for (i, _) in words
+        .remainder()
+        .iter()
+        .enumerate()
+        .filter(|(_, &b)| b == b'\n')
+    {
+        at_lf(tail + i);
+    }
+    ends
 }
 
 /// The `Content-Length`, when it is well formed: one number, or the same number repeated
@@ -187,5 +236,42 @@ mod tests {
             }
             assert_eq!(eq_ignore_case(&a, &b), a.eq_ignore_ascii_case(&b));
         }
+    }
+
+    /// `line_ends` agrees with a byte-at-a-time reading on heads of CR, LF, space, tab,
+    /// letters and bytes one off from an LF (0x09, 0x0b, 0x8a), at every length and place.
+    #[test]
+    fn line_ends_agree_with_a_byte_at_a_time_reading() {
+        use rand::{Rng, SeedableRng};
+        let plain = |head: &[u8]| {
+            let lfs = || head.iter().enumerate().filter(|(_, &b)| b == b'\n');
+            LineEnds {
+                bare_lf: lfs().any(|(i, _)| i == 0 || head[i - 1] != b'\r'),
+                folded: lfs().any(|(i, _)| matches!(head.get(i + 1), Some(b' ' | b'\t'))),
+            }
+        };
+        let alphabet = b"\r\n\r\n \tab:\x09\x0b\x8a\x00\xff";
+        let mut rng = rand::rngs::SmallRng::seed_from_u64(48);
+        let mut seen = [[false; 2]; 2];
+        for _ in 0..200_000 {
+            let len = rng.gen_range(0..40);
+            let head: Vec<u8> = (0..len)
+                .map(|_| alphabet[rng.gen_range(0..alphabet.len())])
+                .collect();
+            let want = plain(&head);
+            assert_eq!(line_ends(&head), want, "{head:?}");
+            seen[usize::from(want.bare_lf)][usize::from(want.folded)] = true;
+        }
+        assert_eq!(seen, [[true; 2]; 2], "every answer met");
+        let head = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n folded\r\nx: y\n\r\n";
+        assert_eq!(
+            line_ends(head),
+            LineEnds {
+                bare_lf: true,
+                folded: true
+            }
+        );
+        let head = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n";
+        assert_eq!(line_ends(head), LineEnds::default());
     }
 }

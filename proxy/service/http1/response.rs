@@ -13,7 +13,7 @@ use super::body::BodyFraming;
 use super::conn::Io;
 use super::head::ResponseHead;
 use super::io::{poll_client_gone, poll_read_with, up_err, up_io};
-use super::{Head, MAX_RESPONSE_HEAD};
+use super::{line_ends, Head, MAX_RESPONSE_HEAD};
 
 /// How the client gets the response body.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -153,11 +153,10 @@ fn find_head(bytes: &[u8]) -> Result<Found> {
                 ));
             }
             Head::Complete(mut resp, len) => {
-                let bare_lf = memchr::memchr_iter(b'\n', &rest[..len])
-                    .any(|i| i == 0 || rest[i - 1] != b'\r');
                 if !resp.status.is_informational() {
-                    resp.copy(rest, len);
-                    return Ok(Found::Head(resp, at + len, bare_lf));
+                    let ends = line_ends(&rest[..len]);
+                    resp.copy_as(rest, len, ends.folded);
+                    return Ok(Found::Head(resp, at + len, ends.bare_lf));
                 }
                 at += len;
             }

@@ -104,7 +104,7 @@ struct Shape {
     count_holes: [bool; 3],
     /// The last chunk this shape read (empty when there is none, or it was long).
     last: Vec<u8>,
-    /// Where each hole of `last` ended, and whether it carried a token.
+    /// Where each hole of `last` ended, and the tokens it and the holes before it carried.
     holes: Vec<Filled>,
     /// The counts' holes as they were last read ([`Count`] as the index): each is in a
     /// body once, and a read that fails leaves no `last`, so the next is read whole.
@@ -115,7 +115,9 @@ struct Shape {
 #[derive(Debug, Clone, Copy, Default)]
 struct Filled {
     end: u32,
-    token: bool,
+    /// The tokens this hole and those before it carried: a read that starts past them
+    /// takes their sum at once.
+    tokens: u32,
 }
 
 /// The most holes, and literal bytes, a body's shape may have: a reply with a long list
@@ -130,6 +132,8 @@ const MAX_LAST: usize = 1024;
 struct Cache {
     shapes: Vec<Shape>,
     misses: u32,
+    /// Where the last read found its shape.
+    hit: usize,
 }
 
 thread_local! {
@@ -137,12 +141,14 @@ thread_local! {
         RefCell::new(Cache {
             shapes: Vec::new(),
             misses: 0,
+            hit: 0,
         })
     };
     static BODIES: RefCell<Cache> = const {
         RefCell::new(Cache {
             shapes: Vec::new(),
             misses: 0,
+            hit: 0,
         })
     };
 }
@@ -171,9 +177,16 @@ fn cached(
         };
         for i in 0..c.shapes.len() {
             if let Some(f) = c.shapes[i].read(data) {
-                if i != 0 {
-                    c.shapes.swap(0, i);
-                }
+                // A shape comes first when it is found twice in a row: a stream's last
+                // chunk (its finish reason, its usage) has a shape of its own, which would
+                // otherwise be tried first on the next stream's every first chunk.
+                c.hit = match (i, c.hit == i) {
+                    (0, _) | (_, false) => i,
+                    (_, true) => {
+                        c.shapes.swap(0, i);
+                        0
+                    }
+                };
                 c.misses = 0;
                 return Some(f);
             }
@@ -186,6 +199,7 @@ fn cached(
                     c.shapes.pop();
                 }
                 c.shapes.insert(0, shape);
+                c.hit = 0;
             }
         }
         Some(facts)
@@ -261,20 +275,68 @@ impl Shape {
             .take_while(|h| (h.end as usize) < same)
             .count()
             .min(self.runs.len() - 1);
-        let (at, from, tokens) = match skip.checked_sub(1) {
-            Some(before) => (
-                self.holes[before].end as usize,
-                self.runs[before].0 as usize,
-                self.holes[..skip].iter().map(|h| u32::from(h.token)).sum(),
-            ),
-            None => (0, 0, 0),
+        let facts = match self.one_hole(data, same, skip) {
+            Some(facts) => Some(facts),
+            None => {
+                let (at, from, tokens) = match skip.checked_sub(1) {
+                    Some(before) => (
+                        self.holes[before].end as usize,
+                        self.runs[before].0 as usize,
+                        self.holes[before].tokens,
+                    ),
+                    None => (0, 0, 0),
+                };
+                self.read_from(data, skip, at, from, tokens)
+            }
         };
-        let facts = self.read_from(data, skip, at, from, tokens);
         self.last.clear();
         if facts.is_some() && data.len() <= MAX_LAST {
             self.last.extend_from_slice(data);
         }
         facts
+    }
+
+    /// A stream's chunk that differs from the last in one hole alone (its text, or its time
+    /// stamp), read from that hole: `same` bytes begin both alike, hole `i` is the first
+    /// not wholly inside them, and the bytes after it are the last chunk's after it. Each
+    /// later literal run and hole is then the last chunk's, shifted, and reads as it read
+    /// there; only hole `i` is read. `None` where that does not hold (or for a body, whose
+    /// counts are read hole by hole): the chunk is read run by run.
+    fn one_hole(&mut self, data: &[u8], same: usize, i: usize) -> Option<Facts> {
+        let hole = self.runs.get(i).map(|r| r.1)?;
+        if self.body || self.last.is_empty() || matches!(hole, Hole::End | Hole::Count(_)) {
+            return None;
+        }
+        let (before_end, before_tokens) = match i.checked_sub(1) {
+            Some(b) => (self.holes[b].end as usize, self.holes[b].tokens),
+            None => (0, 0),
+        };
+        let run_start = i.checked_sub(1).map_or(0, |b| self.runs[b].0 as usize);
+        let start = before_end + (self.runs[i].0 as usize - run_start);
+        let old_end = self.holes[i].end as usize;
+        // Where the hole ends in `data`, the bytes after it being the last chunk's.
+        let end = (old_end + data.len()).checked_sub(self.last.len())?;
+        if same < start || end <= start || !same_bytes(&data[end..], &self.last[old_end..]) {
+            return None;
+        }
+        let read_end = match hole {
+            Hole::Num => start + number_len(&data[start..])?,
+            Hole::Str | Hole::Text if data[start] == b'"' => string_end(data, start)?,
+            _ => return None,
+        };
+        if read_end != end {
+            return None;
+        }
+        // The tokens of the holes from `i` on change by what hole `i` now carries.
+        let was = self.holes[i].tokens - before_tokens;
+        let now = u32::from(hole == Hole::Text && end - start > 2);
+        let shift = |n: u32, by: usize, from: usize| n as usize + by - from;
+        let holes = self.runs.len() - 1;
+        for h in &mut self.holes[i..holes] {
+            h.end = u32::try_from(shift(h.end, end, old_end)).ok()?;
+            h.tokens = h.tokens - was + now;
+        }
+        Some(self.facts(self.holes[holes - 1].tokens))
     }
 
     /// [`Shape::read`] from run `first` on, at `at` in `data` and `from` in the literal,
@@ -290,7 +352,7 @@ impl Shape {
     ) -> Option<Facts> {
         for (i, &(end, hole)) in self.runs.iter().enumerate().skip(first) {
             let run = &self.literal[from..end as usize];
-            if data.get(at..at + run.len())? != run {
+            if !same_bytes(data.get(at..at + run.len())?, run) {
                 return None;
             }
             at += run.len();
@@ -311,11 +373,10 @@ impl Shape {
                     at += len;
                 }
             }
-            let token = hole == Hole::Text && at - start > 2;
-            tokens += u32::from(token);
+            tokens += u32::from(hole == Hole::Text && at - start > 2);
             self.holes[i] = Filled {
                 end: u32::try_from(at).ok()?,
-                token,
+                tokens,
             };
         }
         None
@@ -337,6 +398,21 @@ impl Shape {
         facts.input_tokens = count(Count::Prompt, facts.input_tokens);
         facts.cached_input_tokens = count(Count::Cached, facts.cached_input_tokens);
         facts
+    }
+}
+
+/// Whether `a` and `b` (of one length) are the same bytes: a literal run is mostly a few
+/// bytes (`,"t":`, `}`), compared in a word or two rather than by a call to `bcmp`.
+fn same_bytes(a: &[u8], b: &[u8]) -> bool {
+    debug_assert_eq!(a.len(), b.len());
+    let n = a.len();
+    let word = |s: &[u8], at: usize| u64::from_le_bytes(s[at..at + 8].try_into().unwrap_or([0; 8]));
+    let half = |s: &[u8], at: usize| u32::from_le_bytes(s[at..at + 4].try_into().unwrap_or([0; 4]));
+    match n {
+        // The first and the last eight (or four) bytes, which overlap in between.
+        8..=16 => word(a, 0) == word(b, 0) && word(a, n - 8) == word(b, n - 8),
+        4..=7 => half(a, 0) == half(b, 0) && half(a, n - 4) == half(b, n - 4),
+        _ => a == b,
     }
 }
 
@@ -751,6 +827,39 @@ mod tests {
             ),
             (CHUNK.replace("\"m\"", "\"mm\""), Some(token(1))),
             (CHUNK.replace("\"Hi\"", "\"H\""), Some(token(1))),
+            // One hole changed where the bytes after it are not the last chunk's, or
+            // where it no longer reads as its kind.
+            (
+                CHUNK
+                    .replace("\"Hi\"", "\"Ho\"")
+                    .replace("\"t\":17", "\"t\":18"),
+                Some(token(1)),
+            ),
+            (CHUNK.to_owned(), Some(token(1))),
+            (
+                CHUNK
+                    .replace("\"Hi\"", "\"Ho\"")
+                    .replace("null}]", "nill}]"),
+                None,
+            ),
+            (CHUNK.replace("\"Hi\"", "\"H\\\"i\""), Some(token(1))),
+            (CHUNK.replace("\"Hi\"", "\"H\"i\""), None),
+            (CHUNK.replace("\"Hi\"", "5"), None),
+            (CHUNK.replace("\"t\":17", "\"t\":1."), None),
+            (CHUNK.replace("\"t\":17", "\"t\":\"17\""), None),
+            (
+                CHUNK.replace("\"finish_reason\":null", "\"finish_reason\":\"stop\""),
+                None,
+            ),
+            (CHUNK.to_owned(), Some(token(1))),
+            (CHUNK.replace("\"Hi\"", "\"\""), Some(token(0))),
+            (
+                CHUNK
+                    .replace("\"Hi\"", "\"\"")
+                    .replace("\"t\":17", "\"t\":18"),
+                Some(token(0)),
+            ),
+            (CHUNK.replace("\"t\":17", "\"t\":18"), Some(token(1))),
             (CHUNK.to_owned() + " ", None),
             (CHUNK[..CHUNK.len() - 1].to_owned(), None),
             (CHUNK.to_owned(), Some(token(1))),
@@ -913,6 +1022,22 @@ mod tests {
             }
         }
         assert!(compared > 2_000 && hits >= compared, "{compared} {hits}");
+    }
+
+    /// `same_bytes` is `==` at every length to 40 with any one byte changed.
+    #[test]
+    fn same_bytes_is_equality() {
+        for len in 0..=40 {
+            let a: Vec<u8> = (0..len as u8).map(|i| i.wrapping_mul(37)).collect();
+            assert!(same_bytes(&a, &a.clone()), "{len}");
+            for at in 0..len {
+                for bit in 0..8 {
+                    let mut b = a.clone();
+                    b[at] ^= 1 << bit;
+                    assert!(!same_bytes(&a, &b), "{len} {at} {bit}");
+                }
+            }
+        }
     }
 
     #[test]

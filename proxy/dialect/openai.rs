@@ -251,8 +251,17 @@ mod fast {
             .not()
     }
 
-    /// The bytes of a string looked at one by one before `memchr` looks at the rest.
-    const SHORT_STRING: usize = 16;
+    /// The bytes of a string looked at in a register before `memchr` looks at the rest.
+    const SHORT_STRING: usize = 32;
+
+    /// The bytes of `w` equal to `b`, each marked in its high bit (exactly: a byte's low
+    /// seven bits plus 0x7f carry into its high bit unless they are zero, and no carry
+    /// crosses into the next byte).
+    fn byte_marks(w: u64, b: u8) -> u64 {
+        const LOW7: u64 = u64::from_ne_bytes([0x7f; 8]);
+        let x = w ^ u64::from_ne_bytes([b; 8]);
+        !(((x & LOW7) + LOW7) | x | LOW7)
+    }
 
     /// Whether `value` is a string with at least one character.
     fn non_empty_string(value: &[u8]) -> bool {
@@ -262,9 +271,23 @@ mod fast {
     /// The end of the string starting at `at` (just past its closing quote).
     fn string_end(data: &[u8], at: usize) -> Option<usize> {
         let mut i = at + 1;
-        // Most strings are short (a token's text, a key): their first bytes are looked at
-        // one by one, which costs less than `memchr`'s setup (~100 instructions a call).
+        // Most strings are short (a token's text, a key, an id): their first bytes are
+        // looked at eight at a time in a register, which costs less than `memchr`'s setup
+        // (~60 instructions a call); a longer string's rest is left to it.
         let near = data.len().min(i + SHORT_STRING);
+        while let Some(word) = data.get(i..near).and_then(|s| s.first_chunk::<8>()) {
+            let w = u64::from_le_bytes(*word);
+            let marks = byte_marks(w, b'"') | byte_marks(w, b'\\');
+            if marks == 0 {
+                i += 8;
+                continue;
+            }
+            let j = i + marks.trailing_zeros() as usize / 8;
+            if data[j] == b'"' {
+                return Some(j + 1);
+            }
+            i = j + 2;
+        }
         while i < near {
             match data[i] {
                 b'"' => return Some(i + 1),

@@ -22,6 +22,7 @@ use crate::sse::Event;
 /// A scan of the bytes for the common chunk, without a JSON parse.
 mod fast {
     mod body;
+    mod bytes;
     mod shape;
 
     /// The facts of a whole non-streamed reply: read from a shape of the replies this

@@ -63,11 +63,13 @@ pub(super) struct Tenancy {
 
 /// How the response body is read for metering.
 pub(super) enum Body {
-    /// Not metered (not generation traffic, an error status, an encoded body…).
+    /// Not metered (not generation traffic, an error status, an encoded body…), or a
+    /// whole non-streamed reply already read where it came (`TokenTap::fragment_one`).
     Ignore,
     Sse(SseParser),
     Ndjson(NdjsonParser),
-    /// A non-streaming JSON response, copied (bounded) to read its `usage` at the end.
+    /// A non-streaming JSON response that came in more than one fragment, copied (bounded)
+    /// to read its `usage` at the end.
     Json(Vec<u8>),
 }
 

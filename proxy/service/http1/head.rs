@@ -478,7 +478,6 @@ impl RequestHead {
     }
 }
 
-/// Where an (offset, length) pair is in the head's bytes.
 /// One of 64 bits for a field name, from its length and its last byte (either case): two
 /// names that are equal without case get the same bit.
 const fn name_bit(name: &[u8]) -> u64 {
@@ -503,6 +502,7 @@ const HOP_BY_HOP_BITS: u64 = {
     bits
 };
 
+/// Where an (offset, length) pair is in the head's bytes.
 fn range((at, len): (u32, u32)) -> std::ops::Range<usize> {
     at as usize..at as usize + len as usize
 }

@@ -328,12 +328,16 @@ async fn endpoints_needed_holds_still_under_a_steady_load_and_follows_a_step() {
         })
     };
     // It lasts past the step's minute (aborted once the figure moves).
-    let first = open(160.0);
+    let first = open(200.0);
     // Past the figure's first seconds (it settles on 10 samples of a second).
     stats_when(&tap, |u| {
         u["capacity"]["need_now"].is_number() && u["requests_total"].as_u64().unwrap() > 600
     })
     .await;
+    // And past the 30 s its held value is the median of: the load's first seconds (the
+    // sims and the loop warming up) can read one endpoint more, which a median over them
+    // held for the first ~50 s once on a busy machine. What is awaited is time itself.
+    tokio::time::sleep(Duration::from_secs(25)).await;
     let (mut held, mut now) = (Vec::new(), Vec::new());
     for _ in 0..60 {
         let s = stats(&tap).await;

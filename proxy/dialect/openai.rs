@@ -252,18 +252,6 @@ mod fast {
             .not()
     }
 
-    /// The bytes of a string looked at in a register before `memchr` looks at the rest.
-    const SHORT_STRING: usize = 32;
-
-    /// The bytes of `w` equal to `b`, each marked in its high bit (exactly: a byte's low
-    /// seven bits plus 0x7f carry into its high bit unless they are zero, and no carry
-    /// crosses into the next byte).
-    fn byte_marks(w: u64, b: u8) -> u64 {
-        const LOW7: u64 = u64::from_ne_bytes([0x7f; 8]);
-        let x = w ^ u64::from_ne_bytes([b; 8]);
-        !(((x & LOW7) + LOW7) | x | LOW7)
-    }
-
     /// Whether `value` is a string with at least one character.
     fn non_empty_string(value: &[u8]) -> bool {
         value.first() == Some(&b'"') && value.get(1).is_some_and(|&b| b != b'"')
@@ -272,37 +260,42 @@ mod fast {
     /// The end of the string starting at `at` (just past its closing quote).
     fn string_end(data: &[u8], at: usize) -> Option<usize> {
         let mut i = at + 1;
-        // Most strings are short (a token's text, a key, an id): their first bytes are
-        // looked at eight at a time in a register, which costs less than `memchr`'s setup
-        // (~60 instructions a call); a longer string's rest is left to it.
-        let near = data.len().min(i + SHORT_STRING);
-        while let Some(word) = data.get(i..near).and_then(|s| s.first_chunk::<8>()) {
-            let w = u64::from_le_bytes(*word);
-            let marks = byte_marks(w, b'"') | byte_marks(w, b'\\');
-            if marks == 0 {
-                i += 8;
-                continue;
-            }
-            let j = i + marks.trailing_zeros() as usize / 8;
-            if data[j] == b'"' {
-                return Some(j + 1);
-            }
-            i = j + 2;
-        }
-        while i < near {
-            match data[i] {
-                b'"' => return Some(i + 1),
-                b'\\' => i += 2,
-                _ => i += 1,
-            }
-        }
         loop {
-            i += memchr::memchr2(b'"', b'\\', data.get(i..)?)?;
-            if data[i] == b'"' {
-                return Some(i + 1);
+            let stop = stop_in_string(data, i)?;
+            if data[stop] == b'"' {
+                return Some(stop + 1);
             }
-            i += 2;
+            i = stop + 2;
         }
+    }
+
+    /// The first `"` or `\\` from `from`: eight bytes at a time over the first 64 (a word's
+    /// bytes tested for both at once), the rest by `memchr`, whose setup costs more than a
+    /// key's or a short value's bytes.
+    fn stop_in_string(data: &[u8], from: usize) -> Option<usize> {
+        const ONES: u64 = u64::from_ne_bytes([0x01; 8]);
+        const HIGHS: u64 = u64::from_ne_bytes([0x80; 8]);
+        // The high bit of each byte of `word` equal to `byte`; below the first such byte (the
+        // lowest), none is set (a borrow only carries upward).
+        let equal = |word: u64, byte: u8| {
+            let x = word ^ (ONES * u64::from(byte));
+            x.wrapping_sub(ONES) & !x & HIGHS
+        };
+        let mut i = from;
+        let short = data.len().min(from + 64);
+        while i + 8 <= short {
+            let mut word = [0u8; 8];
+            word.copy_from_slice(&data[i..i + 8]);
+            let found = {
+                let word = u64::from_le_bytes(word);
+                equal(word, b'"') | equal(word, b'\\')
+            };
+            if found != 0 {
+                return Some(i + (found.trailing_zeros() / 8) as usize);
+            }
+            i += 8;
+        }
+        Some(i + memchr::memchr2(b'"', b'\\', data.get(i..)?)?)
     }
 
     /// The end of the object starting at `at` (just past its `}`) when its members are

@@ -331,10 +331,10 @@ impl Shape {
         // The tokens of the holes from `i` on change by what hole `i` now carries.
         let was = self.holes[i].tokens - before_tokens;
         let now = u32::from(hole == Hole::Text && end - start > 2);
-        let shift = |n: u32, by: usize, from: usize| n as usize + by - from;
         let holes = self.runs.len() - 1;
         for h in &mut self.holes[i..holes] {
-            h.end = u32::try_from(shift(h.end, end, old_end)).ok()?;
+            // Each moves as hole `i`'s end moved (`h.end ≥ old_end`).
+            h.end = u32::try_from(h.end as usize + end - old_end).ok()?;
             h.tokens = h.tokens - was + now;
         }
         Some(self.facts(self.holes[holes - 1].tokens))

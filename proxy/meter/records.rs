@@ -55,26 +55,59 @@ pub(super) struct InFlight {
 /// thousands of short requests a second the window holds tens of thousands of them.
 pub(super) struct Retired {
     pub(super) t0: Nanos,
-    pub(super) first: Option<Nanos>,
+    /// Its first token, [`NO_TOKEN`] without one (as an `Option`, 8 bytes more a record).
+    first: Nanos,
     pub(super) finished_at: Nanos,
     pub(super) epoch0: u64,
+    /// Its TPOT over all its events, ms, NaN without one: what [`window_tpot`] reads of a
+    /// window that holds them all, read once rather than at each read of the window.
+    whole_tpot: f64,
     pub(super) segments: Segments,
 }
 
+/// [`Retired::first`] of a request without a token.
+const NO_TOKEN: Nanos = Nanos::MAX;
+
 impl Retired {
-    pub(super) fn of(rec: InFlight, finished_at: Nanos) -> Retired {
+    pub(super) fn of(rec: InFlight, finished_at: Nanos, slot_ns: Nanos) -> Retired {
         let mut with_events = rec.segments.into_iter().filter(|s| s.events > 0);
         let segments = match (with_events.next(), with_events.next()) {
             (Some(only), None) => Segments::One(only),
             (None, _) => Segments::Many(Box::default()),
             (Some(a), Some(b)) => Segments::Many([a, b].into_iter().chain(with_events).collect()),
         };
+        let all = Span {
+            oldest: 0,
+            newest: u64::MAX,
+            slot_ns,
+        };
         Retired {
             t0: rec.t0,
-            first: rec.first,
+            first: rec.first.unwrap_or(NO_TOKEN),
             finished_at,
             epoch0: rec.epoch0,
+            whole_tpot: window_tpot(rec.epoch0, segments.as_slice(), all).unwrap_or(f64::NAN),
             segments,
+        }
+    }
+
+    pub(super) fn first(&self) -> Option<Nanos> {
+        (self.first != NO_TOKEN).then_some(self.first)
+    }
+
+    /// Its TPOT over its token events inside the window `span`: [`window_tpot`], but for
+    /// a request whose every event is inside (its first token at or after the window's
+    /// start, its end no later than the window's newest slot: every segment with events
+    /// lies between), whose TPOT is its whole one.
+    #[inline]
+    pub(super) fn tpot_in(&self, span: Span) -> Option<f64> {
+        let end = (span.newest + 1).saturating_mul(span.slot_ns);
+        let inside = self.first >= span.start() && self.finished_at < end;
+        match inside {
+            // One without a token reads as inside (NO_TOKEN is past every start): it has no
+            // segment with events, and no TPOT either way.
+            true => (!self.whole_tpot.is_nan()).then_some(self.whole_tpot),
+            false => window_tpot(self.epoch0, self.segments.as_slice(), span),
         }
     }
 }

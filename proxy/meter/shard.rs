@@ -181,7 +181,7 @@ impl Shard {
                 self.retired.drop_oldest();
                 first_overflow = !std::mem::replace(&mut self.full, true);
             }
-            self.retired.push(Retired::of(rec, now));
+            self.retired.push(Retired::of(rec, now, self.slot_ns));
         }
         first_overflow
     }
@@ -289,8 +289,8 @@ pub(super) fn add_sealed(sums: &mut Sums, span: Span, sealed: &Sealed<Retired>) 
 }
 
 fn add_retired(sums: &mut Sums, span: Span, r: &Retired) {
-    let tpot = window_tpot(r.epoch0, r.segments.as_slice(), span);
-    add_request(sums, span, r.t0, r.first, Some(r.finished_at), tpot);
+    let tpot = r.tpot_in(span);
+    add_request(sums, span, r.t0, r.first(), Some(r.finished_at), tpot);
 }
 
 /// One request's TTFT, end to end time and TPOT, each if it was inside `span`.
@@ -329,6 +329,40 @@ fn slot_of(ring: &mut [RingSlot], epoch: u64) -> &mut RingSlot {
 mod tests {
     use super::*;
     use crate::meter::records::Segments;
+
+    /// A retired request's TPOT in a window, read from its whole TPOT when every event is
+    /// inside, is the one its segments give, bit for bit: requests of one event to many
+    /// slots, without tokens, longer than the window, read at every slot after (and one
+    /// read whose clock is behind the request's end, as a reader racing a worker can be).
+    #[test]
+    fn a_retired_requests_tpot_in_a_window_is_its_segments_one() {
+        use rand::{Rng, SeedableRng};
+        const MS: Nanos = 1_000_000;
+        let mut rng = rand::rngs::SmallRng::seed_from_u64(63);
+        let mut shard = Shard::new(Duration::from_secs(10), Duration::from_secs(900));
+        let mut now = 0;
+        for _ in 0..2_000 {
+            now += rng.gen_range(0..3_000) * MS;
+            let key = shard.begin(now, now);
+            for _ in 0..rng.gen_range(0..6) {
+                let most = if rng.gen_bool(0.2) { 4_000 } else { 60 };
+                now += rng.gen_range(0..most) * MS;
+                shard.tokens(key, now, rng.gen_range(1..4), rng.gen_range(1..3), 1);
+            }
+            now += rng.gen_range(0..50) * MS;
+            let _ = shard.finish(key, now, 0, None);
+            let sealed = shard.retired.sealed();
+            let r = shard.retired.open().last();
+            let r = r.or_else(|| sealed.iter().last()).unwrap();
+            let mut read = now.saturating_sub(rng.gen_range(0..2) * 700 * MS);
+            for _ in 0..14 {
+                let span = Span::of(read, shard.slot_ns);
+                let want = window_tpot(r.epoch0, r.segments.as_slice(), span);
+                assert_eq!(r.tpot_in(span).map(f64::to_bits), want.map(f64::to_bits));
+                read += rng.gen_range(1..1_500) * MS;
+            }
+        }
+    }
 
     /// A finished request leaves the open records at once, and keeps only its segments
     /// with events (one, for a short reply) until it leaves the window; its figures are

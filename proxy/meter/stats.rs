@@ -1,6 +1,7 @@
 //! The figures the admin API reports (docs/admin-api.md): a snapshot of one upstream's windows.
 //! Figures without data are `None` (JSON `null`), never 0 and never NaN.
 
+use std::cmp::Ordering;
 use std::collections::BTreeMap;
 
 use serde::Serialize;
@@ -22,7 +23,20 @@ impl Percentiles {
     /// hundreds of thousands of short requests, and the dashboard's sampler reads them every
     /// second. p50 is selected first; p90 and then p99 lie in the part after it, half the
     /// samples and then a tenth (1.6 passes over them in all, against 2.9 from p99 down).
+    ///
+    /// Samples are durations, none below zero. Without a sign bit, `f64::total_cmp`'s order
+    /// is the order of the bits as integers, which are compared so (one instruction, where
+    /// `total_cmp` turns each side first): the same ranks for a third of the instructions.
+    /// A set with a negative or `-0.0` is compared by `total_cmp` itself.
     pub fn of(samples: &mut [f64]) -> Percentiles {
+        if samples.iter().all(|v| v.is_sign_positive()) {
+            Self::select(samples, |a, b| a.to_bits().cmp(&b.to_bits()))
+        } else {
+            Self::select(samples, f64::total_cmp)
+        }
+    }
+
+    fn select(samples: &mut [f64], order: impl Fn(&f64, &f64) -> Ordering + Copy) -> Percentiles {
         let n = samples.len();
         if n == 0 {
             return Percentiles::default();
@@ -33,7 +47,7 @@ impl Percentiles {
         let mut start = 0;
         for (slot, p) in [(0, 50.0), (1, 90.0), (2, 99.0)] {
             let k = rank(n, p) - 1;
-            let (_, v, _) = samples[start..].select_nth_unstable_by(k - start, f64::total_cmp);
+            let (_, v, _) = samples[start..].select_nth_unstable_by(k - start, order);
             found[slot] = Some(*v);
             start = k;
         }
@@ -195,6 +209,40 @@ mod tests {
             let want = [50.0, 90.0, 99.0].map(|p| nearest_rank(&sorted, p));
             let got = Percentiles::of(&mut v.clone());
             assert_eq!([got.p50, got.p90, got.p99], want, "{n} samples");
+        }
+    }
+
+    /// The integer order of the bits (no sign) and `total_cmp` (any sign) select the same
+    /// samples, bit for bit, with zeros of both signs, infinities and NaNs among them.
+    #[test]
+    fn either_order_selects_the_sorted_ones() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::SmallRng::seed_from_u64(48);
+        let odd = [
+            0.0,
+            -0.0,
+            f64::INFINITY,
+            f64::NAN,
+            -f64::NAN,
+            -3.5,
+            f64::MIN_POSITIVE,
+        ];
+        for signed in [false, true] {
+            for n in [1, 2, 3, 17, 100, 1_001, 20_000] {
+                let v: Vec<f64> = (0..n)
+                    .map(|_| match rng.gen_range(0..10u8) {
+                        0 => odd[rng.gen_range(0..odd.len())],
+                        _ => f64::from(rng.gen_range(0..50u16)) / 8.0,
+                    })
+                    .map(|x: f64| if signed { x } else { x.abs() })
+                    .collect();
+                let mut sorted = v.clone();
+                sorted.sort_unstable_by(f64::total_cmp);
+                let want = [50.0, 90.0, 99.0].map(|p| nearest_rank(&sorted, p).map(f64::to_bits));
+                let got = Percentiles::of(&mut v.clone());
+                let got = [got.p50, got.p90, got.p99].map(|g| g.map(f64::to_bits));
+                assert_eq!(got, want, "{n} samples, signed {signed}");
+            }
         }
     }
 }

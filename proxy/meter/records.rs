@@ -2,7 +2,8 @@
 //! ([`Segment`]s, 20 bytes each, so an open stream holds little), and once it ends, only
 //! the segments with events ([`Retired`]) until it leaves the window. Per-request figures
 //! (TTFT, TPOT, single-stream T/s) are computed from them at read time: each request's TPOT
-//! over its own token events inside the window.
+//! over its own token events inside the window (a retired request wholly inside it gives
+//! the TPOT it kept as it retired).
 
 use super::curve::CURVE_BUCKETS;
 use super::window::{ms, Span, SLOTS};
@@ -101,7 +102,7 @@ impl Retired {
     /// lies between), whose TPOT is its whole one.
     #[inline]
     pub(super) fn tpot_in(&self, span: Span) -> Option<f64> {
-        let end = (span.newest + 1).saturating_mul(span.slot_ns);
+        let end = span.newest.saturating_add(1).saturating_mul(span.slot_ns);
         let inside = self.first >= span.start() && self.finished_at < end;
         match inside {
             // One without a token reads as inside (NO_TOKEN is past every start): it has no

@@ -332,8 +332,9 @@ mod tests {
 
     /// A retired request's TPOT in a window, read from its whole TPOT when every event is
     /// inside, is the one its segments give, bit for bit: requests of one event to many
-    /// slots, without tokens, longer than the window, read at every slot after (and one
-    /// read whose clock is behind the request's end, as a reader racing a worker can be).
+    /// slots, without tokens, and every 50th longer than the window (its first segments
+    /// overwritten in the ring), read at 14 later times; half of them begin with reads
+    /// whose clock is behind the request's end, as a reader racing a worker's can be.
     #[test]
     fn a_retired_requests_tpot_in_a_window_is_its_segments_one() {
         use rand::{Rng, SeedableRng};
@@ -341,12 +342,17 @@ mod tests {
         let mut rng = rand::rngs::SmallRng::seed_from_u64(63);
         let mut shard = Shard::new(Duration::from_secs(10), Duration::from_secs(900));
         let mut now = 0;
-        for _ in 0..2_000 {
+        for i in 0..2_000 {
             now += rng.gen_range(0..3_000) * MS;
             let key = shard.begin(now, now);
-            for _ in 0..rng.gen_range(0..6) {
-                let most = if rng.gen_bool(0.2) { 4_000 } else { 60 };
-                now += rng.gen_range(0..most) * MS;
+            let long = i % 50 == 0;
+            for _ in 0..(if long { 8 } else { rng.gen_range(0..6) }) {
+                let most = match (long, rng.gen_bool(0.2)) {
+                    (true, _) => 3_000,
+                    (false, true) => 4_000,
+                    (false, false) => 60,
+                };
+                now += rng.gen_range(1..most) * MS;
                 shard.tokens(key, now, rng.gen_range(1..4), rng.gen_range(1..3), 1);
             }
             now += rng.gen_range(0..50) * MS;

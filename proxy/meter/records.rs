@@ -103,12 +103,12 @@ impl Retired {
     #[inline]
     pub(super) fn tpot_in(&self, span: Span) -> Option<f64> {
         let end = span.newest.saturating_add(1).saturating_mul(span.slot_ns);
-        let inside = self.first >= span.start() && self.finished_at < end;
-        match inside {
-            // One without a token reads as inside (NO_TOKEN is past every start): it has no
-            // segment with events, and no TPOT either way.
-            true => (!self.whole_tpot.is_nan()).then_some(self.whole_tpot),
-            false => window_tpot(self.epoch0, self.segments.as_slice(), span),
+        // One without a token reads as inside (NO_TOKEN is past every start): it has no
+        // segment with events, and no TPOT either way.
+        if self.first >= span.start() && self.finished_at < end {
+            (!self.whole_tpot.is_nan()).then_some(self.whole_tpot)
+        } else {
+            window_tpot(self.epoch0, self.segments.as_slice(), span)
         }
     }
 }

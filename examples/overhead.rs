@@ -17,7 +17,8 @@
 //! and **through nginx**, alternating, `reps` times; the table shows medians. "Added" is the
 //! proxied percentile minus the direct one. The proxy runs pinned to CPU 1 with one worker
 //! (`taskset -c 1`, nginx `worker_processes 1`, tokentap `threads = 1`); this process (origin
-//! and client) re-executes itself pinned to CPU 0. CPU per event comes from the proxy's
+//! and client) re-executes itself pinned to CPU 0 (`TOKENTAP_OVERHEAD_CPUS=1,0` swaps them:
+//! load, then proxy). CPU per event comes from the proxy's
 //! `/proc/PID/task/*/schedstat` (ns), split between the kernel and the proxy's own code by
 //! its system and user time (`/proc/PID/stat`), memory per stream from its RSS with all
 //! streams open minus its RSS before. Each run's line gives the hypervisor's steal time on
@@ -44,7 +45,9 @@
 //! time and evenly over 5 s (`TOKENTAP_OVERHEAD_IDLE_GATHER` seconds; 0 for a burst): memory
 //! per idle connection, idle 2 s or more; **json** short non-streamed replies (one JSON body with
 //! its usage) on 64 keep-alive connections, as many as the proxy sustains, or with
-//! `--rate R` R requests a second in all, open loop, latency from when each was due.
+//! `--rate R` R requests a second in all, open loop, latency from when each was due (one
+//! thread releases each request as it falls due: tokio's timers fire on whole milliseconds
+//! and sent them in bursts).
 //! `--shapes` applies to every
 //! streaming scenario (default: plain gets 1x20,512x20,4000x160,9900x400, the others
 //! 512x20).
@@ -54,6 +57,10 @@
 //! connection) and that many short requests a second (each on a new connection): its RSS
 //! each minute, the slope after warm-up, errors, stalls (and each second that had any,
 //! with its longest gap), and `in_flight` at the end.
+//!
+//! `--host-check` says how long each CPU is taken from a thread spinning on it, with the
+//! other CPU idle and busy: a VM that stalls a vCPU for milliseconds when both are busy
+//! cannot judge an added p99 under a millisecond.
 //!
 //! `TOKENTAP_OVERHEAD_WRAP` runs the proxy under a profiler (`perf record -o FILE --`,
 //! `heaptrack -o FILE`): at the end the proxy itself gets SIGTERM and the profiler up to
@@ -192,6 +199,66 @@ const SHORT_CLIENTS: usize = 64;
 const SHORT_EVENTS: usize = 16;
 /// `--rate`: the json scenario's requests a second in all, open loop (unset: closed loop).
 static RATE: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
+
+/// `--rate`'s clock: one thread releases each request as it falls due, whichever client
+/// sends it. tokio's timers fire on whole milliseconds, so clients each sleeping until
+/// their own due times sent in bursts, one a millisecond (~24 requests at 24,500 a second),
+/// and what a proxy added was mostly the queue of each burst. The thread sleeps to the
+/// next due time (the kernel's default timer slack lets it wake up to ~50 µs late, so
+/// requests leave one to three at a time), and latency is counted from the due time, not
+/// from the release, in every mode alike.
+struct Pacer {
+    start: Instant,
+    rate: f64,
+    /// A permit for each of its requests due, client by client: the `j`th request in all
+    /// is client `j % clients`'s.
+    gates: Vec<tokio::sync::Semaphore>,
+    done: std::sync::atomic::AtomicBool,
+}
+
+impl Pacer {
+    fn start(rate: f64, clients: usize) -> Arc<Pacer> {
+        let pacer = Arc::new(Pacer {
+            // The first requests are due after the clients have connected.
+            start: Instant::now() + Duration::from_millis(100),
+            rate,
+            gates: (0..clients)
+                .map(|_| tokio::sync::Semaphore::new(0))
+                .collect(),
+            done: std::sync::atomic::AtomicBool::new(false),
+        });
+        let p = Arc::clone(&pacer);
+        std::thread::spawn(move || {
+            let mut j: u64 = 0;
+            while !p.done.load(Relaxed) {
+                let now = Instant::now();
+                let mut due = p.due(j);
+                while due <= now {
+                    p.gates[(j % p.gates.len() as u64) as usize].add_permits(1);
+                    j += 1;
+                    due = p.due(j);
+                }
+                std::thread::sleep((due - now).min(Duration::from_millis(10)));
+            }
+        });
+        pacer
+    }
+
+    /// When the `j`th request in all is due.
+    fn due(&self, j: u64) -> Instant {
+        self.start + Duration::from_secs_f64(j as f64 / self.rate)
+    }
+
+    fn stop(&self) {
+        self.done.store(true, Relaxed);
+    }
+
+    /// When client `k`'s `i`th request is due.
+    fn due_of(&self, k: usize, i: u64) -> Instant {
+        self.due(i * self.gates.len() as u64 + k as u64)
+    }
+}
+
 /// The long scenario's request body, bytes, and the distinct prompt prefixes it draws from.
 const LONG_BYTES: usize = 200_000;
 const LONG_PREFIXES: usize = 16;
@@ -227,18 +294,30 @@ struct Run {
     cpu_us_per_request: Option<f64>,
     /// The kernel's part of the proxy's CPU (system time over user + system time).
     kernel_share: Option<f64>,
-    /// Time the hypervisor ran something else on CPU 0 (origin and load) and CPU 1 (the
-    /// proxy) while this run was measured, ms: a VM's pause shows here as stalls do.
+    /// Time the hypervisor ran something else on the load's CPU (origin and client) and the
+    /// proxy's while this run was measured, ms: a VM's pause shows here as stalls do.
     steal_ms: [u64; 2],
+}
+
+/// The CPUs of the load side (origin and client) and of the proxy: 0 and 1, or
+/// `TOKENTAP_OVERHEAD_CPUS=LOAD,PROXY` (a VM whose CPU 1 is the noisier, say).
+fn cpus() -> [String; 2] {
+    std::env::var("TOKENTAP_OVERHEAD_CPUS")
+        .ok()
+        .and_then(|v| {
+            let (load, proxy) = v.split_once(',')?;
+            Some([load.trim().to_owned(), proxy.trim().to_owned()])
+        })
+        .unwrap_or_else(|| ["0".into(), "1".into()])
 }
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    // Pin this process (origin and client) to CPU 0, by running again under taskset.
+    // Pin this process (origin and client) to its CPU, by running again under taskset.
     if std::env::var_os("TOKENTAP_OVERHEAD_PINNED").is_none() && which("taskset") {
         let status = Command::new("taskset")
             .arg("-c")
-            .arg("0")
+            .arg(&cpus()[0])
             .arg(std::env::current_exe()?)
             .args(&args)
             .env("TOKENTAP_OVERHEAD_PINNED", "1")
@@ -276,7 +355,8 @@ fn main() -> anyhow::Result<()> {
     let only = opt("--modes");
     let (soft, hard) = rlimit::getrlimit(rlimit::Resource::NOFILE)?;
     rlimit::setrlimit(rlimit::Resource::NOFILE, hard, hard)?;
-    println!("open-file limit raised from {soft} to {hard}; origin + client pinned to CPU 0, proxies to CPU 1 (taskset)");
+    let [load_cpu, proxy_cpu] = cpus();
+    println!("open-file limit raised from {soft} to {hard}; origin + client pinned to CPU {load_cpu}, proxies to CPU {proxy_cpu} (taskset)");
 
     // TOKENTAP_OVERHEAD_BIN measures another build (an earlier commit's, say);
     // TOKENTAP_OVERHEAD_BIN_B adds one beside it ("tokentap-b"), run for run.
@@ -294,6 +374,10 @@ fn main() -> anyhow::Result<()> {
         .worker_threads(1)
         .enable_all()
         .build()?;
+    if args.iter().any(|a| a == "--host-check") {
+        host_check();
+        return Ok(());
+    }
     if let Some(secs) = opt("--soak") {
         let streams = opt("--soak-streams").map_or(512, |s| s.parse().expect("streams"));
         let rate = opt("--soak-rate").map_or(50, |s| s.parse().expect("rate"));
@@ -343,7 +427,7 @@ fn main() -> anyhow::Result<()> {
                         },
                     ))?;
                     println!(
-                        "{} {}x{}ms rep {} {:>8}: p50 {:.0} µs, p99 {:.0} µs (at the app {:.0}, {:.0}), {} events, {:.0} requests/s, stalls {} (the origin's own {}; steal {} / {} ms on CPU 0 / 1), errors {}, cpu {} µs/event, {} µs/request (kernel {}), rss {} KiB/stream",
+                        "{} {}x{}ms rep {} {:>8}: p50 {:.0} µs, p99 {:.0} µs (at the app {:.0}, {:.0}), {} events, {:.0} requests/s, stalls {} (the origin's own {}; steal {} / {} ms on the load's / the proxy's CPU), errors {}, cpu {} µs/event, {} µs/request (kernel {}), rss {} KiB/stream",
                         scenario.name(), shape.streams, shape.interval_ms, rep + 1, mode.name(), run.p50_us, run.p99_us, run.app_p50_us, run.app_p99_us, run.events, run.requests_per_sec, run.stalls, run.origin_stalls, run.steal_ms[0], run.steal_ms[1], run.errors,
                         run.cpu_us_per_event.map_or("-".into(), |v| format!("{v:.2}")),
                         run.cpu_us_per_request.map_or("-".into(), |v| format!("{v:.1}")),
@@ -1020,7 +1104,7 @@ async fn start_proxy(
             // TOKENTAP_OVERHEAD_WRAP="valgrind --tool=callgrind" profiles the proxy.
             let wrap = std::env::var("TOKENTAP_OVERHEAD_WRAP").unwrap_or_default();
             let mut cmd = Command::new("taskset");
-            cmd.args(["-c", "1"])
+            cmd.args(["-c", &cpus()[1]])
                 .args(wrap.split_whitespace())
                 .arg(bin)
                 .arg("run")
@@ -1093,7 +1177,7 @@ async fn start_proxy(
             // master into the worker), so that both are counted alike.
             let wrap = std::env::var("TOKENTAP_OVERHEAD_WRAP").unwrap_or_default();
             let child = Command::new("taskset")
-                .args(["-c", "1"])
+                .args(["-c", &cpus()[1]])
                 .args(wrap.split_whitespace())
                 .arg("nginx")
                 .arg("-c")
@@ -1169,10 +1253,64 @@ fn children(pid: u32) -> Vec<u32> {
         .collect()
 }
 
-/// Steal time of CPU 0 and CPU 1 so far, ms (`/proc/stat`, in clock ticks of 10 ms).
+/// `--host-check`: how long each of the two CPUs is taken away from a thread that spins on
+/// it, with the other CPU idle and with it busy. A VM whose vCPUs are not both backed at
+/// all times stalls a busy one for milliseconds when both are busy (every proxied run:
+/// load on one, proxy on the other), below what its steal time shows; an added p99 under a
+/// millisecond cannot be judged on such a host.
+fn host_check() {
+    const SECS: u64 = 5;
+    let spin = |cpu: usize, secs: u64| {
+        std::thread::spawn(move || {
+            let mut set = nix::sched::CpuSet::new();
+            let pinned = set.set(cpu).is_ok()
+                && nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set).is_ok();
+            let (end, mut last) = (Instant::now() + Duration::from_secs(secs), Instant::now());
+            let mut gaps: Vec<u64> = Vec::new();
+            while last < end {
+                let now = Instant::now();
+                let gap = now.duration_since(last).as_micros() as u64;
+                if gap >= 200 {
+                    gaps.push(gap);
+                }
+                last = now;
+            }
+            (pinned, gaps)
+        })
+    };
+    let [load, proxy] = cpus().map(|c| c.parse::<usize>().unwrap_or(0));
+    println!(
+        "--host-check: a thread spinning {SECS} s on each CPU; gaps of 0.2 ms or more in its clock"
+    );
+    for (cpu, other) in [(load, proxy), (proxy, load)] {
+        for other_busy in [false, true] {
+            let busy = other_busy.then(|| spin(other, SECS + 1));
+            let Ok((pinned, mut gaps)) = spin(cpu, SECS).join() else {
+                continue;
+            };
+            if let Some(b) = busy {
+                let _ = b.join();
+            }
+            gaps.sort_unstable();
+            let over_ms = gaps.iter().filter(|&&g| g >= 1000).count();
+            let lost: u64 = gaps.iter().sum();
+            println!(
+                "  CPU {cpu}, CPU {other} {}: {} gaps ≥ 0.2 ms, {over_ms} ≥ 1 ms, the longest {:.1} ms, {:.1} ms lost a second{}",
+                if other_busy { "busy" } else { "idle" },
+                gaps.len(),
+                gaps.last().copied().unwrap_or(0) as f64 / 1e3,
+                lost as f64 / 1e3 / SECS as f64,
+                if pinned { "" } else { " (not pinned: sched_setaffinity failed)" },
+            );
+        }
+    }
+}
+
+/// Steal time of the load's CPU and the proxy's so far, ms (`/proc/stat`, in clock ticks of
+/// 10 ms).
 fn steal_ms() -> [u64; 2] {
     let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
-    [0, 1].map(|cpu| {
+    cpus().map(|cpu| {
         let name = format!("cpu{cpu}");
         stat.lines()
             .find_map(|l| l.strip_prefix(name.as_str())?.strip_prefix(' '))
@@ -1318,12 +1456,17 @@ async fn run_once(
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     let gather = idle_gather();
+    let pacer = RATE
+        .get()
+        .filter(|_| scenario == Scenario::Json)
+        .map(|&rate| Pacer::start(rate, shape.streams));
     for k in 0..shape.streams {
-        let (tally, measuring, stop, sem) = (
+        let (tally, measuring, stop, sem, pacer) = (
             Arc::clone(&tally),
             Arc::clone(&measuring),
             Arc::clone(&stop),
             Arc::clone(&sem),
+            pacer.clone(),
         );
         tasks.push(tokio::spawn(async move {
             if scenario == Scenario::Idle {
@@ -1332,7 +1475,7 @@ async fn run_once(
                 tokio::time::sleep(gather.mul_f64(k as f64 / shape.streams as f64)).await;
             }
             if scenario == Scenario::Json {
-                json_client(target, k, shape.streams, tally, measuring, stop).await;
+                json_client(target, k, pacer, tally, measuring, stop).await;
             } else if short {
                 short_client(target, scenario, tally, measuring, stop).await;
             } else {
@@ -1376,6 +1519,9 @@ async fn run_once(
     let steal1 = steal_ms();
     let (user, system) = (ticks1.0 - ticks0.0, ticks1.1 - ticks0.1);
     stop.notify_waiters();
+    if let Some(p) = &pacer {
+        p.stop();
+    }
     for t in tasks.into_iter().chain(holders) {
         t.abort();
     }
@@ -1877,13 +2023,13 @@ fn idle_gather() -> Duration {
 }
 
 /// Non-streamed short replies on one connection: back to back, or with `--rate`, client
-/// `k` of `clients` sending at its share of the rate, staggered, each request's latency
+/// `k` sending its share of the rate as the [`Pacer`] releases it, each request's latency
 /// counted from when it was due (a late reply delays the next request, and that delay is
 /// counted, not hidden).
 async fn json_client(
     target: SocketAddr,
     k: usize,
-    clients: usize,
+    pacer: Option<Arc<Pacer>>,
     tally: Arc<Mutex<Tally>>,
     measuring: Arc<std::sync::atomic::AtomicBool>,
     stop: Arc<tokio::sync::Notify>,
@@ -1891,11 +2037,7 @@ async fn json_client(
     let body = br#"{"model":"m","stream":false,"max_tokens":16,"messages":[{"role":"user","content":"hi"}]}"#;
     let mut wire = format!("POST /v1/chat/completions HTTP/1.1\r\nhost: origin\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n", body.len()).into_bytes();
     wire.extend_from_slice(body);
-    let every = RATE
-        .get()
-        .map(|rate| Duration::from_secs_f64(clients as f64 / rate));
-    let start = tokio::time::Instant::now();
-    let mut due = start + every.map_or(Duration::ZERO, |e| e.mul_f64(k as f64 / clients as f64));
+    let mut sent_so_far = 0;
     let stopped = stop.notified();
     tokio::pin!(stopped);
     let mut buf = vec![0u8; 16 * 1024];
@@ -1906,15 +2048,18 @@ async fn json_client(
         };
         let _ = s.set_nodelay(true);
         loop {
-            let sent = match every {
-                Some(every) => {
+            let sent = match &pacer {
+                Some(p) => {
                     tokio::select! {
-                        () = tokio::time::sleep_until(due) => {}
+                        permit = p.gates[k].acquire() => match permit {
+                            Ok(permit) => permit.forget(),
+                            Err(_) => return,
+                        },
                         _ = &mut stopped => return,
                     }
-                    let at = due.into_std();
-                    due += every;
-                    at
+                    let due = p.due_of(k, sent_so_far);
+                    sent_so_far += 1;
+                    due
                 }
                 None => Instant::now(),
             };

@@ -213,7 +213,6 @@ struct Pacer {
     /// A permit for each of its requests due, client by client: the `j`th request in all
     /// is client `j % clients`'s.
     gates: Vec<tokio::sync::Semaphore>,
-    done: std::sync::atomic::AtomicBool,
 }
 
 impl Pacer {
@@ -225,12 +224,12 @@ impl Pacer {
             gates: (0..clients)
                 .map(|_| tokio::sync::Semaphore::new(0))
                 .collect(),
-            done: std::sync::atomic::AtomicBool::new(false),
         });
-        let p = Arc::clone(&pacer);
+        // The thread ends with the run, once the run and its clients have let go of it.
+        let weak = Arc::downgrade(&pacer);
         std::thread::spawn(move || {
             let mut j: u64 = 0;
-            while !p.done.load(Relaxed) {
+            while let Some(p) = weak.upgrade() {
                 let now = Instant::now();
                 let mut due = p.due(j);
                 while due <= now {
@@ -247,10 +246,6 @@ impl Pacer {
     /// When the `j`th request in all is due.
     fn due(&self, j: u64) -> Instant {
         self.start + Duration::from_secs_f64(j as f64 / self.rate)
-    }
-
-    fn stop(&self) {
-        self.done.store(true, Relaxed);
     }
 
     /// When client `k`'s `i`th request is due.
@@ -1519,9 +1514,6 @@ async fn run_once(
     let steal1 = steal_ms();
     let (user, system) = (ticks1.0 - ticks0.0, ticks1.1 - ticks0.1);
     stop.notify_waiters();
-    if let Some(p) = &pacer {
-        p.stop();
-    }
     for t in tasks.into_iter().chain(holders) {
         t.abort();
     }

@@ -46,8 +46,7 @@
 //! per idle connection, idle 2 s or more; **json** short non-streamed replies (one JSON body with
 //! its usage) on 64 keep-alive connections, as many as the proxy sustains, or with
 //! `--rate R` R requests a second in all, open loop, latency from when each was due (one
-//! thread releases each request as it falls due: tokio's timers fire on whole milliseconds
-//! and sent them in bursts).
+//! thread releases each request as it falls due: tokio's timers fire on whole milliseconds).
 //! `--shapes` applies to every
 //! streaming scenario (default: plain gets 1x20,512x20,4000x160,9900x400, the others
 //! 512x20).
@@ -59,8 +58,8 @@
 //! with its longest gap), and `in_flight` at the end.
 //!
 //! `--host-check` says how long each CPU is taken from a thread spinning on it, with the
-//! other CPU idle and busy: a VM that stalls a vCPU for milliseconds when both are busy
-//! cannot judge an added p99 under a millisecond.
+//! other CPU idle and busy, and how much of that was the guest's own run queue: a host
+//! whose busy vCPUs lose milliseconds at a time cannot judge an added p99 under one.
 //!
 //! `TOKENTAP_OVERHEAD_WRAP` runs the proxy under a profiler (`perf record -o FILE --`,
 //! `heaptrack -o FILE`): at the end the proxy itself gets SIGTERM and the profiler up to
@@ -201,12 +200,10 @@ const SHORT_EVENTS: usize = 16;
 static RATE: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
 
 /// `--rate`'s clock: one thread releases each request as it falls due, whichever client
-/// sends it. tokio's timers fire on whole milliseconds, so clients each sleeping until
-/// their own due times sent in bursts, one a millisecond (~24 requests at 24,500 a second),
-/// and what a proxy added was mostly the queue of each burst. The thread sleeps to the
-/// next due time (the kernel's default timer slack lets it wake up to ~50 µs late, so
-/// requests leave one to three at a time), and latency is counted from the due time, not
-/// from the release, in every mode alike.
+/// sends it, not each client's own timer: tokio's timers fire on whole milliseconds, which
+/// would send a millisecond's requests at once. The thread sleeps to the next due time
+/// (the kernel's default timer slack lets it wake up to ~50 µs late), and latency is
+/// counted from the due time, not from the release, in every mode alike.
 struct Pacer {
     start: Instant,
     rate: f64,
@@ -225,6 +222,9 @@ impl Pacer {
                 .map(|_| tokio::sync::Semaphore::new(0))
                 .collect(),
         });
+        if clients == 0 {
+            return pacer;
+        }
         // The thread ends with the run, once the run and its clients have let go of it.
         let weak = Arc::downgrade(&pacer);
         std::thread::spawn(move || {
@@ -295,24 +295,36 @@ struct Run {
 }
 
 /// The CPUs of the load side (origin and client) and of the proxy: 0 and 1, or
-/// `TOKENTAP_OVERHEAD_CPUS=LOAD,PROXY` (a VM whose CPU 1 is the noisier, say).
-fn cpus() -> [String; 2] {
-    std::env::var("TOKENTAP_OVERHEAD_CPUS")
-        .ok()
-        .and_then(|v| {
-            let (load, proxy) = v.split_once(',')?;
-            Some([load.trim().to_owned(), proxy.trim().to_owned()])
-        })
-        .unwrap_or_else(|| ["0".into(), "1".into()])
+/// `TOKENTAP_OVERHEAD_CPUS=LOAD,PROXY` (a VM whose CPU 1 is the noisier, say), two
+/// different CPU numbers.
+fn cpus() -> anyhow::Result<[usize; 2]> {
+    let Ok(v) = std::env::var("TOKENTAP_OVERHEAD_CPUS") else {
+        return Ok([0, 1]);
+    };
+    let parsed = v
+        .split_once(',')
+        .and_then(|(l, p)| Some([l.trim().parse().ok()?, p.trim().parse().ok()?]));
+    match parsed {
+        Some([load, proxy]) if load != proxy => Ok([load, proxy]),
+        _ => anyhow::bail!(
+            "TOKENTAP_OVERHEAD_CPUS={v:?}: two different CPU numbers, the load's then the proxy's (say 1,0)"
+        ),
+    }
+}
+
+/// [`cpus`], once `main` has checked it.
+fn cpu_of(side: usize) -> usize {
+    cpus().map_or(side, |c| c[side])
 }
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    let [load_cpu, proxy_cpu] = cpus()?;
     // Pin this process (origin and client) to its CPU, by running again under taskset.
     if std::env::var_os("TOKENTAP_OVERHEAD_PINNED").is_none() && which("taskset") {
         let status = Command::new("taskset")
             .arg("-c")
-            .arg(&cpus()[0])
+            .arg(load_cpu.to_string())
             .arg(std::env::current_exe()?)
             .args(&args)
             .env("TOKENTAP_OVERHEAD_PINNED", "1")
@@ -344,13 +356,21 @@ fn main() -> anyhow::Result<()> {
         .collect();
     let secs: u64 = opt("--secs").map_or(10, |s| s.parse().expect("secs"));
     if let Some(rate) = opt("--rate") {
-        let _ = RATE.set(rate.parse().expect("requests a second"));
+        let rate: f64 = rate.parse().expect("requests a second");
+        anyhow::ensure!(
+            rate.is_finite() && rate > 0.0,
+            "--rate {rate}: requests a second, above 0"
+        );
+        let _ = RATE.set(rate);
+    }
+    if args.iter().any(|a| a == "--host-check") {
+        host_check();
+        return Ok(());
     }
     let reps: usize = opt("--reps").map_or(3, |s| s.parse().expect("reps"));
     let only = opt("--modes");
     let (soft, hard) = rlimit::getrlimit(rlimit::Resource::NOFILE)?;
     rlimit::setrlimit(rlimit::Resource::NOFILE, hard, hard)?;
-    let [load_cpu, proxy_cpu] = cpus();
     println!("open-file limit raised from {soft} to {hard}; origin + client pinned to CPU {load_cpu}, proxies to CPU {proxy_cpu} (taskset)");
 
     // TOKENTAP_OVERHEAD_BIN measures another build (an earlier commit's, say);
@@ -369,10 +389,6 @@ fn main() -> anyhow::Result<()> {
         .worker_threads(1)
         .enable_all()
         .build()?;
-    if args.iter().any(|a| a == "--host-check") {
-        host_check();
-        return Ok(());
-    }
     if let Some(secs) = opt("--soak") {
         let streams = opt("--soak-streams").map_or(512, |s| s.parse().expect("streams"));
         let rate = opt("--soak-rate").map_or(50, |s| s.parse().expect("rate"));
@@ -1099,7 +1115,7 @@ async fn start_proxy(
             // TOKENTAP_OVERHEAD_WRAP="valgrind --tool=callgrind" profiles the proxy.
             let wrap = std::env::var("TOKENTAP_OVERHEAD_WRAP").unwrap_or_default();
             let mut cmd = Command::new("taskset");
-            cmd.args(["-c", &cpus()[1]])
+            cmd.args(["-c", &cpu_of(1).to_string()])
                 .args(wrap.split_whitespace())
                 .arg(bin)
                 .arg("run")
@@ -1172,7 +1188,7 @@ async fn start_proxy(
             // master into the worker), so that both are counted alike.
             let wrap = std::env::var("TOKENTAP_OVERHEAD_WRAP").unwrap_or_default();
             let child = Command::new("taskset")
-                .args(["-c", &cpus()[1]])
+                .args(["-c", &cpu_of(1).to_string()])
                 .args(wrap.split_whitespace())
                 .arg("nginx")
                 .arg("-c")
@@ -1249,53 +1265,67 @@ fn children(pid: u32) -> Vec<u32> {
 }
 
 /// `--host-check`: how long each of the two CPUs is taken away from a thread that spins on
-/// it, with the other CPU idle and with it busy. A VM whose vCPUs are not both backed at
-/// all times stalls a busy one for milliseconds when both are busy (every proxied run:
-/// load on one, proxy on the other), below what its steal time shows; an added p99 under a
-/// millisecond cannot be judged on such a host.
+/// it, with the other CPU idle and with it busy, and how much of that the guest's own
+/// scheduler kept it waiting (its run delay, `/proc/thread-self/schedstat`): the rest is
+/// the hypervisor's, which a VM's steal time (counted in 10 ms ticks) may not show. An
+/// added p99 under a millisecond cannot be judged on a host whose busy vCPUs lose
+/// milliseconds at a time.
 fn host_check() {
     const SECS: u64 = 5;
-    let spin = |cpu: usize, secs: u64| {
+    let run_delay_us = || {
+        std::fs::read_to_string("/proc/thread-self/schedstat")
+            .ok()
+            .and_then(|s| s.split_whitespace().nth(1)?.parse::<u64>().ok())
+            .map(|ns| ns / 1000)
+    };
+    let spin = move |cpu: usize, secs: u64| {
         std::thread::spawn(move || {
             let mut set = nix::sched::CpuSet::new();
             let pinned = set.set(cpu).is_ok()
                 && nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set).is_ok();
+            let waited_before = run_delay_us();
             let (end, mut last) = (Instant::now() + Duration::from_secs(secs), Instant::now());
-            let mut gaps: Vec<u64> = Vec::new();
+            // Room for a gap every 0.2 ms: the loop does not allocate.
+            let mut gaps: Vec<u64> = Vec::with_capacity(secs as usize * 5_000);
             while last < end {
                 let now = Instant::now();
                 let gap = now.duration_since(last).as_micros() as u64;
-                if gap >= 200 {
+                if gap >= 200 && gaps.len() < gaps.capacity() {
                     gaps.push(gap);
                 }
                 last = now;
             }
-            (pinned, gaps)
+            let waited = run_delay_us()
+                .zip(waited_before)
+                .map(|(b, a)| b.saturating_sub(a));
+            (pinned, gaps, waited)
         })
     };
-    let [load, proxy] = cpus().map(|c| c.parse::<usize>().unwrap_or(0));
+    let [load, proxy] = [cpu_of(0), cpu_of(1)];
     println!(
         "--host-check: a thread spinning {SECS} s on each CPU; gaps of 0.2 ms or more in its clock"
     );
     for (cpu, other) in [(load, proxy), (proxy, load)] {
         for other_busy in [false, true] {
             let busy = other_busy.then(|| spin(other, SECS + 1));
-            let Ok((pinned, mut gaps)) = spin(cpu, SECS).join() else {
+            let measured = spin(cpu, SECS).join();
+            let busy_pinned = busy.map(|b| b.join().is_ok_and(|(pinned, ..)| pinned));
+            let Ok((pinned, mut gaps, waited)) = measured else {
+                println!("  CPU {cpu}: the spinning thread failed");
                 continue;
             };
-            if let Some(b) = busy {
-                let _ = b.join();
-            }
             gaps.sort_unstable();
             let over_ms = gaps.iter().filter(|&&g| g >= 1000).count();
             let lost: u64 = gaps.iter().sum();
+            let unpinned = !pinned || busy_pinned == Some(false);
             println!(
-                "  CPU {cpu}, CPU {other} {}: {} gaps ≥ 0.2 ms, {over_ms} ≥ 1 ms, the longest {:.1} ms, {:.1} ms lost a second{}",
+                "  CPU {cpu}, CPU {other} {}: {} gaps ≥ 0.2 ms, {over_ms} ≥ 1 ms, the longest {:.1} ms, {:.1} ms lost a second ({} of it waiting in the guest's run queue){}",
                 if other_busy { "busy" } else { "idle" },
                 gaps.len(),
                 gaps.last().copied().unwrap_or(0) as f64 / 1e3,
                 lost as f64 / 1e3 / SECS as f64,
-                if pinned { "" } else { " (not pinned: sched_setaffinity failed)" },
+                waited.map_or("unknown".into(), |us| format!("{:.1} ms", us as f64 / 1e3 / SECS as f64)),
+                if unpinned { " (not pinned: sched_setaffinity failed)" } else { "" },
             );
         }
     }
@@ -1305,7 +1335,7 @@ fn host_check() {
 /// 10 ms).
 fn steal_ms() -> [u64; 2] {
     let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
-    cpus().map(|cpu| {
+    [cpu_of(0), cpu_of(1)].map(|cpu| {
         let name = format!("cpu{cpu}");
         stat.lines()
             .find_map(|l| l.strip_prefix(name.as_str())?.strip_prefix(' '))
@@ -2056,6 +2086,7 @@ async fn json_client(
                 None => Instant::now(),
             };
             if s.write_all(&wire).await.is_err() {
+                tally.lock().unwrap().errors += 1;
                 continue 'connect;
             }
             let mut got: Vec<u8> = Vec::new();

@@ -312,14 +312,17 @@ fn cpus() -> anyhow::Result<[usize; 2]> {
     }
 }
 
-/// [`cpus`], once `main` has checked it.
+/// [`cpus`] as `main` read them: the load side's (0) and the proxy's (1).
+static CPUS: std::sync::OnceLock<[usize; 2]> = std::sync::OnceLock::new();
+
 fn cpu_of(side: usize) -> usize {
-    cpus().map_or(side, |c| c[side])
+    CPUS.get().map_or(side, |c| c[side])
 }
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let [load_cpu, proxy_cpu] = cpus()?;
+    let _ = CPUS.set([load_cpu, proxy_cpu]);
     // Pin this process (origin and client) to its CPU, by running again under taskset.
     if std::env::var_os("TOKENTAP_OVERHEAD_PINNED").is_none() && which("taskset") {
         let status = Command::new("taskset")

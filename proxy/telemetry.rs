@@ -135,7 +135,7 @@ pub const FAMILIES: &[(&str, &str, &str)] = &[
     ("tokentap_in_flight_requests", "gauge", "Generation requests in flight at the upstream."),
     ("tokentap_queued_requests", "gauge", "Requests waiting for a concurrency slot."),
     ("tokentap_concurrency_limit", "gauge", "The concurrency cap in force (absent when there is none)."),
-    ("tokentap_rejected_requests_total", "counter", "Requests refused a slot with 429, by reason (queue_full, queue_timeout)."),
+    ("tokentap_rejected_requests_total", "counter", "Requests refused with 429, by reason (queue_full, queue_timeout, predicted_wait, output_token_budget)."),
     ("tokentap_upstream_arm_weight", "gauge", "The upstream's weight in each route's split (route = the route's name)."),
     ("tokentap_slo_tpot_seconds", "gauge", "The TPOT SLO ([upstream.slo] tpot_ms): the adaptive cap holds it, each request is judged by it."),
     ("tokentap_slo_ttft_seconds", "gauge", "The TTFT SLO ([upstream.slo] ttft_ms) each request is judged by."),

@@ -49,6 +49,12 @@ impl Admin {
     }
 }
 
+/// The request's path as a server behind a decoding front reads it (`//stats`, `/%73tats`
+/// and `/stats/` are `/stats`): the guard and the endpoints read the same one.
+fn path_of(req: &pingora::http::RequestHeader) -> std::borrow::Cow<'_, str> {
+    crate::routing::path::canonical(req.uri.path())
+}
+
 fn respond(status: StatusCode, content_type: &str, body: Vec<u8>) -> Response<Vec<u8>> {
     let mut resp = Response::new(body);
     *resp.status_mut() = status;
@@ -91,7 +97,7 @@ impl HttpServerApp for Admin {
         let http11 = http.req_header().version == http::Version::HTTP_11;
         http.set_keepalive((!*shutdown.borrow() && http11).then_some(60));
         let req = http.req_header();
-        if req.method == http::Method::GET && req.uri.path() == "/events" {
+        if req.method == http::Method::GET && path_of(req) == "/events" {
             let shared = self.live.load();
             if guard(&shared, req).is_none() {
                 self.events(&mut http, shutdown.clone()).await;
@@ -122,10 +128,11 @@ impl Admin {
         if let Some(refused) = guard(&shared, req) {
             return refused;
         }
-        if req.method == http::Method::POST && req.uri.path() == "/reload" {
+        let path = path_of(req);
+        if req.method == http::Method::POST && path == "/reload" {
             return self.reload().await;
         }
-        if req.method == http::Method::POST && req.uri.path().starts_with("/rollout/") {
+        if req.method == http::Method::POST && path.starts_with("/rollout/") {
             return rollout::steer(&shared, session).await;
         }
         if req.method != http::Method::HEAD {
@@ -249,7 +256,8 @@ fn guard(shared: &Shared, req: &pingora::http::RequestHeader) -> Option<Response
         }
     }
     let auth = &shared.config.admin;
-    let path = req.uri.path();
+    let path = path_of(req);
+    let path = &*path;
     // The page and its scripts hold no figures: they load without the token, then ask
     // for it to read the data endpoints (`/auth` tells them whether one is needed).
     let open = path == "/healthz"
@@ -308,7 +316,8 @@ impl Admin {
     }
 
     fn serve(&self, shared: &Shared, req: &pingora::http::RequestHeader) -> Response<Vec<u8>> {
-        if req.method == http::Method::POST && req.uri.path() == "/curve/reset" {
+        let path = path_of(req);
+        if req.method == http::Method::POST && path == "/curve/reset" {
             for u in &shared.upstreams {
                 u.meter.reset_curve();
             }
@@ -318,7 +327,7 @@ impl Admin {
                 br#"{"reset":true}"#.to_vec(),
             );
         }
-        if req.method == http::Method::POST && req.uri.path() == "/compare/reset" {
+        if req.method == http::Method::POST && path == "/compare/reset" {
             for u in &shared.upstreams {
                 u.meter.reset_samples();
             }
@@ -334,7 +343,7 @@ impl Admin {
                 "use GET or HEAD (or POST /reload, POST /compare/reset, POST /curve/reset, POST /rollout/ROUTE)",
             );
         }
-        match req.uri.path() {
+        match &*path {
             "/compare" if paired_query(shared, req.uri.query()).is_some() => {
                 match paired_query(shared, req.uri.query())
                     .and_then(|(a, b)| paired(shared, a, b))
@@ -408,6 +417,14 @@ impl Admin {
                 Err(e) => json_error(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
             },
             "/rollout" => rollout::list(shared),
+            // HEAD: the stream's head (GET streams from `events`).
+            "/events" if req.method == http::Method::HEAD => {
+                let mut resp = respond(StatusCode::OK, "text/event-stream", Vec::new());
+                let headers = resp.headers_mut();
+                headers.remove(http::header::CONTENT_LENGTH);
+                headers.insert(http::header::CACHE_CONTROL, http::HeaderValue::from_static("no-store"));
+                resp
+            }
             "/healthz" => respond(StatusCode::OK, "text/plain", b"ok\n".to_vec()),
             "/readyz" => readiness(&self.live, shared),
             path if dashboard::is_static(path) => dashboard::serve(path),

@@ -100,6 +100,10 @@ pub struct SloStats {
     /// Whether the SLO holds now: the last controller tick's TPOT (with `tpot_ms`) and the
     /// window's attainment (once requests were judged); `null` before any traffic.
     pub met: Option<bool>,
+    /// When it does not, what misses: `tpot` for the tick's TPOT past `tpot_ms`, and with
+    /// the attainment short of its target the SLOs the window's requests broke (`ttft`,
+    /// `tpot`, `e2e`, `error`), most broken first. Empty when met.
+    pub missed: Vec<&'static str>,
     /// The SLO percentile of per-token gaps over the last controller tick (with `tpot_ms`).
     pub current_tpot_ms: Option<f64>,
     /// One endpoint's SLO-bounded system T/s: the highest among the curve's supported
@@ -233,6 +237,7 @@ fn report(shared: &Shared, i: usize, u: &Upstream, now: crate::meter::Nanos) -> 
                     (None, None) => None,
                     (a, b) => Some(a.unwrap_or(true) && b.unwrap_or(true)),
                 },
+                missed: missed(tick, attained, meter.goodput.map(|g| g.broken)),
                 current_tpot_ms: current,
                 slo_bounded_system_tps: bound.map(|b| b.system_tps),
                 slo_bounded_concurrency: bound.map(|b| b.concurrency),
@@ -340,4 +345,70 @@ fn arms(shared: &Shared, upstream: usize) -> Vec<Arm> {
                 })
         })
         .collect()
+}
+
+/// What misses of an upstream's SLOs (see [`SloStats::missed`]): the tick's TPOT when
+/// past its SLO, and with the attainment short the SLOs the window's requests broke.
+fn missed(
+    tick: Option<bool>,
+    attained: Option<bool>,
+    broken: Option<crate::meter::Broken>,
+) -> Vec<&'static str> {
+    let mut out = Vec::new();
+    if tick == Some(false) {
+        out.push("tpot");
+    }
+    if let (Some(false), Some(b)) = (attained, broken) {
+        let mut by = [
+            ("ttft", b.ttft),
+            ("tpot", b.tpot),
+            ("e2e", b.e2e),
+            ("error", b.error),
+        ];
+        by.sort_by(|x, y| y.1.cmp(&x.1)); // stable: ties keep the judging order
+        for (name, n) in by {
+            if n > 0 && !out.contains(&name) {
+                out.push(name);
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The SLO line names what misses: the tick's TPOT, or the SLOs the window's requests
+    /// broke, most broken first; nothing when met.
+    #[test]
+    fn what_misses_is_named() {
+        let broken = |ttft, tpot, e2e, error| {
+            Some(crate::meter::Broken {
+                ttft,
+                tpot,
+                e2e,
+                error,
+            })
+        };
+        // TPOT meets its SLO; TTFT (queued behind the cap) is what misses.
+        assert_eq!(
+            missed(Some(true), Some(false), broken(40, 0, 0, 0)),
+            ["ttft"]
+        );
+        assert_eq!(
+            missed(Some(false), Some(true), broken(0, 0, 0, 0)),
+            ["tpot"]
+        );
+        assert_eq!(
+            missed(Some(false), Some(false), broken(3, 9, 0, 1)),
+            ["tpot", "ttft", "error"]
+        );
+        assert_eq!(
+            missed(None, Some(false), broken(2, 2, 5, 0)),
+            ["e2e", "ttft", "tpot"]
+        );
+        assert!(missed(Some(true), Some(true), broken(1, 0, 0, 0)).is_empty());
+        assert!(missed(None, None, None).is_empty());
+    }
 }

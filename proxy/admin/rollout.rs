@@ -99,25 +99,5 @@ async fn read_body(session: &mut ServerSession) -> Result<Vec<u8>, Response<Vec<
 
 /// A path segment percent-decoded (`%2Fv1%2F` → `/v1/`); bytes that do not decode kept.
 fn decode(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        let hex = |c: u8| (c as char).to_digit(16);
-        match (
-            b[i],
-            b.get(i + 1).copied().and_then(hex),
-            b.get(i + 2).copied().and_then(hex),
-        ) {
-            (b'%', Some(h), Some(l)) => {
-                out.push((h * 16 + l) as u8);
-                i += 3;
-            }
-            (c, ..) => {
-                out.push(c);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
+    String::from_utf8_lossy(&crate::routing::path::percent_decode(s.as_bytes())).into_owned()
 }

@@ -156,8 +156,8 @@ impl Dialect {
     pub fn operation(self, path: &str) -> &'static str {
         let path = path.split('?').next().unwrap_or(path).trim_end_matches('/');
         match self {
-            Dialect::OpenAi if path.ends_with("/chat/completions") => "chat",
-            Dialect::Ollama if path.ends_with("/api/chat") => "chat",
+            Dialect::OpenAi if ends_with(path, "/chat/completions") => "chat",
+            Dialect::Ollama if ends_with(path, "/api/chat") => "chat",
             Dialect::Responses | Dialect::Anthropic => "chat",
             Dialect::OpenAi | Dialect::Ollama | Dialect::Tgi | Dialect::LlamaCpp => {
                 "text_completion"
@@ -179,9 +179,11 @@ impl Dialect {
 
     /// The dialect of a request path, or `None` for traffic that is not generation
     /// (model lists, health checks, embeddings…), which is forwarded and counted only.
+    /// Case-blind, as a server may be; `path` is read as the server reads it
+    /// ([`canonical`](crate::routing::path::canonical)) by the caller.
     pub fn from_path(path: &str) -> Option<Dialect> {
         let path = path.split('?').next().unwrap_or(path).trim_end_matches('/');
-        let ends = |s: &str| path.ends_with(s);
+        let ends = |s: &str| ends_with(path, s);
         if ends("/api/chat") || ends("/api/generate") {
             Some(Dialect::Ollama)
         } else if ends("/chat/completions") || ends("/completions") {
@@ -222,6 +224,12 @@ impl Dialect {
             Dialect::LlamaCpp => llamacpp::body(body),
         }
     }
+}
+
+/// Whether `path` ends with `suffix`, ASCII case ignored.
+fn ends_with(path: &str, suffix: &str) -> bool {
+    let (path, suffix) = (path.as_bytes(), suffix.as_bytes());
+    path.len() >= suffix.len() && path[path.len() - suffix.len()..].eq_ignore_ascii_case(suffix)
 }
 
 /// Whether a value is a non-empty string (or a non-empty array or object of content parts).

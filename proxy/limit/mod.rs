@@ -39,13 +39,17 @@ pub enum Rejected {
     QueueTimeout,
     /// Its predicted wait for a slot was past `queue_timeout`: refused at once.
     PredictedWait,
+    /// Its tenant's output-token budget could not cover it (refused before it asked for a
+    /// slot; counted here so that every 429 of the upstream is in one count).
+    OutputTokenBudget,
 }
 
 impl Rejected {
-    pub const ALL: [Rejected; 3] = [
+    pub const ALL: [Rejected; 4] = [
         Rejected::QueueFull,
         Rejected::QueueTimeout,
         Rejected::PredictedWait,
+        Rejected::OutputTokenBudget,
     ];
 
     /// The `reason` label, and the `code` of the 429 body.
@@ -54,6 +58,7 @@ impl Rejected {
             Rejected::QueueFull => "queue_full",
             Rejected::QueueTimeout => "queue_timeout",
             Rejected::PredictedWait => "predicted_wait",
+            Rejected::OutputTokenBudget => "output_token_budget",
         }
     }
 }
@@ -84,7 +89,7 @@ pub struct Limiter {
     /// `u64::MAX`: each endpoint's is `limit`).
     sum: AtomicU64,
     state: Mutex<State>,
-    rejected: [AtomicU64; 3],
+    rejected: [AtomicU64; 4],
     /// A request had to queue (or was refused) for the limit, not a share, since the
     /// controller last looked.
     binding: AtomicBool,
@@ -141,7 +146,7 @@ pub struct LimitStats {
     pub in_flight: u64,
     pub queued: u64,
     /// Refusals by why, in [`Rejected::ALL`]'s order.
-    pub rejected: [u64; 3],
+    pub rejected: [u64; 4],
 }
 
 // === impl Limiter ===
@@ -163,7 +168,7 @@ impl Limiter {
                 freed: VecDeque::with_capacity(FREED_KEPT),
                 held: Vec::new(),
             }),
-            rejected: [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)],
+            rejected: Default::default(),
             binding: AtomicBool::new(false),
             waits,
             share: AtomicU64::new(u64::MAX),
@@ -436,7 +441,8 @@ impl Limiter {
         }
     }
 
-    fn reject(&self, why: Rejected) {
+    /// Counts a refusal of the upstream's (the limiter's own, or a budget's before it).
+    pub fn reject(&self, why: Rejected) {
         self.rejected[why as usize].fetch_add(1, Relaxed);
     }
 

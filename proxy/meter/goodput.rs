@@ -116,6 +116,8 @@ struct Slot {
     good_tokens: u64,
     /// Abandoned by their clients before breaking any SLO: not judged.
     cancelled: u64,
+    /// The judged that were not good, by verdict (TTFT, TPOT, e2e, error).
+    broken: [u64; 4],
 }
 
 impl Slot {
@@ -125,6 +127,7 @@ impl Slot {
         good: 0,
         good_tokens: 0,
         cancelled: 0,
+        broken: [0; 4],
     };
 }
 
@@ -143,6 +146,8 @@ pub(super) struct Window {
     pub(super) good: u64,
     pub(super) good_tokens: u64,
     pub(super) cancelled: u64,
+    /// The judged that were not good, by verdict ([`Verdict::ALL`] without `Good`).
+    pub(super) broken: [u64; 4],
 }
 
 impl<const N: usize> Ring<N> {
@@ -179,6 +184,8 @@ impl<const N: usize> Ring<N> {
         if verdict == Verdict::Good {
             slot.good += 1;
             slot.good_tokens = slot.good_tokens.saturating_add(tokens);
+        } else {
+            slot.broken[verdict.index() - 1] += 1;
         }
     }
 
@@ -199,6 +206,7 @@ impl<const N: usize> Ring<N> {
                 good: w.good + s.good,
                 good_tokens: w.good_tokens.saturating_add(s.good_tokens),
                 cancelled: w.cancelled + s.cancelled,
+                broken: std::array::from_fn(|i| w.broken[i] + s.broken[i]),
             })
     }
 }

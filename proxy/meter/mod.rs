@@ -34,7 +34,7 @@ pub use endpoint::{EndpointFigures, EndpointMeter, Finished};
 pub use goodput::{Judged, Targets, Verdict};
 pub use samples::{ControlSample, Gaps};
 use shard::Shard;
-pub use stats::{CurvePoint, Goodput, MeterStats, Percentiles, TokensPerEvent};
+pub use stats::{Broken, CurvePoint, Goodput, MeterStats, Percentiles, TokensPerEvent};
 pub use stream::{Stream, Summary};
 pub use window::SLOTS;
 pub(crate) use window::{slot_ns, Span};

@@ -174,6 +174,17 @@ pub struct Goodput {
     pub good_requests: u64,
     /// Requests in the window whose clients left before they broke any SLO: not judged.
     pub cancelled: u64,
+    /// The judged requests that were not good, by the first SLO each broke (or an error).
+    pub broken: Broken,
+}
+
+/// Requests that were not good, by the first SLO each broke, or by an error.
+#[derive(Debug, Clone, Copy, Default, Serialize, PartialEq)]
+pub struct Broken {
+    pub ttft: u64,
+    pub tpot: u64,
+    pub e2e: u64,
+    pub error: u64,
 }
 
 #[cfg(test)]

@@ -62,6 +62,9 @@ pub struct Summary {
     pub sent_to_last_ms: f64,
     /// Mean requests in flight on its endpoint as its tokens arrived.
     pub concurrency: Option<f64>,
+    /// Its body could not be read (a coding tokentap does not undo, a body past what it
+    /// reads): `output_tokens` says nothing of what was generated.
+    pub unread: bool,
 }
 
 // === impl Stream ===
@@ -237,6 +240,7 @@ impl Stream {
             sent_to_last_ms: self.last.max(self.sent).saturating_sub(self.sent) as f64 / 1e6,
             concurrency: (self.events > 0)
                 .then(|| self.concurrency_sum as f64 / self.events as f64),
+            unread: self.unread,
         }
     }
 

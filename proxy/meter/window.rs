@@ -21,7 +21,7 @@ use super::curve::{self, Bucket as CurveBucket, Scope, Times, Verdicts, CURVE_BU
 use super::goodput::{self, Judged, Targets};
 use super::hist::{hist_percentiles, histogram, histogram64, quantile_us};
 use super::samples::{ControlSample, Gaps};
-use super::stats::{CurvePoint, Goodput, MeterStats, Percentiles, TokensPerEvent};
+use super::stats::{Broken, CurvePoint, Goodput, MeterStats, Percentiles, TokensPerEvent};
 use super::{EndpointMeter, Nanos, Outcome, UNKNOWN};
 
 /// Slots per window.
@@ -546,6 +546,12 @@ impl Windows {
                     requests: w.judged,
                     good_requests: w.good,
                     cancelled: w.cancelled,
+                    broken: Broken {
+                        ttft: w.broken[0],
+                        tpot: w.broken[1],
+                        e2e: w.broken[2],
+                        error: w.broken[3],
+                    },
                 }
             }),
             slo_requests_total: goodput::Verdict::ALL

@@ -10,6 +10,8 @@ use http::HeaderMap;
 use crate::config::Route;
 use crate::rollout::{Rollout, Rollouts};
 
+pub mod path;
+
 /// A request's header fields as routing reads them: the first value of a field, by a
 /// lowercase name (pingora's header map, or tokentap's own head).
 pub trait Fields {

@@ -57,6 +57,9 @@ impl TokenTap {
                 if buf.len() + chunk.len() > MAX_JSON_BODY {
                     ctx.body = Body::Ignore;
                     ctx.unparsed += 1;
+                    if let Some(stream) = ctx.stream.as_mut() {
+                        stream.unreadable();
+                    }
                 } else {
                     buf.extend_from_slice(chunk);
                 }
@@ -318,15 +321,19 @@ impl TokenTap {
 
     /// A metered request ended: its tenant's fair-queue charge and budget reservation made
     /// exact, and its figures booked to its tenant (with `[tenants]`).
+    /// A body that could not be read keeps its reservation and its fair charge as made up
+    /// front: a count of nothing would refund a generation it never saw.
     fn settle(&self, ctx: &mut Ctx, choice: Choice, outcome: Outcome, s: Summary) {
-        if let Some(slot) = ctx.permit.as_mut() {
+        if let Some(slot) = ctx.permit.as_mut().filter(|_| !s.unread) {
             slot.settle(s.output_tokens);
         }
         let Some(mut t) = ctx.who.take() else {
             return;
         };
-        if let Some(r) = t.reservation.take() {
-            r.settle(s.output_tokens);
+        match t.reservation.take() {
+            Some(r) if s.unread => r.keep(s.output_tokens),
+            Some(r) => r.settle(s.output_tokens),
+            None => {}
         }
         let shared = &ctx.shared;
         let targets = &shared.upstreams[choice.upstream].config.targets;

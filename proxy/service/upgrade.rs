@@ -36,9 +36,11 @@ impl ProxyHttp for TokenTap {
         let choice = ctx
             .shared
             .router
-            .choose(req.uri.path(), &req.headers, |u| {
-                upstreams[u].has_headroom()
-            })
+            .choose(
+                &crate::routing::path::canonical(req.uri.path()),
+                &req.headers,
+                |u| upstreams[u].has_headroom(),
+            )
             .ok_or_else(|| Error::explain(HTTPStatus(404), "no route matches"))?;
         ctx.choice = Some(choice);
         Ok(false)

@@ -48,7 +48,7 @@ impl Cause {
             Cause::QueueFull => Rejected::QueueFull.label(),
             Cause::QueueTimeout => Rejected::QueueTimeout.label(),
             Cause::PredictedWait => Rejected::PredictedWait.label(),
-            Cause::Budget => "output_token_budget",
+            Cause::Budget => Rejected::OutputTokenBudget.label(),
             Cause::NoEndpoint => "no_healthy_endpoint",
         }
     }
@@ -60,6 +60,7 @@ impl From<Rejected> for Cause {
             Rejected::QueueFull => Cause::QueueFull,
             Rejected::QueueTimeout => Cause::QueueTimeout,
             Rejected::PredictedWait => Cause::PredictedWait,
+            Rejected::OutputTokenBudget => Cause::Budget,
         }
     }
 }

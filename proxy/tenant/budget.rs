@@ -59,6 +59,14 @@ impl Reservation {
         self.give_back(tokens);
     }
 
+    /// Its request ended with a body tokentap could not read: what it generated is
+    /// unknown, so the reservation is spent, not given back (at least `tokens`, what was
+    /// counted before the body became unreadable).
+    pub fn keep(self, tokens: u64) {
+        let spent = self.reserved.max(tokens);
+        self.settle(spent);
+    }
+
     fn give_back(&self, tokens: u64) {
         let b = &self.budgets;
         match (self.fleet, &b.fleet) {
@@ -263,10 +271,14 @@ impl Refusal {
     /// `x-ratelimit-reset-tokens` as OpenAI writes it: `1.5s`, `2m0s`.
     pub fn reset_text(&self) -> String {
         let secs = self.reset.as_secs_f64();
-        if secs < 60.0 {
-            format!("{}s", (secs * 10.0).ceil() / 10.0)
+        let tenths = (secs * 10.0).ceil();
+        if tenths < 600.0 {
+            format!("{}s", tenths / 10.0)
         } else {
-            format!("{}m{}s", (secs / 60.0).floor(), (secs % 60.0).ceil())
+            // Whole seconds, rounded up before they are split: 119.2 s is `2m0s`, never
+            // `1m60s`.
+            let whole = secs.ceil() as u64;
+            format!("{}m{}s", whole / 60, whole % 60)
         }
     }
 
@@ -287,6 +299,50 @@ mod tests {
             budget: Some(budget),
             ..Who::default()
         }
+    }
+
+    /// `x-ratelimit-reset-tokens` as OpenAI writes it, each unit carried: `2m0s`, never
+    /// `1m60s`.
+    #[test]
+    fn the_reset_is_written_with_its_units_carried() {
+        let text = |secs: f64| {
+            Refusal {
+                limit: 1,
+                remaining: 0,
+                reset: Duration::from_secs_f64(secs),
+            }
+            .reset_text()
+        };
+        for (secs, want) in [
+            (0.04, "0.1s"),
+            (1.5, "1.5s"),
+            (59.9, "59.9s"),
+            (59.95, "1m0s"),
+            (60.0, "1m0s"),
+            (60.2, "1m1s"),
+            (119.2, "2m0s"),
+            (120.0, "2m0s"),
+            (179.99, "3m0s"),
+        ] {
+            assert_eq!(text(secs), want, "{secs}");
+        }
+    }
+
+    /// A body that could not be read keeps its reservation: nothing comes back.
+    #[test]
+    fn an_unread_body_keeps_its_reservation() {
+        let (b, t0) = (Arc::new(Budgets::default()), Instant::now());
+        let w = who(600);
+        let r = b.reserve_here(&w, 600, Some(500), t0).unwrap().unwrap();
+        r.keep(0);
+        let Err(no) = b.reserve_here(&w, 600, Some(101), t0) else {
+            panic!("not refused")
+        };
+        assert_eq!(no.remaining, 100);
+        // Counted past its reservation before it became unreadable: that much is spent.
+        let r = b.reserve_here(&w, 600, Some(100), t0).unwrap().unwrap();
+        r.keep(150);
+        assert!(b.reserve_here(&w, 600, Some(1), t0).is_err());
     }
 
     #[test]

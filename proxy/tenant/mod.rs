@@ -102,6 +102,12 @@ impl TenantsConfig {
             || self.priority.is_some()
             || self.default.output_tokens_per_minute.is_some()
     }
+
+    /// Whether any tenant has an output-token budget.
+    pub fn budgets(&self) -> bool {
+        self.default.output_tokens_per_minute.is_some()
+            || (self.overrides.iter()).any(|(_, t)| t.output_tokens_per_minute.is_some())
+    }
 }
 
 /// Who a request is, for the queue and the budgets.
@@ -190,10 +196,11 @@ impl Tenants {
         }
     }
 
-    /// A header value as a tenant's name: itself when it is short plain text and not a
-    /// secret, else `key-` and its hash.
+    /// A header value as a tenant's name: itself when it is short plain text, not a
+    /// secret and not a name tokentap gives ([`reserved`]), else `key-` and its hash.
     fn name(&self, v: &[u8]) -> Tenant {
         let plain = v.len() <= MAX_NAME
+            && !reserved(v)
             && v.iter()
                 .all(|&b| b.is_ascii_alphanumeric() || b"-_.:@/".contains(&b));
         match std::str::from_utf8(v) {
@@ -259,6 +266,16 @@ pub fn max_tokens(body: &[u8]) -> Option<u64> {
 }
 
 /// `key-` and the first 16 hex digits of `v`'s SHA-256.
+/// Whether a client's value would take a name tokentap gives itself: `default` (requests
+/// without the key), `other` (the tenants `/metrics` folds together), or the `key-` of a
+/// hashed name. Such a value is hashed too, so that a client cannot join the fold (two
+/// series of one name, one dropped by Prometheus), the keyless, or another's hashed key.
+pub fn reserved(v: &[u8]) -> bool {
+    v.eq_ignore_ascii_case(b"default")
+        || v.eq_ignore_ascii_case(b"other")
+        || v.get(..4).is_some_and(|p| p.eq_ignore_ascii_case(b"key-"))
+}
+
 pub fn hashed(v: &[u8]) -> String {
     let digest = ring::digest::digest(&ring::digest::SHA256, v);
     let mut out = String::with_capacity(20);
@@ -315,6 +332,40 @@ mod tests {
         assert!(who.tenant.starts_with("key-"));
         // No header: the default tenant.
         assert_eq!(&*t.who(|_| None).tenant, "default");
+    }
+
+    /// A client cannot take a name tokentap gives: the fold, the keyless, a hashed key.
+    #[test]
+    fn names_tokentap_gives_are_not_a_clients() {
+        let t = tenants("x-tenant");
+        let secret = tenants("authorization");
+        let hashed_key = &*secret
+            .who(|h| (h == "authorization").then_some(&b"Bearer sk-abc"[..]))
+            .tenant
+            .to_owned();
+        for v in [
+            &b"other"[..],
+            b"Other",
+            b"default",
+            b"DEFAULT",
+            hashed_key.as_bytes(),
+        ] {
+            let who = t.who(|h| (h == "x-tenant").then_some(v));
+            assert!(
+                who.tenant.starts_with("key-"),
+                "{}",
+                String::from_utf8_lossy(v)
+            );
+            assert_ne!(&*who.tenant, hashed_key);
+            assert_eq!(&*who.tenant, hashed(v));
+        }
+        // Names that only look alike are kept.
+        for v in ["others", "default-2", "keys"] {
+            assert_eq!(
+                &*t.who(|h| (h == "x-tenant").then_some(v.as_bytes())).tenant,
+                v
+            );
+        }
     }
 
     /// The six keys searched for one at a time, as `max_tokens` did before it read them in

@@ -73,6 +73,9 @@ pub struct Slo {
     pub e2e_ms: Option<f64>,
     pub percentile: f64,
     pub met: Option<bool>,
+    /// What misses when it is not met (`ttft`, `tpot`, `e2e`, `error`).
+    #[serde(default)]
+    pub missed: Vec<String>,
     pub current_tpot_ms: Option<f64>,
 }
 

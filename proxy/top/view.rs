@@ -306,9 +306,10 @@ fn upstream(frame: &mut Frame<'_>, area: Rect, u: &UpstreamView, board: &Board, 
                 String::new()
             },
             match s.met {
-                Some(true) => " (met)",
-                Some(false) => " (missed)",
-                None => "",
+                Some(true) => " (met)".to_owned(),
+                Some(false) if s.missed.is_empty() => " (missed)".to_owned(),
+                Some(false) => format!(" ({} missed)", missed_text(&s.missed)),
+                None => String::new(),
             }
         ),
         None => "no SLO".into(),
@@ -406,6 +407,24 @@ fn upstream(frame: &mut Frame<'_>, area: Rect, u: &UpstreamView, board: &Board, 
         .data(shown)
         .style(Style::new().fg(colour));
     frame.render_widget(spark, cols[2]);
+}
+
+/// The SLOs that miss, as the SLO line names them: `TTFT`, `TPOT and e2e`.
+fn missed_text(missed: &[String]) -> String {
+    let names: Vec<&str> = (missed.iter())
+        .map(|m| match m.as_str() {
+            "ttft" => "TTFT",
+            "tpot" => "TPOT",
+            "e2e" => "e2e",
+            "error" => "errors",
+            other => other,
+        })
+        .collect();
+    match names.split_last() {
+        Some((last, [])) => (*last).to_owned(),
+        Some((last, rest)) => format!("{} and {last}", rest.join(", ")),
+        None => String::new(),
+    }
 }
 
 #[cfg(test)]

@@ -197,6 +197,13 @@ function endpoints(u) {
 }
 
 // The SLOs set, as one phrase: "TTFT ≤ 500 ms, TPOT p90 ≤ 30 ms".
+// What misses, named: "TTFT", "TPOT and e2e" ("SLO" when /stats does not say).
+function missedText(missed) {
+  const names = (missed || []).map((m) => ({ ttft: "TTFT", tpot: "TPOT", e2e: "e2e", error: "errors" })[m] || m);
+  if (!names.length) return "SLO";
+  return names.length === 1 ? names[0] : `${names.slice(0, -1).join(", ")} and ${names[names.length - 1]}`;
+}
+
 function sloText(slo) {
   const parts = [];
   if (slo.ttft_ms !== null) parts.push(`TTFT ≤ ${slo.ttft_ms} ms`);
@@ -240,7 +247,7 @@ function renderUpstreams(s) {
     const exact = u.estimated_tokens_share_pct === null ? null : 100 - u.estimated_tokens_share_pct;
     const now = u.slo && u.slo.tpot_ms !== null ? `: TPOT now ${fmt(u.slo.current_tpot_ms)} ms` : "";
     const slo = u.slo
-      ? `<span class="slo ${u.slo.met === false ? "missed" : "met"}">SLO ${sloText(u.slo)}${now}${u.slo.met === null ? "" : u.slo.met ? " (met)" : " (missed)"}</span>`
+      ? `<span class="slo ${u.slo.met === false ? "missed" : "met"}" data-up="${esc(u.name)}" data-note="slo">SLO ${sloText(u.slo)}${now}${u.slo.met === null ? "" : u.slo.met ? " (met)" : ` (${missedText(u.slo.missed)} missed)`}</span>`
       : "no SLO";
     const row = (label, p, key) =>
       `<tr><td>${label}</td>${["p50", "p90", "p99"].map((q) => `<td data-up="${esc(u.name)}" data-fig="${key}_${q}" data-value="${p[q] ?? ""}">${fmt(p[q])}</td>`).join("")}</tr>`;

@@ -101,6 +101,12 @@ impl TenantsFile {
                     format!("must be 1 to {} bytes", crate::tenant::MAX_NAME),
                 );
             }
+            if o.tenant.eq_ignore_ascii_case("other") {
+                p.add(
+                    at("tenant"),
+                    "`other` is reserved: /metrics folds the tenants past metrics.tenant_labels under it",
+                );
+            }
             if self.r#override[..i].iter().any(|e| e.tenant == o.tenant) {
                 p.add(at("tenant"), format!("`{}` is overridden twice", o.tenant));
             }

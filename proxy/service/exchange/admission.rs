@@ -27,12 +27,12 @@ use crate::tenant::book::Cause;
 use crate::tenant::budget::Refusal;
 use crate::tenant::Who;
 
-/// The upstream of a request, if a route matches.
-pub(super) fn route(shared: &Shared, req: &RequestHead) -> Option<Choice> {
+/// The upstream of a request to `path` (as the backend reads it), if a route matches.
+pub(super) fn route(shared: &Shared, req: &RequestHead, path: &str) -> Option<Choice> {
     let upstreams = &shared.upstreams;
     shared
         .router
-        .choose(req.uri.path(), &req.fields, |u| upstreams[u].has_headroom())
+        .choose(path, &req.fields, |u| upstreams[u].has_headroom())
 }
 
 /// Answers 429 with `Retry-After` and an OpenAI-style error body; the bytes written.
@@ -60,6 +60,9 @@ pub(super) async fn reject(
         Rejected::PredictedWait => format!(
             "tokentap: no slot on upstream {name} (limit {limit}) is expected within the queue timeout"
         ),
+        Rejected::OutputTokenBudget => {
+            "tokentap: this tenant's output-token budget is spent".to_owned()
+        }
     };
     let body = error_body(&message, "rate_limit_exceeded", why.label());
     // The predicted wait for a slot now, at least a second.

@@ -265,7 +265,7 @@ impl TokenTap {
         // the rest, and goes nowhere).
         let insertion = usage_asked(&ctx, upstream, &body);
         let body_len = Wire::body_len(&body, insertion);
-        let operation = dialect.operation(head.uri.path());
+        let operation = dialect.operation(&crate::routing::path::canonical(head.uri.path()));
         let mut wire = BytesMut::with_capacity(512);
         // `set_headers`: out of the copied head, and written with tokentap's own.
         let sets = &shared.config.routes[choice.route].mirrors[mirror].set_headers;
@@ -281,6 +281,7 @@ impl TokenTap {
             &endpoint.at.host_header,
             upstream_id(&ctx),
             UpBody::Length(body_len),
+            true,
             &extra,
             &mut wire,
         );

@@ -322,10 +322,15 @@ impl TokenTap {
         } = checked;
         let shared = Arc::clone(&ctx.shared);
         let limits = shared.config.limits;
+        // Routed and told generation from the path as the backend will read it (decoded,
+        // `//` and dot segments resolved), not as sent: else a tenant past its budget could
+        // send `/v1/chat/%63ompletions` unmetered and uncapped.
+        let path = crate::routing::path::canonical(req.uri.path());
         if req.method == http::Method::POST {
-            ctx.dialect = Dialect::from_path(req.uri.path());
+            ctx.dialect = Dialect::from_path(&path);
         }
-        let routed = route(&shared, &req);
+        let routed = route(&shared, &req, &path);
+        drop(path);
         // Which mirrors copy it, drawn once (generation requests only).
         let metered = routed.filter(|_| ctx.dialect.is_some());
         let plan = metered.map_or(0, |c| mirror::plan(&shared, c, &req));
@@ -405,6 +410,7 @@ impl TokenTap {
             match admission::tenancy(&shared, &req, &bytes).await {
                 Ok(tenancy) => ctx.who = tenancy,
                 Err(refusal) => {
+                    upstream.limiter.reject(Rejected::OutputTokenBudget);
                     let (keep, after) = answered(&leftover, true);
                     ctx.status = 429;
                     ctx.bytes_out += over_budget(client, ctx, choice, refusal, keep).await;

@@ -124,7 +124,9 @@ impl TokenTap {
             body,
             rest,
         } = outgoing;
-        let operation = ctx.dialect.map(|d| d.operation(req.uri.path()));
+        let operation = ctx
+            .dialect
+            .map(|d| d.operation(&crate::routing::path::canonical(req.uri.path())));
         let http10 = !req.http11;
         let head_request = req.method == http::Method::HEAD;
         let keep_alive = !shutdown && !http10 && !req.fields.has_token("connection", "close");
@@ -160,7 +162,9 @@ impl TokenTap {
             ));
         };
         let mut head = BytesMut::with_capacity(512);
-        upstream_request(req, &endpoint.at.host_header, id, up_body, &[], &mut head);
+        let metered = ctx.dialect.is_some();
+        let host = &endpoint.at.host_header;
+        upstream_request(req, host, id, up_body, metered, &[], &mut head);
         let wire = match up_body {
             // The body so far as its first chunk: its size line in the head, its bytes as
             // they are (up to 8 MiB read for a mirror, not copied into the head).
@@ -327,7 +331,9 @@ impl TokenTap {
 pub(super) const WHOLE_BODY_BYTES: usize = 8 << 20;
 
 /// Whether a request routed to `choice` needs its body whole: a metered request to an
-/// upstream that asks OpenAI requests for usage, or one a mirror copies (`plan`).
+/// upstream that asks OpenAI requests for usage, one a mirror copies (`plan`), or one that
+/// may reserve of a tenant's budget (its `max_tokens` may come after a long prompt: SDKs
+/// write `messages` first).
 pub(super) fn needs_whole(
     shared: &crate::state::Shared,
     choice: Choice,
@@ -339,7 +345,7 @@ pub(super) fn needs_whole(
     };
     let upstream = &shared.upstreams[choice.upstream].config;
     let usage = dialect == Dialect::OpenAi && upstream.inject_usage;
-    usage || plan != 0
+    usage || plan != 0 || shared.tenants.config().budgets()
 }
 
 /// Where the body gets `stream_options.include_usage`, when the upstream injects usage and
@@ -383,12 +389,15 @@ fn rehost(wire: &[u8], from: &str, to: &str) -> BytesMut {
 
 /// Appends the request as the upstream gets it (with tokentap's request `id` when the
 /// client sent none): HTTP/1.1, without hop-by-hop fields and `Expect` (the body is on its
-/// way already), its `Host` the upstream's, its body framed by tokentap.
+/// way already), its `Host` the upstream's, its body framed by tokentap. A `metered`
+/// request (generation) asks for `Accept-Encoding: identity` whatever the client asked:
+/// tokentap reads what it forwards, and a compressed stream would be charged nothing.
 pub(super) fn upstream_request(
     mut req: RequestHead,
     host: &str,
     id: Option<&str>,
     body: UpBody,
+    metered: bool,
     extra: &[(&str, &[u8])],
     out: &mut BytesMut,
 ) {
@@ -396,6 +405,9 @@ pub(super) fn upstream_request(
     h.remove_hop_by_hop("");
     h.remove("expect");
     h.remove("content-length");
+    if metered {
+        h.remove("accept-encoding");
+    }
     let mut digits = [0u8; 20];
     let framing: Option<(&str, &[u8])> = match body {
         UpBody::None => None,
@@ -410,6 +422,7 @@ pub(super) fn upstream_request(
     let mut set = [
         Some(("Host", host.as_bytes())),
         id.map(|id| (REQUEST_ID_HEADER, id.as_bytes())),
+        metered.then_some(("Accept-Encoding", b"identity".as_slice())),
         framing,
     ];
     if extra.is_empty() {
@@ -515,7 +528,7 @@ mod tests {
             panic!("not a head: {raw}")
         };
         let mut out = BytesMut::new();
-        upstream_request(req, "up:8000", id, body, &[], &mut out);
+        upstream_request(req, "up:8000", id, body, false, &[], &mut out);
         String::from_utf8(out.to_vec()).unwrap()
     }
 

@@ -165,6 +165,14 @@ fn check(path: PathBuf) -> ExitCode {
                     shadow.map_or(String::new(), |j| j.to_string()),
                     shadow.map_or(0, |j| r.mirrors[j].max_in_flight),
                 );
+                println!("    {}", tokentap::rollout::copies_cost(&config, r, ro));
+                if r.spill {
+                    println!(
+                        "    spill: nothing spills into or out of {} and {} while the rollout holds a share, so each step's share holds",
+                        name(ro.from),
+                        name(ro.to),
+                    );
+                }
             }
             ExitCode::SUCCESS
         }

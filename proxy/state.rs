@@ -80,6 +80,9 @@ pub struct Shadow {
     pub skipped_body_unread: AtomicU64,
     /// Copies with no endpoint to go to.
     pub skipped_no_endpoint: AtomicU64,
+    /// Copies not sent because the upstream's own cap (`max_concurrency`, an SLO's) had no
+    /// slot free at once: a copy never waits for one.
+    pub skipped_cap: AtomicU64,
     /// Each copy against its primary, when both finished.
     pub pairs: crate::compare::paired::Pairs,
 }
@@ -523,6 +526,20 @@ impl Live {
             problems: Vec::new(),
             notes,
         }
+    }
+
+    /// `POST /rollout/ROUTE`: the steer applied to the rollout live when it is applied,
+    /// and the rollout as it is then. Its lookup, the steer and the state file's write
+    /// happen one reload at a time with them: a reload builds its successor from the
+    /// rollout either before the steer or after it, never around it, so the answer,
+    /// `GET /rollout` and the state file agree.
+    pub fn steer(
+        &self,
+        route: &str,
+        action: crate::rollout::Action,
+    ) -> Result<crate::rollout::RolloutStats, crate::rollout::ActError> {
+        let _one = self.reloading.lock().unwrap_or_else(|p| p.into_inner());
+        self.load().rollouts.act(route, action, self.clock.now())
     }
 
     fn refused(&self, problems: Vec<String>) -> Reloaded {

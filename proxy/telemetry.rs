@@ -154,7 +154,7 @@ pub const FAMILIES: &[(&str, &str, &str)] = &[
     ("tokentap_roofline_single_stream_tokens_per_second", "gauge", "The decode roofline: HBM bandwidth × tensor_parallel / the model's weight bytes."),
     ("tokentap_model_bandwidth_utilization_ratio", "gauge", "MBU at the lowest supported curve point: its single-stream T/s / the roofline (absent when it would exceed 1: a configuration problem)."),
     ("tokentap_mirror_in_flight_requests", "gauge", "Copies of primaries' requests in flight on this mirror upstream (route[].mirror): their own slots, under max_in_flight."),
-    ("tokentap_mirror_skipped_total", "counter", "Sampled requests not copied to this mirror, by reason: max_in_flight (that many copies were running), body_unread (over the 64 KiB read-ahead), no_endpoint."),
+    ("tokentap_mirror_skipped_total", "counter", "Sampled requests not copied to this mirror, by reason: max_in_flight (that many copies were running), body_unread (over the 64 KiB read-ahead), no_endpoint, cap (no slot free under the upstream's own cap)."),
     ("tokentap_capacity_demand_tokens_per_second", "gauge", "Tokens per second asked of the pool: delivered over the window plus what the queue holds back."),
     ("tokentap_capacity_endpoints_needed", "gauge", "Endpoints the demand needs at the SLO with capacity.headroom_pct to spare, held steady for an autoscaler: the median need of the last 30 s, with hysteresis (absent while the curve has no point near the SLO)."),
     ("tokentap_backend_running_requests", "gauge", "Requests the backend itself says it runs (backend_metrics: vllm:num_requests_running, sglang:num_running_reqs, tgi_batch_current_size, llamacpp:requests_processing)."),

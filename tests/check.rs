@@ -174,6 +174,33 @@ fn a_rollouts_mistakes_are_named_with_their_paths() {
     );
 }
 
+/// `check` says what a rollout's shadow copies cost `to` in requests a second at each step
+/// under half, the cap of `to`'s that bounds them, and that `spill` keeps the share.
+#[test]
+fn check_says_what_a_rollouts_copies_cost() {
+    let path =
+        std::env::temp_dir().join(format!("tokentap-rollout-cost-{}.toml", std::process::id()));
+    std::fs::write(
+        &path,
+        "[[upstream]]\nname = \"a\"\nurl = \"http://127.0.0.1:8001\"\n\
+         [[upstream]]\nname = \"b\"\nurl = \"http://127.0.0.1:8002\"\nmax_concurrency = 4\n\
+         [[route]]\nsplit = { a = 1, b = 1 }\nspill = true\n\
+         rollout = { from = \"a\", to = \"b\", steps = [10, 25, 50, 100] }\n",
+    )
+    .unwrap();
+    let (ok, out) = check(&path);
+    std::fs::remove_file(&path).ok();
+    assert!(ok, "{out}");
+    for want in [
+        "copies to b: 80 requests a second at 10%, 50 requests a second at 25%, \
+         for every 100 a second that a and b serve (none from 50%)",
+        "they take slots of b's max_concurrency = 4 when free at once, or are not sent",
+        "spill: nothing spills into or out of a and b while the rollout holds a share",
+    ] {
+        assert!(out.contains(want), "missing {want:?} in:\n{out}");
+    }
+}
+
 #[test]
 fn run_refuses_an_address_in_use_before_it_says_it_is_up() {
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();

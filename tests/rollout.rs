@@ -262,3 +262,160 @@ async fn steered_by_post_and_shown_in_stats() {
     );
     s.load.abort();
 }
+
+/// `a` and `b` (with the upstream keys `a_keys` and `b_keys`: their caps) behind tokentap
+/// on route `chat`, whose further keys (its `rollout`, `spill`…) are `route`.
+async fn capped(a: &Sim, b: &Sim, (a_keys, b_keys): (&str, &str), route: &str) -> Running {
+    let text = format!(
+        "[[upstream]]\nname = \"a\"\nurl = \"http://{}\"\n{a_keys}\
+         [[upstream]]\nname = \"b\"\nurl = \"http://{}\"\n{b_keys}\
+         [[route]]\nname = \"chat\"\nsplit = {{ a = 1, b = 1 }}\n{route}",
+        a.addr, b.addr
+    );
+    proxy(&[], &text).await
+}
+
+/// The simulator's own figures, as `GET /sim/stats` gives them.
+async fn sim_stats(s: &Sim) -> Value {
+    let r = fetch(s.addr, "GET", "/sim/stats", b"").await;
+    assert_eq!(r.status, 200);
+    serde_json::from_slice(&r.body).unwrap()
+}
+
+/// At the first step `to` is asked for copies of 88.9% of `from`'s requests; with
+/// `max_concurrency = 4` on `to` the copies take its free slots or are not sent: the
+/// simulator's own peak batch stays within 4, no live request is refused for them, and
+/// `/rollout` says what they cost and how many were not sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shadow_keeps_to_s_cap() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let (a, b) = (sim("1:5").await, sim("1:5").await);
+    let route = "rollout = { from = \"a\", to = \"b\", every_secs = 3600 }\n";
+    let tap = capped(&a, &b, ("", "max_concurrency = 4\n"), route).await;
+    let r = closed_loop(proxy_addr(&tap), Closed::of(24, 2.5)).await;
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    let sb = sim_stats(&b).await;
+    eprintln!("b: {sb}");
+    assert!(sb["peak_batch"].as_u64().unwrap() <= 4, "{sb}");
+    assert!(
+        sb["shadow_requests"].as_u64().unwrap() > 0,
+        "no copy sent: {sb}"
+    );
+    let ro = rollout(&tap).await;
+    eprintln!("{ro:#}");
+    assert_eq!(ro["percent"], 10.0);
+    assert!(ro["shadow_sent_total"].as_u64().unwrap() > 0, "{ro:#}");
+    assert!(ro["shadow_skipped_total"].as_u64().unwrap() > 0, "{ro:#}");
+    assert!(ro["shadow_rps"].as_f64().unwrap() > 0.0, "{ro:#}");
+    let s = common::stats(&tap).await;
+    let ub = common::upstream_named(&s, "b");
+    assert!(
+        ub["shadow"]["skipped_total"]["cap"].as_u64().unwrap() > 0,
+        "{:#}",
+        ub["shadow"]
+    );
+}
+
+/// Paused at 10% on a route with `spill = true`, `from` full (24 clients against its 8
+/// slots): its overflow queues rather than spilling to `to`, so `to` serves 10% ± 3 of the
+/// live requests by the simulators' own counts, and `/rollout` reports that share.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spill_keeps_a_paused_step_s_share() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let (a, b) = (sim("1:5").await, sim("1:5").await);
+    let route = "spill = true\nrollout = { from = \"a\", to = \"b\", every_secs = 3600 }\n";
+    let tap = capped(&a, &b, ("max_concurrency = 8\n", ""), route).await;
+    let paused = fetch(admin(&tap), "POST", "/rollout/chat", b"pause").await;
+    assert_eq!(paused.status, 200);
+    let r = closed_loop(proxy_addr(&tap), Closed::of(24, 3.0)).await;
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    let (a_n, b_n) = (live(&a), live(&b));
+    let share = 100.0 * b_n as f64 / (a_n + b_n) as f64;
+    eprintln!("live requests: a {a_n}, b {b_n} ({share:.1}%)");
+    assert!((7.0..=13.0).contains(&share), "a {a_n}, b {b_n}");
+    let ro = rollout(&tap).await;
+    assert_eq!(
+        (ro["state"].as_str(), ro["percent"].as_f64()),
+        (Some("paused"), Some(10.0))
+    );
+    let served = ro["served_percent"].as_f64().unwrap();
+    assert!((7.0..=13.0).contains(&served), "{ro:#}");
+}
+
+/// `POST /rollout/chat` whose head comes before a reload and whose body (`pause`) after:
+/// the steer applies to the rollout live then, and its answer, `GET /rollout` and the
+/// state file agree — with the rollout kept by the reload, and with one the reload changed
+/// (started afresh).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_steer_racing_a_reload_agrees_in_all_three_views() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let (a, b) = (sim(A).await, sim(A).await);
+    let scratch = common::process::Scratch::new("rollout-steer");
+    let file = scratch.path("rollouts.json");
+    let route = |every: u64| {
+        format!(
+            "[rollouts]\nstate_file = \"{}\"\n\
+             [[route]]\nname = \"chat\"\nsplit = {{ a = 1, b = 1 }}\n\
+             rollout = {{ from = \"a\", to = \"b\", every_secs = {every} }}\n",
+            file.display()
+        )
+    };
+    let tap = proxy(&[("a", a.addr), ("b", b.addr)], &route(3600)).await;
+    let listen = tap.shared().config.listen.clone();
+    let whole = |every: u64| {
+        let text = format!(
+            "[listen]\nproxy = \"{}\"\nadmin = \"{}\"\n\
+             [[upstream]]\nname = \"a\"\nurl = \"http://{}\"\n\
+             [[upstream]]\nname = \"b\"\nurl = \"http://{}\"\n{}",
+            listen.proxy,
+            listen.admin,
+            a.addr,
+            b.addr,
+            route(every)
+        );
+        tokentap::config::Config::parse(&text, "test").unwrap()
+    };
+    // The same rollout (kept, running), then a changed one (afresh, running).
+    for every in [3600, 1800] {
+        let reload = || assert!(tap.live().apply(whole(every)).ok);
+        let (status, answer) = steer_around(admin(&tap), "pause", reload).await;
+        assert_eq!(status, 200, "{answer:#}");
+        let listed = rollout(&tap).await;
+        let saved: Value = serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
+        let states = (
+            answer["state"].as_str(),
+            listed["state"].as_str(),
+            saved["rollouts"][0]["state"].as_str(),
+        );
+        eprintln!("every_secs = {every}: {states:?}");
+        assert_eq!(states, (Some("paused"), Some("paused"), Some("paused")));
+        // The rollout steered is the one the reload put in force.
+        assert_eq!(answer["every_secs"], every, "{answer:#}");
+        assert_eq!(listed["every_secs"], every, "{listed:#}");
+        // Running again for the next round (a kept rollout stays paused across a reload).
+        let resumed = fetch(admin(&tap), "POST", "/rollout/chat", b"resume").await;
+        assert_eq!(resumed.status, 200);
+    }
+}
+
+/// `POST /rollout/chat` with `body` as its body: its head sent, then `between` run while
+/// the admin waits for the body, then the body; the answer's status and JSON.
+async fn steer_around(admin: SocketAddr, body: &str, between: impl FnOnce()) -> (u16, Value) {
+    use tokio::io::AsyncWriteExt;
+    let mut conn = tokio::net::TcpStream::connect(admin).await.unwrap();
+    let head = format!(
+        "POST /rollout/chat HTTP/1.1\r\nhost: x\r\ncontent-type: text/plain\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    conn.write_all(head.as_bytes()).await.unwrap();
+    // Nothing tells a client that its head has been read and its body is awaited: a pause
+    // long enough for the admin to be there.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    between();
+    conn.write_all(body.as_bytes()).await.unwrap();
+    let resp = common::read_message(&mut conn).await.unwrap();
+    let end = resp.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
+    let head = String::from_utf8_lossy(&resp[..end]);
+    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+    (status, serde_json::from_slice(&resp[end..]).unwrap())
+}

@@ -133,7 +133,8 @@ impl Admin {
             return self.reload().await;
         }
         if req.method == http::Method::POST && path.starts_with("/rollout/") {
-            return rollout::steer(&shared, session).await;
+            // The state is looked up again once the body has come (a reload may come first).
+            return rollout::steer(&self.live, session).await;
         }
         if req.method != http::Method::HEAD {
             return self.serve(&shared, req);

@@ -121,7 +121,7 @@ pub struct ShadowStats {
     /// Copies in flight now.
     pub in_flight: u64,
     /// Copies not sent, by reason: `max_in_flight`, `body_unread` (over the 64 KiB
-    /// read-ahead), `no_endpoint`.
+    /// read-ahead), `no_endpoint`, `cap` (no slot free under the upstream's own cap).
     pub skipped_total: BTreeMap<&'static str, u64>,
     /// Copies paired with their primary, by the primary's upstream (kept: the last 50,000).
     pub pairs: BTreeMap<String, usize>,
@@ -266,6 +266,7 @@ fn report(shared: &Shared, i: usize, u: &Upstream, now: crate::meter::Nanos) -> 
                     ("max_in_flight", s.skipped_max_in_flight.load(Relaxed)),
                     ("body_unread", s.skipped_body_unread.load(Relaxed)),
                     ("no_endpoint", s.skipped_no_endpoint.load(Relaxed)),
+                    ("cap", s.skipped_cap.load(Relaxed)),
                 ]
                 .into_iter()
                 .collect(),

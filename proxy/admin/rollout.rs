@@ -1,6 +1,8 @@
 //! `GET /rollout` (each route's rollout: its state, share, evaluations and history) and
 //! `POST /rollout/ROUTE` (a steer: `pause`, `resume`, `abort` or `promote`, as the body —
-//! the word, or `{"action": "…"}` — or `?action=`).
+//! the word, or `{"action": "…"}` — or `?action=`). A steer is applied to the rollout in
+//! force once its body has come, not to the one in force when its head came: a reload may
+//! have replaced it meanwhile.
 
 use std::time::Duration;
 
@@ -10,7 +12,7 @@ use pingora::protocols::http::ServerSession;
 use super::query::bounded;
 use super::{json_error, respond};
 use crate::rollout::{ActError, Action};
-use crate::state::Shared;
+use crate::state::{Live, Shared};
 
 /// The longest steer body read.
 const MAX_BODY: usize = 1024;
@@ -24,8 +26,9 @@ pub(super) fn list(shared: &Shared) -> Response<Vec<u8>> {
     }
 }
 
-/// `POST /rollout/ROUTE`: the steer read (its body bounded and timed), applied.
-pub(super) async fn steer(shared: &Shared, session: &mut ServerSession) -> Response<Vec<u8>> {
+/// `POST /rollout/ROUTE`: the steer read (its body bounded and timed), then applied to the
+/// rollout live at that moment ([`Live::steer`]).
+pub(super) async fn steer(live: &Live, session: &mut ServerSession) -> Response<Vec<u8>> {
     let req = session.req_header();
     let path = req.uri.path().to_owned();
     let query = req.uri.query().map(str::to_owned);
@@ -59,7 +62,7 @@ pub(super) async fn steer(shared: &Shared, session: &mut ServerSession) -> Respo
             ),
         );
     };
-    match shared.rollouts.act(&route, action, shared.clock.now()) {
+    match live.steer(&route, action) {
         Ok(stats) => match serde_json::to_vec_pretty(&stats) {
             Ok(body) => respond(StatusCode::OK, "application/json", body),
             Err(e) => json_error(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),

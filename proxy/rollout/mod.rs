@@ -13,12 +13,21 @@
 //!   gets copies of (100 − 2p) ÷ (100 − p) of `from`'s requests. The comparison is then the
 //!   A/B regression at matched concurrency `/compare` makes, on the step's requests. A
 //!   mirror to `to` the route configures is that shadow (its own headers and cap, its
-//!   percent an upper bound on the copies).
+//!   percent an upper bound on the copies). A copy takes a slot of `to`'s own cap too, free
+//!   at once or not at all: a cap is the operator's promise to the backend, so a copy that
+//!   finds none is not sent (counted), and never waits in `to`'s queue.
+//! - **Held share**: the step's share is of the requests the two arms serve. `spill` never
+//!   moves a request into or out of the pair while the rollout holds a share
+//!   ([`crate::routing`]), and `GET /rollout` shows the share `to` was actually sent
+//!   (`served_percent`) and what the copies cost (`shadow_rps`), over the last 10 s.
 //! - **Steered**: `POST /rollout/ROUTE` pauses (the share held), resumes (the step's
 //!   evidence starts afresh), aborts (rolled back) or promotes (100%).
-//! - **Kept**: a reload that keeps a route's rollout as it was keeps its state; a changed
-//!   rollout starts afresh. With `[rollouts] state_file` each transition is written there,
-//!   and a restart resumes each unchanged rollout where it was.
+//! - **Kept**: a reload that keeps a route's rollout as it was keeps its state — the same
+//!   state, shared by both generations, not a copy, so a steer or an evaluation made
+//!   through the generation a reload replaces is not lost. A changed rollout starts afresh.
+//!   A steer looks its rollout up when it is applied, one reload at a time with it
+//!   ([`crate::state::Live::steer`]). With `[rollouts] state_file` each transition is
+//!   written there, and a restart resumes each unchanged rollout where it was.
 
 pub mod judge;
 mod store;
@@ -101,6 +110,10 @@ pub struct Transition {
 /// Evaluations and transitions kept, at most.
 const KEPT: usize = 64;
 
+/// Readings of the traffic counts kept for the rates `GET /rollout` shows: one a tick (a
+/// second), so the rates are over the last 10 s.
+const SEEN_KEPT: usize = 11;
+
 /// One route's rollout.
 pub struct Rollout {
     pub route: String,
@@ -109,9 +122,36 @@ pub struct Rollout {
     pub config: RolloutConfig,
     /// What it was configured as, to tell a kept rollout from a changed one.
     fingerprint: String,
+    /// Where it is: shared with the generations of the state that keep it.
+    progress: Arc<Progress>,
+}
+
+/// A rollout's state, shared (not copied) by every generation of the running state that
+/// keeps the rollout: a steer or an evaluation through any of them is the one rollout's.
+struct Progress {
     /// `to`'s share now (an f64's bits), read by every routing choice.
     percent: AtomicU64,
     inner: Mutex<Inner>,
+    traffic: Traffic,
+}
+
+/// The rollout's traffic since it began: live requests sent to each arm, and copies sent
+/// to `to` or not sent.
+#[derive(Default)]
+struct Traffic {
+    from: AtomicU64,
+    to: AtomicU64,
+    copies: AtomicU64,
+    skipped: AtomicU64,
+}
+
+/// [`Traffic`] read at one tick.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Seen {
+    at: Nanos,
+    from: u64,
+    to: u64,
+    copies: u64,
 }
 
 struct Inner {
@@ -124,6 +164,8 @@ struct Inner {
     last_evaluation: Nanos,
     evaluations: VecDeque<Evaluation>,
     history: VecDeque<Transition>,
+    /// The traffic's counts at the last ticks, oldest first (at most [`SEEN_KEPT`]).
+    seen: VecDeque<Seen>,
 }
 
 /// What `GET /rollout` shows of one rollout.
@@ -139,6 +181,17 @@ pub struct RolloutStats {
     /// Copies of `from`'s requests `to` is sent now, percent (its load matched to
     /// `from`'s while it serves less than half).
     pub shadow_percent: f64,
+    /// `to`'s share of the live requests the two arms were sent over the last 10 s,
+    /// percent (`null`: none were).
+    pub served_percent: Option<f64>,
+    /// What the copies cost `to`: copies sent to it a second, over the last 10 s (`null`:
+    /// not measured yet).
+    pub shadow_rps: Option<f64>,
+    /// Copies sent to `to` since the rollout began.
+    pub shadow_sent_total: u64,
+    /// Copies the share asked for that were not sent: no free slot under `to`'s cap (or
+    /// the shadow mirror's `max_in_flight`), no endpoint, or a body not read whole.
+    pub shadow_skipped_total: u64,
     pub every_secs: u64,
     pub max_tpot_ratio: f64,
     pub max_ttft_ratio: Option<f64>,
@@ -155,6 +208,60 @@ fn shadow(state: State, p: f64) -> f64 {
         return 0.0;
     }
     (100.0 * (100.0 - 2.0 * p) / (100.0 - p) * 10.0).round() / 10.0
+}
+
+/// What the copies cost `to` at a share of `p` percent, in copies per request the two arms
+/// serve: `from` serves 100 − p of each 100 and `to` is sent (100 − 2p) ÷ (100 − p) of
+/// those as copies, so 100 − 2p of each 100 (0.8 at 10%: 80 copies a second for every 100
+/// requests a second the pair serves). `mirror_percent` caps them (a mirror to `to` that
+/// is the shadow).
+pub fn copies_per_request(p: f64, mirror_percent: f64) -> f64 {
+    if !(0.0..50.0).contains(&p) {
+        return 0.0;
+    }
+    let of_from = ((100.0 - 2.0 * p) / (100.0 - p)).min(mirror_percent / 100.0);
+    of_from * (100.0 - p) / 100.0
+}
+
+/// What a rollout's shadow copies cost its `to`, in requests a second, as `tokentap check`
+/// says it: per 100 requests a second the two arms serve, at each step under half
+/// (`copies to b: 80 requests a second at 10%, …`); and the cap that bounds them, if `to`
+/// has one.
+pub fn copies_cost(config: &crate::config::Config, r: &Route, ro: &RolloutConfig) -> String {
+    let to = &config.upstreams[ro.to];
+    let percent = (r.mirrors.iter())
+        .find(|m| m.upstream == ro.to)
+        .map_or(100.0, |m| m.percent);
+    let steps: Vec<String> = (ro.steps.iter())
+        .filter(|&&p| p < 50.0)
+        .map(|&p| {
+            let copies = 100.0 * copies_per_request(p, percent);
+            format!("{copies:.0} requests a second at {p}%")
+        })
+        .collect();
+    let cost = if steps.is_empty() {
+        format!("no copies: every step gives {} half or more", to.name)
+    } else {
+        format!(
+            "copies to {}: {}, for every 100 a second that {} and {} serve (none from 50%)",
+            to.name,
+            steps.join(", "),
+            config.upstreams[ro.from].name,
+            to.name,
+        )
+    };
+    let cap = match (to.max_concurrency, &to.slo) {
+        (_, Some(_)) => format!(
+            "; they take slots of {}'s adaptive cap, or are not sent",
+            to.name
+        ),
+        (Some(n), None) => format!(
+            "; they take slots of {}'s max_concurrency = {n} when free at once, or are not sent",
+            to.name
+        ),
+        (None, None) => String::new(),
+    };
+    format!("{cost}{cap}")
 }
 
 /// A rollout as configured, in words: the same words, the same rollout.
@@ -207,15 +314,19 @@ impl Rollout {
             to,
             config: c.clone(),
             fingerprint: fingerprint(c, names),
-            percent: AtomicU64::new(0),
-            inner: Mutex::new(Inner {
-                state: State::Running,
-                step: 0,
-                since: now,
-                base: None,
-                last_evaluation: now,
-                evaluations: VecDeque::new(),
-                history: VecDeque::new(),
+            progress: Arc::new(Progress {
+                percent: AtomicU64::new(0),
+                inner: Mutex::new(Inner {
+                    state: State::Running,
+                    step: 0,
+                    since: now,
+                    base: None,
+                    last_evaluation: now,
+                    evaluations: VecDeque::new(),
+                    history: VecDeque::new(),
+                    seen: VecDeque::new(),
+                }),
+                traffic: Traffic::default(),
             }),
         };
         let mut inner = r.lock();
@@ -231,31 +342,63 @@ impl Rollout {
     }
 
     /// This rollout under `route`'s config as reloaded (the same rollout, its upstreams
-    /// perhaps at other places): its state carried over.
+    /// perhaps at other places): its state shared, not copied, so what is done through
+    /// the generation being replaced (a steer whose body came after the reload began, an
+    /// evaluation that was under way) is this one's too.
     fn successor(&self, route: &Route, c: &RolloutConfig, names: &[String]) -> Rollout {
-        let old = self.lock();
         Rollout {
             route: route.name.clone(),
             from: names[c.from].clone(),
             to: names[c.to].clone(),
             config: c.clone(),
             fingerprint: self.fingerprint.clone(),
-            percent: AtomicU64::new(self.percent.load(Relaxed)),
-            inner: Mutex::new(Inner {
-                state: old.state,
-                step: old.step,
-                since: old.since,
-                base: old.base,
-                last_evaluation: old.last_evaluation,
-                evaluations: old.evaluations.clone(),
-                history: old.history.clone(),
-            }),
+            progress: Arc::clone(&self.progress),
         }
     }
 
     /// `to`'s share of the route's requests now, percent.
     pub fn percent(&self) -> f64 {
-        f64::from_bits(self.percent.load(Relaxed))
+        f64::from_bits(self.progress.percent.load(Relaxed))
+    }
+
+    /// Whether the rollout holds a share between its arms now (a step under 100, not
+    /// ended): then `spill` moves no request into or out of the pair.
+    pub fn holds_share(&self) -> bool {
+        let p = self.percent();
+        p > 0.0 && p < 100.0
+    }
+
+    /// A live request (not a copy) was sent to `upstream` on the rollout's route.
+    pub fn sent(&self, upstream: usize) {
+        let t = &self.progress.traffic;
+        if upstream == self.config.to {
+            t.to.fetch_add(1, Relaxed);
+        } else if upstream == self.config.from {
+            t.from.fetch_add(1, Relaxed);
+        }
+    }
+
+    /// A copy was sent to `to` (`true`), or the share asked for one that was not sent.
+    pub fn copy(&self, sent: bool) {
+        let t = &self.progress.traffic;
+        let count = if sent { &t.copies } else { &t.skipped };
+        count.fetch_add(1, Relaxed);
+    }
+
+    /// Reads the traffic's counts at `now`, for the rates over the last ticks.
+    fn see(&self, now: Nanos) {
+        let t = &self.progress.traffic;
+        let seen = Seen {
+            at: now,
+            from: t.from.load(Relaxed),
+            to: t.to.load(Relaxed),
+            copies: t.copies.load(Relaxed),
+        };
+        let mut inner = self.lock();
+        if inner.seen.len() == SEEN_KEPT {
+            inner.seen.pop_front();
+        }
+        inner.seen.push_back(seen);
     }
 
     /// Copies of `from`'s requests to send `to` now, percent (0 at half or more, or done).
@@ -264,7 +407,7 @@ impl Rollout {
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+        (self.progress.inner.lock()).unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Moves to `state` at step `step`, its evidence starting afresh; logged and kept.
@@ -280,7 +423,7 @@ impl Rollout {
         inner.since = now;
         inner.base = None;
         inner.last_evaluation = now;
-        self.percent.store(percent.to_bits(), Relaxed);
+        self.progress.percent.store(percent.to_bits(), Relaxed);
         tracing::info!(
             route = %self.route,
             from = %self.from,
@@ -414,6 +557,8 @@ impl Rollout {
     pub fn stats(&self) -> RolloutStats {
         let inner = self.lock();
         let c = &self.config;
+        let t = &self.progress.traffic;
+        let (served_percent, shadow_rps) = rates(&inner.seen);
         RolloutStats {
             route: self.route.clone(),
             from: self.from.clone(),
@@ -423,6 +568,10 @@ impl Rollout {
             step: inner.step,
             steps: c.steps.clone(),
             shadow_percent: shadow(inner.state, self.percent()),
+            served_percent,
+            shadow_rps,
+            shadow_sent_total: t.copies.load(Relaxed),
+            shadow_skipped_total: t.skipped.load(Relaxed),
             every_secs: c.every.as_secs(),
             max_tpot_ratio: c.max_tpot_ratio,
             max_ttft_ratio: c.max_ttft_ratio,
@@ -432,6 +581,27 @@ impl Rollout {
             history: inner.history.iter().cloned().collect(),
         }
     }
+}
+
+/// Over the readings `seen` (oldest first): `to`'s share of the live requests the two arms
+/// were sent, percent, and the copies sent a second; `None` where there is nothing to say
+/// (fewer than two readings, no live request).
+fn rates(seen: &VecDeque<Seen>) -> (Option<f64>, Option<f64>) {
+    let (Some(first), Some(last)) = (seen.front(), seen.back()) else {
+        return (None, None);
+    };
+    let secs = last.at.saturating_sub(first.at) as f64 / 1e9;
+    if secs <= 0.0 {
+        return (None, None);
+    }
+    let from = last.from.saturating_sub(first.from);
+    let to = last.to.saturating_sub(first.to);
+    let served = (from + to > 0).then(|| {
+        let pct = 100.0 * to as f64 / (from + to) as f64;
+        (pct * 10.0).round() / 10.0
+    });
+    let rps = last.copies.saturating_sub(first.copies) as f64 / secs;
+    (served, Some((rps * 10.0).round() / 10.0))
 }
 
 /// Every route's rollout (`None` for a route without one), and where their state is kept.
@@ -504,6 +674,7 @@ impl Rollouts {
     ) {
         let mut moved = false;
         for r in self.iter() {
+            r.see(now);
             moved |= r.tick(
                 now,
                 || (counts(r.config.from), counts(r.config.to)),
@@ -515,7 +686,9 @@ impl Rollouts {
         }
     }
 
-    /// `POST /rollout/ROUTE`: the steer applied to the rollout of the route named `route`.
+    /// `POST /rollout/ROUTE`: the steer applied to the rollout of the route named `route`,
+    /// the state file written, and the rollout as it is then. Call it on the state in
+    /// force, one reload at a time with it ([`crate::state::Live::steer`]).
     pub fn act(&self, route: &str, action: Action, now: Nanos) -> Result<RolloutStats, ActError> {
         let r = self
             .iter()

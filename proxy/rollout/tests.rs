@@ -234,3 +234,68 @@ fn a_reload_keeps_an_unchanged_rollout_and_a_restart_resumes_from_the_file() {
     assert_eq!(afresh.of(0).unwrap().percent(), 10.0);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn the_copies_cost_100_minus_2p_of_each_100_requests_the_pair_serves() {
+    let close = |a: f64, b: f64| (a - b).abs() < 1e-9;
+    assert!(close(copies_per_request(10.0, 100.0), 0.8));
+    assert!(close(copies_per_request(25.0, 100.0), 0.5));
+    assert_eq!(copies_per_request(50.0, 100.0), 0.0);
+    assert_eq!(copies_per_request(100.0, 100.0), 0.0);
+    // A shadow mirror at 50% copies half of from's 90 at most.
+    assert!(close(copies_per_request(10.0, 50.0), 0.45));
+    // `to`'s load with its copies is from's: p + (100 − 2p) = 100 − p.
+    for p in [1.0, 10.0, 33.0, 49.0] {
+        assert!(close(
+            p / 100.0 + copies_per_request(p, 100.0),
+            1.0 - p / 100.0
+        ));
+    }
+}
+
+#[test]
+fn served_share_and_copy_rate_are_read_over_the_ticks() {
+    let r = Rollout::new(&route(config()), &config(), &names(), 0, None);
+    r.see(0);
+    // One reading: nothing to say yet.
+    let s = r.stats();
+    assert_eq!((s.served_percent, s.shadow_rps), (None, None));
+    for i in 0..100 {
+        // 9 of 10 to `from` (0), 1 to `to` (1); another upstream is not the pair's.
+        r.sent(if i % 10 == 0 { 1 } else { 0 });
+        r.sent(7);
+    }
+    for _ in 0..80 {
+        r.copy(true);
+    }
+    r.copy(false);
+    r.see(2 * SEC);
+    let s = r.stats();
+    assert_eq!(s.served_percent, Some(10.0));
+    assert_eq!(s.shadow_rps, Some(40.0));
+    assert_eq!((s.shadow_sent_total, s.shadow_skipped_total), (80, 1));
+    // Only the last SEEN_KEPT readings count: a quiet spell after brings the rate down.
+    for t in 3..3 + SEEN_KEPT as u64 {
+        r.see(t * SEC);
+    }
+    let s = r.stats();
+    assert_eq!((s.served_percent, s.shadow_rps), (None, Some(0.0)));
+}
+
+/// A steer (or an evaluation) made through the generation of the state a reload replaced
+/// is the kept rollout's too: the two share one state, not copies of it.
+#[test]
+fn a_steer_through_the_replaced_generation_is_the_kept_rollout_s() {
+    let routes = [route(config())];
+    let first = Rollouts::new(&routes, &names(), None, None, 0);
+    let kept = Rollouts::new(&routes, &names(), None, Some(&first), SEC);
+    first.act("chat", Action::Pause, 2 * SEC).unwrap();
+    let k = kept.of(0).unwrap();
+    assert_eq!((k.lock().state, k.percent()), (State::Paused, 10.0));
+    assert_eq!(
+        k.stats().history.last().map(|t| t.why.as_str()),
+        Some("paused by POST /rollout")
+    );
+    kept.act("chat", Action::Resume, 3 * SEC).unwrap();
+    assert_eq!(first.of(0).unwrap().lock().state, State::Running);
+}

@@ -1,7 +1,9 @@
 //! Upstream choice: the first matching route, then its split — smooth weighted round-robin
 //! (no A,A,A,B bursts), or a sticky key hashed into [0, 1) when the route names one and the
 //! request carries it. The sticky choice is a pure function of (key, weights). A route
-//! with a rollout takes its two arms' weights from the rollout's share as it goes.
+//! with a rollout takes its two arms' weights from the rollout's share as it goes, and
+//! while the rollout holds a share its `spill` moves no request into or out of those two
+//! arms: an overflow of `from` that spilled to `to` would serve `to` far past its step.
 
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -112,7 +114,8 @@ impl Router {
         // A rollout's split, weighed again (and the round-robin started again) only when
         // its share moved; held for the rest of the choice.
         let mut made;
-        let split = match self.rollouts.get(route).and_then(Option::as_ref) {
+        let rollout = self.rollouts.get(route).and_then(Option::as_ref);
+        let split = match rollout {
             Some((rollout, cell)) => {
                 made = cell.lock().unwrap_or_else(PoisonError::into_inner);
                 if made.0 != rollout.percent() {
@@ -136,13 +139,21 @@ impl Router {
             None => wrr.lock().unwrap_or_else(PoisonError::into_inner).pick(),
         };
         let mut upstream = split[arm].0;
-        if r.spill && !headroom(upstream) {
-            let spill = split
-                .iter()
-                .filter(|&&(u, w)| u != upstream && w > 0 && headroom(u))
-                .max_by_key(|&&(_, w)| w);
-            if let Some(&(u, _)) = spill {
-                upstream = u;
+        if r.spill {
+            // The rollout's two arms, while it holds a share: nothing spills into or out of
+            // them (the step's share is of what they serve).
+            let pair = (rollout.map(|(ro, _)| ro))
+                .filter(|ro| ro.holds_share())
+                .map(|ro| (ro.config.from, ro.config.to));
+            let held = |u: usize| pair.is_some_and(|(from, to)| u == from || u == to);
+            if !held(upstream) && !headroom(upstream) {
+                let spill = split
+                    .iter()
+                    .filter(|&&(u, w)| u != upstream && w > 0 && !held(u) && headroom(u))
+                    .max_by_key(|&&(_, w)| w);
+                if let Some(&(u, _)) = spill {
+                    upstream = u;
+                }
             }
         }
         Some(Choice { route, upstream })
@@ -311,6 +322,65 @@ mod tests {
             &Rollouts::default(),
         );
         assert_eq!(none.choose("/health", &headers, |_| true), None);
+    }
+
+    /// While a rollout holds a share, `spill` moves nothing into or out of its two arms: a
+    /// full `from` keeps its picks (they queue) rather than handing them to `to`, and a
+    /// full third arm does not spill into the pair. Once the rollout has ended, spill is as
+    /// on any route.
+    #[test]
+    fn spill_keeps_a_rollouts_share() {
+        use crate::config::RolloutConfig;
+        use crate::rollout::Action;
+        let rollout = RolloutConfig {
+            from: 0,
+            to: 1,
+            steps: vec![10.0, 50.0, 100.0],
+            every: std::time::Duration::from_secs(3600),
+            max_tpot_ratio: 1.05,
+            max_ttft_ratio: None,
+            max_error_pct: 1.0,
+            min_requests: 50,
+        };
+        let route = |split: Vec<(usize, u32)>| Route {
+            name: "chat".into(),
+            path_prefix: "/".into(),
+            headers: vec![],
+            split,
+            sticky: None,
+            spill: true,
+            mirrors: vec![],
+            rollout: Some(rollout.clone()),
+        };
+        let names: Vec<String> = ["a", "b", "c"].map(String::from).to_vec();
+        let headers = HeaderMap::new();
+        let picks = |r: &Router, full: usize| {
+            let mut n = [0u32; 3];
+            for _ in 0..1_000 {
+                let c = r.choose("/v1", &headers, |u| u != full).unwrap();
+                n[c.upstream] += 1;
+            }
+            n
+        };
+        // `from` (a) full: `to` (b) still gets its 10%, not a's overflow.
+        let routes = [route(vec![(0, 1), (1, 1)])];
+        let rollouts = Rollouts::new(&routes, &names, None, None, 0);
+        let r = Router::new(&routes, &rollouts);
+        assert_eq!(picks(&r, 0), [900, 100, 0]);
+        // A third arm (c) full: its picks stay with it, not spilled into the pair; and a full
+        // `from` does not spill out to c either.
+        let routes = [route(vec![(0, 1), (1, 1), (2, 1)])];
+        let rollouts = Rollouts::new(&routes, &names, None, None, 0);
+        let r = Router::new(&routes, &rollouts);
+        // (Weights 9 : 1 : 5 in a 15-pick cycle: a thousand picks give c 333 or 334.)
+        let n = picks(&r, 2);
+        assert!((333..=334).contains(&n[2]), "{n:?}");
+        let n = picks(&r, 0);
+        assert!(n[0] == 600 && (66..=67).contains(&n[1]), "{n:?}");
+        // Ended (rolled back: b at 0): a full `from` spills to c again.
+        rollouts.act("chat", Action::Abort, 1).unwrap();
+        let n = picks(&r, 0);
+        assert_eq!((n[0], n[1]), (0, 0), "{n:?}");
     }
 
     #[test]

@@ -7,6 +7,12 @@
 //! goes on after its primary's client leaves unless `cancel_with_client`. When both have
 //! finished, the copy and its primary make a pair for `/compare`'s paired verdict.
 //!
+//! A mirror upstream with a cap of its own (`max_concurrency`, an SLO's adaptive cap, a
+//! rollout's `to` that serves clients under its cap) counts its copies under it: a copy
+//! takes a slot of the upstream's limiter and of an endpoint's, each free at once or not at
+//! all, and one that finds none is not sent (skipped, `cap`). It never waits in the
+//! upstream's queue, and takes no slot from a request waiting there.
+//!
 //! Only a request whose body was read whole (the 64 KiB read-ahead) is copied; a longer one
 //! is counted as skipped.
 
@@ -23,14 +29,18 @@ use crate::compare::paired::{Meeting, Side};
 use crate::config::Mirror;
 use crate::dialect::Dialect;
 use crate::estimate::Estimate;
+use crate::limit::fleet::Slot;
 use crate::meter::{Outcome, Summary};
+use crate::pool::Unplaced;
+use crate::rollout::Rollout;
 use crate::routing::Choice;
 use crate::service::ctx::Ctx;
 use crate::service::failure;
 use crate::service::http1::head::RequestHead;
 use crate::service::record::{self, RequestId};
 use crate::service::TokenTap;
-use crate::state::{Shadow, Shared};
+use crate::state::{Shadow, Shared, Upstream};
+use crate::tenant::Who;
 
 /// What a primary request keeps of its copies: where each pair is made, and the signal
 /// that cuts the copies that go with their client.
@@ -62,6 +72,38 @@ impl Drop for InFlight {
     }
 }
 
+/// A slot under `upstream`'s own cap for a copy, if it has a cap: `Ok(None)` without one;
+/// `Err` (counted) when no slot is free now. A copy never queues: it takes a slot only when
+/// nobody waits for one ([`crate::limit::Limiter::try_acquire`]), and with `[cluster]` only
+/// while the fleet has room as this replica last heard (the fleet's lease is not taken).
+fn cap_slot(upstream: &Upstream) -> Result<Option<Slot>, ()> {
+    if upstream.limiter.limit().is_none() {
+        return Ok(None);
+    }
+    let fleet_full = upstream.fleet.as_ref().is_some_and(|f| !f.has_room());
+    let permit = if fleet_full {
+        None
+    } else {
+        upstream.limiter.try_acquire(&Who::default())
+    };
+    match permit {
+        Some(permit) => Ok(Some(Slot::local(permit))),
+        None => {
+            upstream.shadow.skipped_cap.fetch_add(1, Relaxed);
+            Err(())
+        }
+    }
+}
+
+/// The rollout whose shadow a copy to `choice.upstream` on `choice.route` is, if any.
+fn rollout_of(shared: &Shared, choice: Choice) -> Option<&Arc<Rollout>> {
+    let ro = shared.config.routes[choice.route].rollout.as_ref()?;
+    if ro.to != choice.upstream {
+        return None;
+    }
+    shared.rollouts.of(choice.route)
+}
+
 /// One copy to send.
 struct Job {
     shared: Arc<Shared>,
@@ -76,6 +118,8 @@ struct Job {
     meeting: Arc<Meeting>,
     cancel: Option<watch::Receiver<bool>>,
     slot: InFlight,
+    /// Its slot under the mirror upstream's own cap, when it has one.
+    cap: Option<Slot>,
 }
 
 // === impl Link ===
@@ -190,12 +234,29 @@ impl TokenTap {
             if plan & (1 << j) == 0 {
                 continue;
             }
-            let shadow = &shared.upstreams[m.upstream].shadow;
+            let target = &shared.upstreams[m.upstream];
+            let shadow = &target.shadow;
+            let to = Choice {
+                route: choice.route,
+                upstream: m.upstream,
+            };
+            let rollout = rollout_of(&shared, to);
+            let skipped = || {
+                if let Some(r) = rollout {
+                    r.copy(false);
+                }
+            };
             let Some(body) = body else {
                 shadow.skipped_body_unread.fetch_add(1, Relaxed);
+                skipped();
                 continue;
             };
             let Some(slot) = InFlight::take(shadow, m.max_in_flight) else {
+                skipped();
+                continue;
+            };
+            let Ok(cap) = cap_slot(target) else {
+                skipped();
                 continue;
             };
             let meeting = Arc::new(Meeting::new(primary));
@@ -206,10 +267,7 @@ impl TokenTap {
             });
             let job = Job {
                 shared: Arc::clone(&shared),
-                choice: Choice {
-                    route: choice.route,
-                    upstream: m.upstream,
-                },
+                choice: to,
                 mirror: j,
                 head: req.clone(),
                 body: body.clone(),
@@ -218,6 +276,7 @@ impl TokenTap {
                 meeting: Arc::clone(&meeting),
                 cancel,
                 slot,
+                cap,
             };
             let tap = TokenTap {
                 live: Arc::clone(&self.live),
@@ -244,21 +303,37 @@ impl TokenTap {
             meeting,
             cancel,
             slot,
+            cap,
         } = job;
         let upstream = &shared.upstreams[choice.upstream];
         let name = upstream.config.name.clone();
+        let rollout = rollout_of(&shared, choice);
         let mut ctx = Ctx::new(Arc::clone(&shared), self.now());
         ctx.dialect = Some(dialect);
         ctx.choice = Some(choice);
         ctx.request_id = request_id;
         ctx.tokenize = upstream.config.estimate == Estimate::Tokenizer;
-        let held = match upstream.pool.pick(self.now(), false, None, &[]) {
+        // Under a cap, an endpoint's slot as well, as a primary takes one: free now or the
+        // copy is not sent.
+        let capped = cap.is_some();
+        ctx.permit = cap;
+        let held = match upstream.pool.pick(self.now(), capped, None, &[]) {
             Ok(held) => held,
-            Err(_) => {
-                slot.0.skipped_no_endpoint.fetch_add(1, Relaxed);
+            Err(why) => {
+                let count = match why {
+                    Unplaced::Full => &slot.0.skipped_cap,
+                    Unplaced::NoEndpoint => &slot.0.skipped_no_endpoint,
+                };
+                count.fetch_add(1, Relaxed);
+                if let Some(r) = rollout {
+                    r.copy(false);
+                }
                 return;
             }
         };
+        if let Some(r) = rollout {
+            r.copy(true);
+        }
         let endpoint = Arc::clone(&held.endpoint);
         ctx.endpoint = Some(held);
         // Counted exactly where the mirror upstream asks for usage (its chunk is read with

@@ -494,6 +494,10 @@ impl TokenTap {
                 return Prepared::Done(after, None);
             }
         }
+        // Admitted and placed: on a rollout's route, the share it actually serves counts it.
+        if let Some(rollout) = shared.rollouts.of(choice.route) {
+            rollout.sent(choice.upstream);
+        }
         self.mirror(ctx, choice, &req, read_whole.then_some(&bytes), plan);
         let outgoing = Outgoing {
             req,

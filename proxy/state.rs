@@ -412,9 +412,19 @@ pub struct Process {
     pub last_reload_success: u64,
     /// Access-log lines dropped because the writer could not keep up.
     pub access_dropped: u64,
-    /// With `[cluster]`: whether Redis is away (each replica on its share), and the
-    /// replicas seen in the last minute.
-    pub cluster: Option<(bool, u64)>,
+    /// With `[cluster]`: the fleet as this replica sees it.
+    pub cluster: Option<ClusterFigures>,
+}
+
+/// What `/metrics` shows of the fleet, with `[cluster]`.
+#[derive(Debug, Clone, Copy)]
+pub struct ClusterFigures {
+    /// Redis is away: each replica on its share.
+    pub degraded: bool,
+    /// Replicas seen in the last minute.
+    pub replicas: u64,
+    /// Budget calls kept until Redis confirms them.
+    pub unsettled: u64,
 }
 
 /// What a reload did.
@@ -558,11 +568,11 @@ impl Live {
             reloads_failed: self.reloads_failed.load(Relaxed),
             last_reload_success: self.last_success.load(Relaxed),
             access_dropped: self.access.dropped(),
-            cluster: self
-                .load()
-                .cluster
-                .as_ref()
-                .map(|c| (c.degraded(), c.replicas())),
+            cluster: self.load().cluster.as_ref().map(|c| ClusterFigures {
+                degraded: c.degraded(),
+                replicas: c.replicas(),
+                unsettled: c.unsettled(),
+            }),
         }
     }
 }

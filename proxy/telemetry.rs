@@ -119,6 +119,7 @@ pub const FAMILIES: &[(&str, &str, &str)] = &[
     ("tokentap_access_log_dropped_lines_total", "counter", "Access-log lines dropped because the writer could not keep up (its queue was full)."),
     ("tokentap_cluster_degraded", "gauge", "1 while the fleet's Redis is unreachable and each replica holds its share of every cap ([cluster])."),
     ("tokentap_cluster_replicas", "gauge", "Replicas of the fleet seen alive in the last minute, this one included."),
+    ("tokentap_cluster_unsettled_budget_calls", "gauge", "Tenant-budget takes and settlements Redis has not confirmed, kept to be replayed (each exactly once) when it answers again ([cluster])."),
     ("tokentap_client_connections", "gauge", "Open client connections."),
     ("tokentap_client_connections_max", "gauge", "server.max_connections: more open client connections are closed at once."),
     ("tokentap_client_connections_refused_total", "counter", "Client connections closed at once because server.max_connections were open and none was idle."),

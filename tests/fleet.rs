@@ -14,6 +14,7 @@ mod common;
 
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::Ordering::SeqCst;
 use std::time::{Duration, Instant};
 
 use common::process::{listen_section, Scratch, Tokentap};
@@ -909,6 +910,159 @@ async fn a_tenants_budget_holds_for_the_fleet_and_through_redis_going_away() {
             (Some(0), Some(0))
         );
     }
+}
+
+/// Tenant `t`'s fleet bucket in Redis: the tokens it held at its last use, and when (ms on
+/// Redis's clock).
+fn bucket(port: u16) -> (f64, f64) {
+    let out = Command::new("redis-cli")
+        .args(["-p", &port.to_string(), "HMGET", "tokentap:budget:t"])
+        .args(["tokens", "at"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let mut v = text.lines().map(|l| l.trim().parse().unwrap_or(f64::NAN));
+    (v.next().unwrap_or(f64::NAN), v.next().unwrap_or(f64::NAN))
+}
+
+/// A sample of `/metrics` without labels.
+async fn metric(admin: SocketAddr, name: &str) -> Option<f64> {
+    let m = send(admin, "GET", "/metrics", b"", &[]).await.ok()?;
+    let text = String::from_utf8_lossy(&m.body).into_owned();
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+/// A tenant's fleet budget settled while Redis is paused (SIGSTOP, so a call written to it
+/// runs when it resumes) comes out as without the pause. 1,200 tokens a minute, 600 of them
+/// spent first (so the bucket stays clear of its top, where the refill and the settlements
+/// would no longer simply add up); then a request that reserved 500 (its `max_tokens`) and
+/// used 20 ends just after the pause begins (its settlement written on the live
+/// connection, unanswered), one that reserved 64 (the tenant's mean: no `max_tokens`) and
+/// ran to 300 ends once the replica has found Redis away, and one asks for 30 just after
+/// the pause begins (its take written, unanswered: it is served on the local share, and its
+/// take cancelled). The calls are kept, Redis resumes, and the bucket holds what it held
+/// after the first two takes, plus its refill since, plus 480 − 236, within half a token:
+/// nothing lost, nothing counted twice (the first settlement and the third take may run
+/// late as well as be replayed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fleet_budget_settled_while_redis_is_paused_comes_out_as_without_the_pause() {
+    if redis_missing() {
+        return;
+    }
+    let _one = ONE_AT_A_TIME.lock().await;
+    let redis = Redis::start(free_addr().port()).unwrap();
+    // Exact counts (usage). The first piece at once, the rest `gap` later.
+    let reply = |n: usize, gap: u64| {
+        let events = chat_events(n, true);
+        Reply::Chunked {
+            status: 200,
+            content_type: "text/event-stream",
+            pieces: vec![events[0].clone(), events[1..].concat()],
+            gap: Duration::from_millis(gap),
+            ending: Ending::Clean,
+        }
+    };
+    let backend = mock(vec![
+        ("/v1/chat/completions", reply(20, 500)),
+        ("/v1/completions", reply(300, 3_500)),
+        ("/v1/completions?at-once", reply(300, 0)),
+    ])
+    .await;
+    let dir = Scratch::new("fleet-budget-pause");
+    let tenants = "[tenants]\nkey = \"header:x-tenant\"\n\
+                   [[tenants.override]]\ntenant = \"t\"\noutput_tokens_per_minute = 1200\n";
+    let tap = replica_with(&dir, "a", redis.port, backend.addr, tenants);
+    let ask = |path: &'static str, body: &'static [u8]| {
+        let proxy = tap.proxy;
+        tokio::spawn(async move { send(proxy, "POST", path, body, &[("x-tenant", "t")]).await })
+    };
+    let no_max = br#"{"model":"m","stream":true,"prompt":"hi"}"#;
+    // 600 spent while Redis answers: two requests that reserved 64 and ran to 300.
+    for _ in 0..2 {
+        let r = ask("/v1/completions?at-once", no_max)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    }
+    // Their settlements in (-236 each), 600 left.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let (tokens, _) = bucket(redis.port);
+        if tokens < 700.0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{tokens} left");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let used_20 = ask(
+        "/v1/chat/completions",
+        br#"{"model":"m","stream":true,"max_tokens":500,"messages":[{"role":"user","content":"hi"}]}"#,
+    );
+    let ran_to_300 = ask("/v1/completions", no_max);
+    // Both reserved in Redis, and sent on.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while backend.requests.load(SeqCst) < 4 {
+        assert!(Instant::now() < deadline, "{}", tap.stderr());
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let (left, at) = bucket(redis.port);
+    // 1,200 - 600 - 500 - 64, and the refill (20 a second) since the first.
+    assert!((36.0..80.0).contains(&left), "{left} left");
+
+    let redis_pid = nix::unistd::Pid::from_raw(redis.child.id() as i32);
+    nix::sys::signal::kill(redis_pid, Signal::SIGSTOP).unwrap();
+    let took_late = ask(
+        "/v1/chat/completions",
+        br#"{"model":"m","stream":true,"max_tokens":30,"messages":[{"role":"user","content":"hi"}]}"#,
+    );
+    for r in [used_20, ran_to_300, took_late] {
+        let r = r.await.unwrap().unwrap();
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        assert!(!r.error);
+    }
+    tap.log_line(&["Redis unreachable"], Duration::from_secs(5));
+    // Every call has given up by now (a call or a connection waits 1 s), so none reaches
+    // Redis when it resumes but as written before, or kept and replayed.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let kept = metric(tap.admin, "tokentap_cluster_unsettled_budget_calls").await;
+    nix::sys::signal::kill(redis_pid, Signal::SIGCONT).unwrap();
+    tap.log_line(
+        &["Redis answers again"],
+        Duration::from_secs(LEASE_SECS + 3),
+    );
+
+    let deadline = Instant::now() + Duration::from_secs(3);
+    loop {
+        let (now_left, now_at) = bucket(redis.port);
+        // Without the pause: the refill and the two settlements, added up.
+        let expected = left + (now_at - at) * 1200.0 / 60_000.0 + 480.0 - 236.0;
+        if (now_left - expected).abs() < 0.5 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the bucket holds {now_left:.2}, not {expected:.2} (+480 - 236 settled): {:+.2} \
+             (-244: both lost; -480 or +236: one lost; +480 or -236: one counted twice; \
+             -30: the late take not cancelled)\n{}",
+            now_left - expected,
+            tap.stderr()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // The two settlements, and the third take's cancel unless the replica had already
+    // found Redis away when it asked.
+    assert!(
+        kept.is_some_and(|k| k == 2.0 || k == 3.0),
+        "budget calls kept while Redis was paused: {kept:?}"
+    );
+    assert_eq!(
+        metric(tap.admin, "tokentap_cluster_unsettled_budget_calls").await,
+        Some(0.0)
+    );
+    let u = upstream_stats(tap.admin).await;
+    assert_eq!(u["in_flight"].as_u64(), Some(0));
 }
 
 /// Two tokentap processes in front of one pool under `balance = "prefix"` (16 system

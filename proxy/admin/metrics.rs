@@ -82,13 +82,18 @@ pub fn render(
         &[],
         process.access_dropped as f64,
     );
-    if let Some((degraded, replicas)) = process.cluster {
+    if let Some(c) = &process.cluster {
         x.add(
             "tokentap_cluster_degraded",
             &[],
-            f64::from(u8::from(degraded)),
+            f64::from(u8::from(c.degraded)),
         );
-        x.add("tokentap_cluster_replicas", &[], replicas as f64);
+        x.add("tokentap_cluster_replicas", &[], c.replicas as f64);
+        x.add(
+            "tokentap_cluster_unsettled_budget_calls",
+            &[],
+            c.unsettled as f64,
+        );
     }
     x.add("tokentap_client_connections", &[], connections.open as f64);
     x.add(

@@ -20,7 +20,9 @@
 //! what the replica held when Redis went away, plus one, and grows by one a renewal period
 //! up to limit ÷ replicas, so the fleet exceeds its limit by at most one slot per replica
 //! while replicas that held more than their share drain. Slots taken meanwhile get leases
-//! too, registered on rejoining, so none is lost and none leaks.
+//! too, registered on rejoining, so none is lost and none leaks. Budget takes and
+//! settlements Redis did not confirm are kept and replayed, each exactly once, before the
+//! replica rejoins ([`budget`]).
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
@@ -74,6 +76,10 @@ pub struct FleetLink {
     /// Connection attempts that failed (see [`FleetLink::connect`]).
     connect_failures: AtomicU64,
     started: Instant,
+    /// The next budget call's id (its mark in Redis: [`budget`]).
+    next_op: AtomicU64,
+    /// Budget calls Redis has not confirmed, replayed by the keeper ([`budget`]).
+    unsettled: Mutex<budget::Kept>,
     acquire: redis::Script,
     fair_acquire: redis::Script,
     renew: redis::Script,
@@ -191,6 +197,8 @@ impl FleetLink {
             connecting: tokio::sync::Mutex::new(()),
             connect_failures: AtomicU64::new(0),
             started: Instant::now(),
+            next_op: AtomicU64::new(0),
+            unsettled: Mutex::default(),
             acquire: redis::Script::new(ACQUIRE),
             fair_acquire: redis::Script::new(fair::FAIR_ACQUIRE),
             renew: redis::Script::new(RENEW),
@@ -302,8 +310,9 @@ impl FleetLink {
     }
 
     /// Every `lease / 3`: says this replica is alive, renews (and re-registers) the leases
-    /// it holds, and rejoins the fleet when Redis is back. `fleets` gives the fleet part
-    /// and limiter of every capped upstream in force.
+    /// it holds, replays the budget calls Redis has not confirmed, and rejoins the fleet
+    /// when Redis is back. `fleets` gives the fleet part and limiter of every capped
+    /// upstream in force.
     pub async fn keep(
         self: &Arc<Self>,
         fleets: impl Fn() -> Vec<(Arc<Fleet>, Arc<Limiter>)>,
@@ -321,7 +330,13 @@ impl FleetLink {
             for (f, l) in &parts {
                 f.limit.store(l.limit().unwrap_or(u64::MAX), Relaxed);
             }
-            match self.renew_all().await {
+            // The kept budget calls go in before the replica rejoins, so the fleet's buckets
+            // are whole again before its requests spend them.
+            let renewed = match self.renew_all().await {
+                Ok(replicas) => self.replay().await.map(|()| replicas),
+                Err(e) => Err(e),
+            };
+            match renewed {
                 Ok(replicas) => {
                     self.replicas.store(replicas.max(1), Relaxed);
                     self.replicas_known.store(true, Relaxed);

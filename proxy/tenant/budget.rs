@@ -8,7 +8,9 @@
 //!
 //! With `[cluster]` the bucket is the fleet's, in Redis ([`crate::limit::fleet`]): every
 //! tokentap spends one budget. With Redis away each spends its share (the budget over the
-//! replicas seen) in a bucket of its own, and the fleet's again when Redis answers.
+//! replicas seen) in a bucket of its own, and the fleet's again when Redis answers; a
+//! settlement of the fleet's bucket that could not reach Redis is kept and applied then,
+//! exactly once.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -72,11 +74,10 @@ impl Reservation {
         match (self.fleet, &b.fleet) {
             (Some(per_minute), Some(link)) => {
                 b.learn(&self.tenant, tokens);
+                // In the background; kept until Redis confirms it, replayed once.
                 let back = self.reserved as i64 - tokens as i64;
-                let runtime = tokio::runtime::Handle::try_current();
-                if let (true, Ok(rt)) = (back != 0, runtime) {
-                    let (link, tenant) = (Arc::clone(link), self.tenant.clone());
-                    rt.spawn(async move { link.budget_give(&tenant, per_minute, back).await });
+                if back != 0 {
+                    link.budget_give(&self.tenant, per_minute, back);
                 }
             }
             _ => b.settle(&self.tenant, self.reserved, tokens),

@@ -404,7 +404,7 @@ async fn steer_around(admin: SocketAddr, body: &str, between: impl FnOnce()) -> 
     use tokio::io::AsyncWriteExt;
     let mut conn = tokio::net::TcpStream::connect(admin).await.unwrap();
     let head = format!(
-        "POST /rollout/chat HTTP/1.1\r\nhost: x\r\ncontent-type: text/plain\r\ncontent-length: {}\r\n\r\n",
+        "POST /rollout/chat HTTP/1.1\r\nhost: {admin}\r\ncontent-type: text/plain\r\ncontent-length: {}\r\n\r\n",
         body.len()
     );
     conn.write_all(head.as_bytes()).await.unwrap();

@@ -11,8 +11,14 @@
 //!   those already waiting, so that a tenant idle for a while cannot bank credit and then
 //!   take every slot; one whose requests are running keeps its place (its queue emptying
 //!   between two of its requests is not idleness).
-//! - Ageing: a `normal` or `low` request that has waited `ageing` is served before any band
-//!   (the oldest first), so that no band is starved for ever.
+//! - Ageing, a trickle: a `normal` or `low` request that has waited `ageing` may go before
+//!   the bands above it (the oldest first), but at most one such jump every `ageing` and
+//!   every [`JUMP_EVERY`] slots handed out. A lower band is never starved (one of its
+//!   requests is served within about `ageing`, or [`JUMP_EVERY`] slots, whichever is
+//!   longer), and under a flood of higher requests it takes at most one slot in
+//!   [`JUMP_EVERY`] + 1: had every aged request jumped, a band that waits `ageing`
+//!   behind a flood would take every slot that comes free after `ageing`, a third of them
+//!   and more.
 
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
@@ -38,6 +44,9 @@ pub(super) struct Fair {
     bands: [Band; 3],
     len: usize,
     counters: HashMap<Tenant, Counter, foldhash::fast::RandomState>,
+    /// The last aged request's jump over the bands, and the slots handed out since.
+    jumped: Option<Instant>,
+    since_jump: u64,
 }
 
 #[derive(Default)]
@@ -58,6 +67,9 @@ struct Counter {
 
 /// What a tenant's slot is charged before any of its requests has ended.
 const FIRST_MEAN: f64 = 64.0;
+
+/// Slots handed out in band order between two aged requests' jumps, at least.
+pub(super) const JUMP_EVERY: u64 = 16;
 
 impl Default for Counter {
     fn default() -> Self {
@@ -101,30 +113,66 @@ impl Fair {
             .push((who.tenant.clone(), who.weight, VecDeque::from([waiter])));
     }
 
+    /// The requests waiting below `high` (those an aged request's jump is in turn with).
+    pub(super) fn below_high(&self) -> usize {
+        (self.bands[1..].iter())
+            .flat_map(|b| b.tenants.iter())
+            .map(|(_, _, q)| q.len())
+            .sum()
+    }
+
+    /// Whether an aged request may jump the bands at `now` (see the module doc).
+    fn jump_due(&self, now: Instant, ageing: Duration) -> bool {
+        self.jumped.is_none_or(|at| {
+            now.saturating_duration_since(at) >= ageing && self.since_jump >= JUMP_EVERY
+        })
+    }
+
+    /// An aged request of a lower band asks the fleet for its slot at `now` (its band then
+    /// ranks before every band there): whether it may, counted as this queue's jump.
+    pub(super) fn aged_turn(&mut self, now: Instant, ageing: Duration) -> bool {
+        let due = self.jump_due(now, ageing);
+        if due {
+            self.jumped = Some(now);
+            self.since_jump = 0;
+        }
+        due
+    }
+
     /// The request to serve next at `now`, charged to its tenant.
     pub(super) fn pop(&mut self, now: Instant, ageing: Duration) -> Option<Waiter> {
         if self.len == 0 {
             return None;
         }
-        // The oldest of the lower bands' heads, when it has waited past the bound.
-        let aged = (1..3)
-            .flat_map(|b| {
-                (self.bands[b].tenants.iter().enumerate())
-                    .filter_map(move |(i, (_, _, q))| q.front().map(|w| (w.since, b, i)))
+        let b = self.bands.iter().position(|b| !b.tenants.is_empty())?;
+        // The tenant served least; on a tie, the one waiting longest.
+        let counters = &self.counters;
+        let served = |t: &Tenant| counters.get(t).map_or(0.0, |c| c.served);
+        let i = (0..self.bands[b].tenants.len()).min_by(|&x, &y| {
+            let (tx, ty) = (&self.bands[b].tenants[x], &self.bands[b].tenants[y]);
+            served(&tx.0).total_cmp(&served(&ty.0))
+        })?;
+        // The oldest of the lower bands' heads, when it has waited past the bound and a
+        // jump is due.
+        let aged = (self.jump_due(now, ageing))
+            .then(|| {
+                (b + 1..3)
+                    .flat_map(|b| {
+                        (self.bands[b].tenants.iter().enumerate())
+                            .filter_map(move |(i, (_, _, q))| q.front().map(|w| (w.since, b, i)))
+                    })
+                    .filter(|(since, ..)| now.saturating_duration_since(*since) >= ageing)
+                    .min_by_key(|(since, ..)| *since)
             })
-            .filter(|(since, ..)| now.saturating_duration_since(*since) >= ageing)
-            .min_by_key(|(since, ..)| *since);
+            .flatten();
         let (b, i) = match aged {
-            Some((_, b, i)) => (b, i),
+            Some((_, b, i)) => {
+                self.jumped = Some(now);
+                self.since_jump = 0;
+                (b, i)
+            }
             None => {
-                let b = self.bands.iter().position(|b| !b.tenants.is_empty())?;
-                // The tenant served least; on a tie, the one waiting longest.
-                let counters = &self.counters;
-                let served = |t: &Tenant| counters.get(t).map_or(0.0, |c| c.served);
-                let i = (0..self.bands[b].tenants.len()).min_by(|&x, &y| {
-                    let (tx, ty) = (&self.bands[b].tenants[x], &self.bands[b].tenants[y]);
-                    served(&tx.0).total_cmp(&served(&ty.0))
-                })?;
+                self.since_jump += 1;
                 (b, i)
             }
         };
@@ -352,5 +400,56 @@ mod tests {
         // Past the ageing bound the low request goes before the high ones.
         let later = now + Duration::from_secs(5);
         assert_eq!(drain(&mut f, later, 3), [1, 11, 12]);
+    }
+
+    /// Aged requests jump the bands as a trickle: one at a time, at most one every
+    /// `ageing` and every `JUMP_EVERY` slots, so a flood of `high` keeps the lion's share
+    /// and `low` is still served.
+    #[test]
+    fn aged_requests_jump_as_a_trickle() {
+        let (mut f, t0) = (Fair::default(), Instant::now());
+        let (high, low) = (who("h", Priority::High, 1.0), who("l", Priority::Low, 1.0));
+        let ageing = Duration::from_secs(5);
+        let mut rx = Vec::new();
+        // 20 low requests waiting since long before; high ones keep coming.
+        for id in 0..20 {
+            let (x, r) = waiter(id, t0);
+            f.push(&low, x);
+            rx.push(r);
+        }
+        let mut next_high = 1000;
+        let mut served = Vec::new();
+        // A slot a second for 60 s, the queue never out of high requests.
+        for s in 0..60u64 {
+            let now = t0 + Duration::from_secs(6 + s);
+            while f.len() < 40 {
+                let (x, r) = waiter(next_high, now);
+                f.push(&high, x);
+                rx.push(r);
+                next_high += 1;
+            }
+            served.push((s, f.pop(now, ageing).unwrap().id));
+        }
+        let lows: Vec<u64> = (served.iter())
+            .filter(|(_, id)| *id < 1000)
+            .map(|(s, _)| *s)
+            .collect();
+        // The first at once (it waited past the bound), then one every JUMP_EVERY + 1.
+        assert_eq!(lows, [0, 17, 34, 51], "{served:?}");
+        // Oldest first among the aged.
+        let ids: Vec<u64> = (served.iter())
+            .filter(|(_, id)| *id < 1000)
+            .map(|(_, id)| *id)
+            .collect();
+        assert_eq!(ids, [0, 1, 2, 3]);
+        // Without high requests waiting, the low band is served in its own turn: no jump.
+        let mut f = Fair::default();
+        for id in 0..3 {
+            let (x, r) = waiter(id, t0);
+            f.push(&low, x);
+            rx.push(r);
+        }
+        assert_eq!(drain(&mut f, t0 + Duration::from_secs(10), 3), [0, 1, 2]);
+        assert_eq!(f.jumped, None);
     }
 }

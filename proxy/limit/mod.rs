@@ -213,15 +213,17 @@ impl Limiter {
     /// ([`fleet`]): its band (-1 past the ageing bound), its tenant's charge for a slot and
     /// whether more of its tenant's requests wait here.
     pub fn claim(&self, who: &Who, since: Instant) -> fleet::Claim {
-        let st = self.lock();
+        let mut st = self.lock();
         let (charge, more) = st.queue.claim(who);
+        let now = Instant::now();
+        let ageing = st.ageing;
+        // Aged, it ranks before every band when this replica's trickle allows a jump.
+        let aged = who.priority != crate::tenant::Priority::High
+            && now.saturating_duration_since(since) >= ageing
+            && st.queue.aged_turn(now, ageing);
         fleet::Claim {
             tenant: who.tenant.clone(),
-            band: if since.elapsed() >= st.ageing {
-                -1
-            } else {
-                who.priority as i8
-            },
+            band: if aged { -1 } else { who.priority as i8 },
             charge,
             more,
         }
@@ -388,11 +390,17 @@ impl Limiter {
         // Slots it needs freed: one for each request ahead, one for itself, less those free.
         let free = self.effective().saturating_sub(st.in_flight) as usize;
         let needed = (st.queue.ahead(who) + 1).saturating_sub(free);
-        let wait = Duration::from_secs_f64(needed as f64 / rate);
-        Some(match who.priority {
+        let wait = needed as f64 / rate;
+        Some(Duration::from_secs_f64(match who.priority {
             crate::tenant::Priority::High => wait,
-            _ => wait.min(st.ageing),
-        })
+            // Below `high`, no longer than its turn in the ageing trickle: the aged jump
+            // oldest first, one a jump, a jump every `ageing` and every `JUMP_EVERY` slots.
+            _ => {
+                let ageing = st.ageing.as_secs_f64();
+                let per_jump = ageing.max(fair::JUMP_EVERY as f64 / rate);
+                wait.min(ageing + st.queue.below_high() as f64 * per_jump)
+            }
+        }))
     }
 
     /// What a refused request of `who` is told to wait before it tries again (`Retry-After`):

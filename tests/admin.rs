@@ -68,6 +68,21 @@ async fn without_a_token_the_admin_still_refuses_other_sites() {
         "{head}"
     );
     assert!(body.is_empty(), "HEAD got a body: {body:?}");
+    // `HEAD /events` as `GET /events` (its head: an event stream), without the stream.
+    let (status, text) = raw(admin, &format!("HEAD /events HTTP/1.1\r\n{host}")).await;
+    assert_eq!(status, 200, "{text}");
+    let (head, body) = text.split_once("\r\n\r\n").unwrap();
+    assert!(
+        head.to_ascii_lowercase()
+            .contains("content-type: text/event-stream"),
+        "{head}"
+    );
+    assert!(body.is_empty(), "HEAD got a body: {body:?}");
+    // A path spelt otherwise reads as the one a server behind a decoding front would.
+    for path in ["//stats", "/%73tats", "/stats/", "/x/../stats"] {
+        let (status, text) = raw(admin, &format!("GET {path} HTTP/1.1\r\n{host}")).await;
+        assert_eq!(status, 200, "{path}: {text}");
+    }
 
     let long = "a".repeat(9 * 1024);
     let (status, _) = raw(admin, &format!("GET /stats?{long} HTTP/1.1\r\n{host}")).await;

@@ -112,7 +112,8 @@ mod tests {
     /// temporary is left behind.
     #[test]
     fn a_planted_symlink_is_not_followed() {
-        let dir = std::env::temp_dir().join(format!("tokentap-store-{:016x}", rand::random::<u64>()));
+        let dir =
+            std::env::temp_dir().join(format!("tokentap-store-{:016x}", rand::random::<u64>()));
         std::fs::create_dir(&dir).unwrap();
         let victim = dir.join("victim");
         std::fs::write(&victim, b"not tokentap's").unwrap();

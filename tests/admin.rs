@@ -3,8 +3,7 @@
 //! or wrong bearer token 401; `HEAD` works wherever `GET` does; long URIs get 414.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
+use crate::common;
 use std::net::SocketAddr;
 use std::time::Duration;
 

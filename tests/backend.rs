@@ -6,8 +6,7 @@
 //! failures are counted.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
+use crate::common;
 use common::*;
 use tokentap::sim::{Curve, Sim, SimArgs};
 

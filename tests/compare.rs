@@ -3,8 +3,7 @@
 //! split the arms); `/compare` names the faster one at matched concurrency.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
+use crate::common;
 use common::*;
 use tokentap::sim::Curve;
 

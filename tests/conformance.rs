@@ -4,8 +4,7 @@
 //! passes its checks waits in the queue first; the answers must be the same.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
+use crate::common;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

@@ -4,8 +4,7 @@
 //! curve's window while `/metrics`' counters keep counting.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
+use crate::common;
 use common::*;
 use tokentap::sim::{Curve, Sim, SimArgs};
 

@@ -8,8 +8,7 @@
 //! without them the test says so and passes, except in CI (`CI=true`), where it fails.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
+use crate::common;
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};

@@ -3,8 +3,7 @@
 //! the endpoints a pool needs at its SLO, and `tokentap load --plot`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
+use crate::common;
 use std::time::Duration;
 
 use common::{fetch, proxy, proxy_addr, sim, stats, stats_when, stats_where, upstream_named};

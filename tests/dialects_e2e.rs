@@ -3,8 +3,7 @@
 //! the load generator's within 2%; with 4 tokens per event, ITL is the per-token gap.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
+use crate::common;
 use std::time::Duration;
 
 use common::*;

@@ -3,8 +3,7 @@
 //! ended by close, an upstream dying mid-body, pipelining, the read timeout.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
+use crate::common;
 use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -10,8 +10,7 @@
 //! pass, except in CI (`CI=true`), where they fail.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
+use crate::common;
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::Ordering::SeqCst;

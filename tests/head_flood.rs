@@ -1,11 +1,10 @@
 //! 200 connections each sending 900 KiB of a head that never ends: every one gets 431 once
-//! its head passes `max_request_head_bytes` (64 KiB), and the process's resident memory
-//! grows by less than 32 MB (it grew by 184 MB when heads of up to 1 MiB were buffered).
-//! Alone in its test binary, so nothing else moves the process's RSS.
+//! its head passes `max_request_head_bytes` (64 KiB), and tokentap's resident memory grows
+//! by less than 32 MB (it grew by 184 MB when heads of up to 1 MiB were buffered).
+//! tokentap runs as a process of its own, so nothing else the suite runs moves its RSS.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
+use crate::common;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,9 +13,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::Barrier;
 
-/// This process's resident set, bytes.
-fn rss() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+/// Process `pid`'s resident set, bytes.
+fn rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
     let kb: u64 = status
         .lines()
         .find_map(|l| l.strip_prefix("VmRSS:"))
@@ -30,11 +29,17 @@ async fn unfinished_huge_heads_are_refused_without_holding_memory() {
     const CONNECTIONS: usize = 200;
     const HEAD: usize = 900 * 1024;
     let backend = mock(vec![]).await;
-    let running = proxy(&[("up", backend.addr)], "").await;
-    let addr = proxy_addr(&running);
+    let dir = common::process::Scratch::new("head-flood");
+    let (listen, addr, admin) = common::process::listen_section();
+    let config = format!(
+        "{listen}[[upstream]]\nname = \"up\"\nurl = \"http://{}\"\n",
+        backend.addr
+    );
+    let tap = common::process::Tokentap::start(&dir.0, &config, addr, admin, &[]);
+    let pid = tap.child.id();
     // Warm up: the runtime's threads and buffers exist before the baseline.
     assert_eq!(fetch(addr, "GET", "/x", b"").await.status, 404);
-    let before = rss();
+    let before = rss(pid);
 
     let piece: Arc<Vec<u8>> = Arc::new(b"x".repeat(16 * 1024));
     let all_sent = Arc::new(Barrier::new(CONNECTIONS + 1));
@@ -64,7 +69,7 @@ async fn unfinished_huge_heads_are_refused_without_holding_memory() {
     }
     // Every client has sent all it could and still holds its connection.
     all_sent.wait().await;
-    let grown = rss().saturating_sub(before);
+    let grown = rss(pid).saturating_sub(before);
     let mut refused = 0;
     for c in clients {
         let answer = c.await.unwrap();
@@ -77,5 +82,5 @@ async fn unfinished_huge_heads_are_refused_without_holding_memory() {
     assert!(grown < 32_000_000, "RSS grew by {grown} bytes");
     // A client whose write failed on the reset may not have read its 431; most do.
     assert!(refused >= CONNECTIONS / 2, "only {refused} got 431");
-    running.stop();
+    drop(tap);
 }

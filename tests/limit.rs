@@ -2,8 +2,7 @@
 //! requests get 429 + Retry-After, and random disconnects leak no slot.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
+use crate::common;
 use std::time::Duration;
 
 use common::*;

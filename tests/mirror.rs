@@ -3,8 +3,7 @@
 //! hanging or slow), the mirror's own cap, exact counts and curve.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
+use crate::common;
 use std::net::SocketAddr;
 use std::time::Duration;
 

@@ -6,8 +6,7 @@
 //! string) appears in anything tokentap writes.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
+use crate::common;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;

@@ -8,8 +8,7 @@
 //! says so and passes, except in CI (`CI=true`), where it fails.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
+use crate::common;
 use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

@@ -1,8 +1,7 @@
 //! The core's must-shows, end to end through an in-process tokentap on loopback.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
+use crate::common;
 use std::time::Duration;
 
 use common::*;

@@ -4,8 +4,7 @@
 //! shadow copies, marked `x-tokentap-shadow`, counted apart: a copy serves no client).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
+use crate::common;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 

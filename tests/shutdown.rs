@@ -4,8 +4,7 @@
 //! open after it, exiting 0 either way; SIGINT exits at once.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
+use crate::common;
 use std::time::Duration;
 
 use common::process::{listen_section, Scratch, Tokentap};

@@ -3,8 +3,7 @@
 //! curve, and tokentap's `/stats` agrees with the load generator's own figures.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
+use crate::common;
 use std::net::SocketAddr;
 use std::time::Duration;
 

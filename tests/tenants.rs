@@ -5,8 +5,7 @@
 //! OpenAI's headers.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
+use crate::common;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -89,7 +88,9 @@ async fn a_flooding_tenant_does_not_take_a_light_ones_share() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn high_gets_the_lions_share_and_low_a_trickle() {
     let _one = ONE.lock().await;
-    let sim = sim("1:5").await;
+    // Requests of ~0.3 s: 26 slots freed a second, so that every `low` request aged past
+    // the bound jumping the bands (24 every ~5.3 s) would take a sixth of them and more.
+    let sim = sim("1:10").await;
     let tap = proxy(
         &[("u", sim.addr)],
         "max_concurrency = 8\nmax_queue = 1000\nqueue_timeout_ms = 300000\n[tenants]\nkey = \"header:x-tenant\"\npriority = \"header:x-priority\"\n",

@@ -2,8 +2,7 @@
 //! content; the proxy's counts are exact either way; a client that asked keeps its chunk.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
+use crate::common;
 use common::*;
 use tokentap::sim::{Sim, SimArgs};
 

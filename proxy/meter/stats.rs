@@ -187,6 +187,18 @@ pub struct Broken {
     pub error: u64,
 }
 
+impl From<[u64; 4]> for Broken {
+    /// By verdict, in [`Verdict::ALL`](super::Verdict::ALL)'s order without `Good`.
+    fn from([ttft, tpot, e2e, error]: [u64; 4]) -> Broken {
+        Broken {
+            ttft,
+            tpot,
+            e2e,
+            error,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -546,12 +546,7 @@ impl Windows {
                     requests: w.judged,
                     good_requests: w.good,
                     cancelled: w.cancelled,
-                    broken: Broken {
-                        ttft: w.broken[0],
-                        tpot: w.broken[1],
-                        e2e: w.broken[2],
-                        error: w.broken[3],
-                    },
+                    broken: Broken::from(w.broken),
                 }
             }),
             slo_requests_total: goodput::Verdict::ALL

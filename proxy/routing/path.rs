@@ -15,9 +15,10 @@
 use std::borrow::Cow;
 
 /// `path` (no query) as a server reads it; borrowed when it is already so (the usual case:
-/// one pass over its bytes, no allocation).
+/// one pass over its bytes, no allocation), or when it is no path (`*`).
 pub fn canonical(path: &str) -> Cow<'_, str> {
-    if is_canonical(path.as_bytes()) {
+    // Not a path (`OPTIONS *`'s asterisk, none at all): read as it is.
+    if !path.starts_with('/') || is_canonical(path.as_bytes()) {
         return Cow::Borrowed(path);
     }
     let decoded = percent_decode(path.as_bytes());
@@ -104,7 +105,8 @@ mod tests {
         for (sent, read) in [
             ("/v1/chat/completions", "/v1/chat/completions"),
             ("/", "/"),
-            ("", "/"),
+            ("", ""),
+            ("*", "*"),
             ("/v1/chat/%63ompletions", "/v1/chat/completions"),
             ("/v1/chat/%63%6F%6d%70letions", "/v1/chat/completions"),
             ("/v1%2Fchat%2fcompletions", "/v1/chat/completions"),
@@ -164,6 +166,10 @@ mod tests {
                 }
                 out
             };
+            if !p.starts_with('/') {
+                assert_eq!(canonical(&p), p);
+                continue;
+            }
             if fast {
                 assert_eq!(full, p, "{p:?} passed the fast check but reads as {full:?}");
             }

@@ -27,8 +27,8 @@ pub struct TenantsFile {
     /// Each tenant's output tokens a minute, a token bucket. Default: none (no budget).
     #[serde(default)]
     pub output_tokens_per_minute: Option<u64>,
-    /// A `normal` or `low` request that has waited this long is served before any band.
-    /// Default 5000.
+    /// A `normal` or `low` request that has waited this long may go before the bands above
+    /// it: one such jump at most every `ageing_ms` and every 16 slots. Default 5000.
     #[serde(default)]
     pub ageing_ms: Option<u64>,
     /// One tenant's own weight, priority and budget.

@@ -4,7 +4,12 @@
 //! (another version's) is left out, never misread.
 
 use std::fmt::Write as _;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::PoisonError;
 
+use redis::aio::ConnectionManager;
+
+use super::{FleetLink, CALL_TIMEOUT};
 use crate::meter::Gaps;
 
 /// The head of a lease script: Redis's clock in `now`, the expired leases dropped, the
@@ -128,6 +133,59 @@ pub(super) fn decode_gaps(s: &str) -> Option<Gaps> {
         })
         .collect::<Option<Vec<_>>>()
         .map(Gaps::from_pairs)
+}
+
+// === impl FleetLink: the connection ===
+
+impl FleetLink {
+    pub(super) fn conn(&self) -> Option<ConnectionManager> {
+        self.conn
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// The connection, made now if there is none (one attempt at a time). A caller that
+    /// waited while another's attempt failed fails with it, at once: requests that arrive
+    /// together while Redis accepts but never answers each wait for one attempt at most
+    /// ([`CALL_TIMEOUT`]), not for one attempt each in turn.
+    pub(super) async fn connect(&self) -> anyhow::Result<ConnectionManager> {
+        if let Some(c) = self.conn() {
+            return Ok(c);
+        }
+        let failures = self.connect_failures.load(Relaxed);
+        let _one = self.connecting.lock().await;
+        if let Some(c) = self.conn() {
+            return Ok(c);
+        }
+        if self.connect_failures.load(Relaxed) != failures {
+            anyhow::bail!("Redis unreachable: the connection attempt in progress failed");
+        }
+        // One try, bounded as one call is: the keeper tries again every period, and a
+        // request waiting on a Redis that is away should find out at once.
+        let config = redis::aio::ConnectionManagerConfig::new()
+            .set_number_of_retries(0)
+            .set_connection_timeout(CALL_TIMEOUT)
+            .set_response_timeout(CALL_TIMEOUT);
+        let made = tokio::time::timeout(
+            CALL_TIMEOUT,
+            ConnectionManager::new_with_config(self.client.clone(), config),
+        )
+        .await;
+        let c = match made {
+            Ok(Ok(c)) => c,
+            Ok(Err(e)) => {
+                self.connect_failures.fetch_add(1, Relaxed);
+                return Err(e.into());
+            }
+            Err(_) => {
+                self.connect_failures.fetch_add(1, Relaxed);
+                anyhow::bail!("connecting: no answer in {CALL_TIMEOUT:?}");
+            }
+        };
+        *self.conn.lock().unwrap_or_else(PoisonError::into_inner) = Some(c.clone());
+        Ok(c)
+    }
 }
 
 #[cfg(test)]

@@ -157,7 +157,7 @@ pub const FAMILIES: &[(&str, &str, &str)] = &[
     ("tokentap_mirror_in_flight_requests", "gauge", "Copies of primaries' requests in flight on this mirror upstream (route[].mirror): their own slots, under max_in_flight."),
     ("tokentap_mirror_skipped_total", "counter", "Sampled requests not copied to this mirror, by reason: max_in_flight (that many copies were running), body_unread (over the 64 KiB read-ahead), no_endpoint, cap (no slot free under the upstream's own cap)."),
     ("tokentap_capacity_demand_tokens_per_second", "gauge", "Tokens per second asked of the pool: delivered over the window plus what the queue holds back."),
-    ("tokentap_capacity_endpoints_needed", "gauge", "Endpoints the demand needs at the SLO with capacity.headroom_pct to spare, held steady for an autoscaler: the median need of the last 30 s, with hysteresis (absent while the curve has no point near the SLO)."),
+    ("tokentap_capacity_endpoints_needed", "gauge", "Endpoints the demand needs at the SLO with capacity.headroom_pct to spare, held steady for an autoscaler: the median need of the last three metrics windows (30 s), with hysteresis (absent while the curve has no point near the SLO)."),
     ("tokentap_backend_running_requests", "gauge", "Requests the backend itself says it runs (backend_metrics: vllm:num_requests_running, sglang:num_running_reqs, tgi_batch_current_size, llamacpp:requests_processing)."),
     ("tokentap_backend_waiting_requests", "gauge", "Requests the backend itself says wait in its queue."),
     ("tokentap_backend_kv_cache_percent", "gauge", "The backend's KV-cache use, percent (vLLM)."),

@@ -81,6 +81,8 @@ return {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_dashboard_in_a_real_browser() {
+    // A demo at 16 clients and a browser: a core's share.
+    let _load = common::load_slot().await;
     let Some((chromium, chromedriver)) = browser() else {
         assert!(
             std::env::var("CI").as_deref() != Ok("true"),

@@ -24,9 +24,6 @@ use tokentap::sim::{Curve, Sim, SimArgs};
 
 const LEASE_SECS: u64 = 3;
 
-/// One test at a time: each runs several processes, and two cores are few for both.
-static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
 struct Redis {
     child: Child,
     port: u16,
@@ -181,7 +178,7 @@ async fn sixteen_for_the_fleet_through_three_replicas_and_redis_going_away() {
     if redis_missing() {
         return;
     }
-    let _one = ONE_AT_A_TIME.lock().await;
+    let _load = common::load_slot().await;
     let mut redis = Redis::start(free_addr().port()).unwrap();
     let sim = sim("1:20,128:20").ttft(10.0).max_batch(Some(128)).await;
     let dir = Scratch::new("fleet");
@@ -341,7 +338,7 @@ async fn a_killed_replica_s_slots_are_free_within_the_lease() {
     if redis_missing() {
         return;
     }
-    let _one = ONE_AT_A_TIME.lock().await;
+    let _load = common::load_slot().await;
     let redis = Redis::start(free_addr().port()).unwrap();
     let sim = long_sim().await;
     let dir = Scratch::new("fleet-kill");
@@ -373,7 +370,7 @@ async fn a_killed_replica_s_slots_are_free_within_the_lease() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_redis_from_the_start_it_serves_on_a_share_that_does_not_grow() {
-    let _one = ONE_AT_A_TIME.lock().await;
+    let _load = common::load_slot().await;
     let sim = sim("1:20,128:20").ttft(10.0).max_batch(Some(128)).await;
     let dir = Scratch::new("fleet-none");
     // Nothing listens on this port: Redis is away from the start.
@@ -428,7 +425,7 @@ async fn an_adaptive_cap_is_one_limit_for_the_fleet() {
     if redis_missing() {
         return;
     }
-    let _one = ONE_AT_A_TIME.lock().await;
+    let _load = common::load_slot().await;
     let mut redis = Redis::start(free_addr().port()).unwrap();
     let sim = Sim::start(SimArgs {
         listen: "127.0.0.1:0".parse().unwrap(),
@@ -576,7 +573,7 @@ async fn spill_sees_slots_held_by_other_replicas() {
     if redis_missing() {
         return;
     }
-    let _one = ONE_AT_A_TIME.lock().await;
+    let _load = common::load_slot().await;
     let redis = Redis::start(free_addr().port()).unwrap();
     let sim = long_sim().await;
     let dir = Scratch::new("fleet-spill");
@@ -654,7 +651,7 @@ async fn broken_redis(garbage: bool) -> SocketAddr {
 /// the first second on, whether they arrive together or alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redis_that_never_answers_holds_admission_no_longer_than_one_call() {
-    let _one = ONE_AT_A_TIME.lock().await;
+    let _load = common::load_slot().await;
     let sim = Sim::start(SimArgs {
         listen: "127.0.0.1:0".parse().unwrap(),
         tpot_curve: "1:5,128:5".parse::<Curve>().unwrap(),
@@ -713,7 +710,7 @@ async fn each_endpoints_cap_holds_across_the_fleet() {
     if redis_missing() {
         return;
     }
-    let _one = ONE_AT_A_TIME.lock().await;
+    let _load = common::load_slot().await;
     let redis = Redis::start(free_addr().port()).unwrap();
     let sims = [
         sim("1:20,128:20").ttft(10.0).max_batch(Some(128)).await,
@@ -788,7 +785,7 @@ async fn a_tenants_budget_holds_for_the_fleet_and_through_redis_going_away() {
     if redis_missing() {
         return;
     }
-    let _one = ONE_AT_A_TIME.lock().await;
+    let _load = common::load_slot().await;
     let mut redis = Redis::start(free_addr().port()).unwrap();
     let sim = sim("1:2").await;
     let dir = Scratch::new("fleet-budget");
@@ -949,7 +946,7 @@ async fn a_fleet_budget_settled_while_redis_is_paused_comes_out_as_without_the_p
     if redis_missing() {
         return;
     }
-    let _one = ONE_AT_A_TIME.lock().await;
+    let _load = common::load_slot().await;
     let redis = Redis::start(free_addr().port()).unwrap();
     // Exact counts (usage). The first piece at once, the rest `gap` later.
     let reply = |n: usize, gap: u64| {
@@ -1075,7 +1072,7 @@ async fn two_tokentaps_agree_where_a_prefix_lives() {
     if redis_missing() {
         return;
     }
-    let _one = ONE_AT_A_TIME.lock().await;
+    let _load = common::load_slot().await;
     let redis = Redis::start(free_addr().port()).unwrap();
     let one = prefix_run(1, Some(redis.port)).await;
     let alone = prefix_run(2, None).await;
@@ -1184,7 +1181,7 @@ async fn tenants_share_the_fleet_fairly_whichever_replica_they_come_through() {
     if redis_missing() {
         return;
     }
-    let _one = ONE_AT_A_TIME.lock().await;
+    let _load = common::load_slot().await;
     let redis = Redis::start(free_addr().port()).unwrap();
     let sim = sim("1:20,128:20").ttft(10.0).max_batch(Some(128)).await;
     let dir = Scratch::new("fleet-fair");

@@ -315,6 +315,8 @@ async fn access_line(path: &std::path::Path, id: &str) -> serde_json::Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn llama_cpp_s_server_behind_tokentap() {
+    // A real model's server, its TPOT compared within 3%: the whole machine.
+    let _machine = common::whole_machine().await;
     let Some(python) = python() else { return };
     let dir = Scratch::new("llamacpp");
     let server = Server::start(&python, dir.path("server.log")).await;

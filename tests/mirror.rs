@@ -12,10 +12,6 @@ use common::{
     Closed,
 };
 
-/// The tests of this file one at a time: one compares latencies with and without a mirror,
-/// which two cores shared with another test's 32 clients would blur.
-static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
 /// A simulator on a runtime of its own thread (stopped when dropped): a mirror's backend
 /// whose timers and work must not share the primary's simulator's runtime, or its copies
 /// would delay the primary's tokens inside the test rather than in tokentap.
@@ -70,7 +66,8 @@ fn config(a: SocketAddr, b: SocketAddr, mirror: &str) -> String {
 /// names a, with a narrow CI around what the two backends did.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_paired_verdict_names_the_faster_on_the_same_prompts() {
-    let _one = SERIAL.lock().await;
+    // Latencies compared: alone on the machine.
+    let _machine = common::whole_machine().await;
     // 50 and 55 ms a token, each simulator on a thread of its own: neither's steps wait on
     // the 32 clients' work nor on the other's.
     let (a, b) = (sim_apart("1:50", "a"), sim_apart("1:55", "b"));
@@ -169,7 +166,8 @@ async fn hanging() -> (SocketAddr, tokio::task::JoinHandle<()>) {
 /// and counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_primary_neither_sees_nor_waits_on_its_mirror() {
-    let _one = SERIAL.lock().await;
+    // Latencies compared: alone on the machine.
+    let _machine = common::whole_machine().await;
     let a = sim("1:10").ttft(20.0).model("primary-model").await;
     let slow = sim_apart("1:200", "mirror-model");
     let healthy = sim_apart("1:10", "mirror-model");
@@ -236,7 +234,7 @@ async fn the_primary_neither_sees_nor_waits_on_its_mirror() {
 /// for comes to it too) and its curve is its own.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_mirror_s_cap_holds_and_its_figures_are_its_own() {
-    let _one = SERIAL.lock().await;
+    let _load = common::load_slot().await;
     let (a, b) = (
         sim("1:5").ttft(20.0).model("a").await,
         sim("1:5").ttft(20.0).model("b").await,
@@ -291,7 +289,7 @@ fn chat(prompt: &str) -> Vec<u8> {
 /// `cancel_with_client`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sampling_is_sticky_long_bodies_are_counted_and_copies_outlive_their_clients() {
-    let _one = SERIAL.lock().await;
+    let _load = common::load_slot().await;
     let (a, b) = (
         sim("1:2").ttft(20.0).model("a").await,
         sim("1:2").ttft(20.0).model("b").await,
@@ -378,7 +376,7 @@ async fn sampling_is_sticky_long_bodies_are_counted_and_copies_outlive_their_cli
 /// response head is ejected as a primary's would be.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_copy_is_metered_and_judged_as_a_primary_is() {
-    let _one = SERIAL.lock().await;
+    let _load = common::load_slot().await;
     let a = sim("1:5").ttft(20.0).model("a").await;
     let good = sim("1:5").ttft(20.0).model("b").await;
     let closes = common::mock(vec![(

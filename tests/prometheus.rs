@@ -113,6 +113,8 @@ async fn query(prometheus: SocketAddr, expr: &str) -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_rules_and_the_dashboard_against_a_real_prometheus() {
+    // A demo at 128 clients and a Prometheus: the whole machine.
+    let _machine = common::whole_machine().await;
     if !found("promtool") || !found("prometheus") {
         assert!(
             std::env::var("CI").as_deref() != Ok("true"),

@@ -13,10 +13,6 @@ use serde_json::Value;
 use tokentap::server::Running;
 use tokentap::sim::Sim;
 
-/// One scenario at a time: each runs 24 clients, and two at once on two cores would
-/// blur the speeds compared.
-static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
 const A: &str = "1:20,16:22,64:26";
 
 /// `a`'s curve scaled by `factor` (per decode step: per output token).
@@ -105,7 +101,7 @@ const STEPS: &str =
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_faster_b_is_promoted_and_then_serves_nearly_everything() {
-    let _one = ONE_AT_A_TIME.lock().await;
+    let _load = common::load_slot().await;
     let s = setup(0.9, STEPS, 70.0).await;
     let (r, at) = until(&s, Duration::from_secs(45), |r| r["state"] == "promoted").await;
     eprintln!("promoted after {at:?}: {:?}", percents(&r));
@@ -140,7 +136,7 @@ async fn a_faster_b_is_promoted_and_then_serves_nearly_everything() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slower_b_is_rolled_back_having_served_no_more_than_its_first_step() {
-    let _one = ONE_AT_A_TIME.lock().await;
+    let _load = common::load_slot().await;
     let s = setup(1.25, STEPS, 40.0).await;
     let (r, at) = until(&s, Duration::from_secs(30), |r| r["state"] == "rolled_back").await;
     eprintln!("rolled back after {at:?}: {}", r["history"]);
@@ -171,7 +167,7 @@ async fn a_slower_b_is_rolled_back_having_served_no_more_than_its_first_step() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_equal_b_advances_only_on_evidence_and_never_flaps() {
-    let _one = ONE_AT_A_TIME.lock().await;
+    let _load = common::load_slot().await;
     let s = setup(1.0, STEPS, 36.0).await;
     tokio::time::sleep(Duration::from_secs(34)).await;
     let r = rollout(&s.tap).await;
@@ -191,7 +187,7 @@ async fn an_equal_b_advances_only_on_evidence_and_never_flaps() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_b_that_starts_failing_at_half_is_rolled_back_within_one_evaluation() {
-    let _one = ONE_AT_A_TIME.lock().await;
+    let _load = common::load_slot().await;
     let s = setup(0.9, STEPS, 50.0).await;
     until(&s, Duration::from_secs(40), |r| r["percent"] == 50.0).await;
     s.b.engine.set_fail(100.0);
@@ -222,7 +218,7 @@ async fn a_b_that_starts_failing_at_half_is_rolled_back_within_one_evaluation() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn steered_by_post_and_shown_in_stats() {
-    let _one = ONE_AT_A_TIME.lock().await;
+    let _load = common::load_slot().await;
     let s = setup(1.0, "every_secs = 3600", 6.0).await;
     let post = |body: &'static str, route: &'static str| {
         let at = admin(&s.tap);
@@ -287,7 +283,7 @@ async fn sim_stats(s: &Sim) -> Value {
 /// `/rollout` says what they cost and how many were not sent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_shadow_keeps_to_s_cap() {
-    let _one = ONE_AT_A_TIME.lock().await;
+    let _load = common::load_slot().await;
     let (a, b) = (sim("1:5").await, sim("1:5").await);
     let route = "rollout = { from = \"a\", to = \"b\", every_secs = 3600 }\n";
     let tap = capped(&a, &b, ("", "max_concurrency = 4\n"), route).await;
@@ -320,7 +316,7 @@ async fn the_shadow_keeps_to_s_cap() {
 /// live requests by the simulators' own counts, and `/rollout` reports that share.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spill_keeps_a_paused_step_s_share() {
-    let _one = ONE_AT_A_TIME.lock().await;
+    let _load = common::load_slot().await;
     let (a, b) = (sim("1:5").await, sim("1:5").await);
     let route = "spill = true\nrollout = { from = \"a\", to = \"b\", every_secs = 3600 }\n";
     let tap = capped(&a, &b, ("max_concurrency = 8\n", ""), route).await;
@@ -347,7 +343,7 @@ async fn spill_keeps_a_paused_step_s_share() {
 /// (started afresh).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_steer_racing_a_reload_agrees_in_all_three_views() {
-    let _one = ONE_AT_A_TIME.lock().await;
+    let _load = common::load_slot().await;
     let (a, b) = (sim(A).await, sim(A).await);
     let scratch = common::process::Scratch::new("rollout-steer");
     let file = scratch.path("rollouts.json");

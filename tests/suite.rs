@@ -1,7 +1,8 @@
 //! tokentap's integration tests, one binary: each file of `tests/` is a module here (one
 //! link of the whole crate instead of one a file), run together by libtest's threads.
 //! Tests that measure shares or latencies under load take [`common::load_slot`]; the rest
-//! run beside them. One file's tests: `cargo test --test suite fleet::`.
+//! run beside them, on four threads (`.cargo/config.toml`). One file's tests:
+//! `cargo test --test suite fleet::`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;

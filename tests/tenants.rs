@@ -14,9 +14,6 @@ use tokio::time::Instant;
 
 const CHAT: &str = "/v1/chat/completions";
 
-/// One test at a time: each measures shares and latencies under load on two cores.
-static ONE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
 /// One simulator, cap 8; tenant A floods with 40 clients, tenant B has 4: the fair queue
 /// serves B's requests first beside A's flood (B's TTFT p50 at most a quarter of A's) and
 /// B gets at least 35% of the tokens (a FIFO: about 4 / 44). The simulator frees slots in
@@ -24,7 +21,7 @@ static ONE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 /// arrived just after each cohort went to A's waiters and B read 32–34%.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flooding_tenant_does_not_take_a_light_ones_share() {
-    let _one = ONE.lock().await;
+    let _load = common::load_slot().await;
     let sim = sim("1:10").await;
     let tap = proxy(
         &[("u", sim.addr)],
@@ -87,7 +84,7 @@ async fn a_flooding_tenant_does_not_take_a_light_ones_share() {
 /// rather than being refused at once and sent again in a loop.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn high_gets_the_lions_share_and_low_a_trickle() {
-    let _one = ONE.lock().await;
+    let _load = common::load_slot().await;
     // Requests of ~0.3 s: 26 slots freed a second, so that every `low` request aged past
     // the bound jumping the bands (24 every ~5.3 s) would take a sixth of them and more.
     let sim = sim("1:10").await;
@@ -173,7 +170,7 @@ async fn high_gets_the_lions_share_and_low_a_trickle() {
 /// `Retry-After`; no admitted request waits past its timeout.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wait_predicted_past_the_timeout_is_refused_at_once() {
-    let _one = ONE.lock().await;
+    let _load = common::load_slot().await;
     let sim = sim("1:30").await;
     let tap = proxy(
         &[("u", sim.addr)],
@@ -250,7 +247,7 @@ async fn a_wait_predicted_past_the_timeout_is_refused_at_once() {
 /// `Retry-After` and `x-ratelimit-*-tokens`; another tenant is untouched.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenants_budget_holds_and_says_when_to_come_back() {
-    let _one = ONE.lock().await;
+    let _load = common::load_slot().await;
     let sim = sim("1:2").await;
     let tap = proxy(
         &[("u", sim.addr)],
@@ -326,7 +323,7 @@ async fn a_tenants_budget_holds_and_says_when_to_come_back() {
 /// a priority that is not one of the three (normal, counted).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn odd_tenant_headers_are_hashed_and_a_bad_priority_is_counted() {
-    let _one = ONE.lock().await;
+    let _load = common::load_slot().await;
     let sim = sim("1:2").await;
     let tap = proxy(
         &[("u", sim.addr)],

@@ -202,7 +202,9 @@ fn report(shared: &Shared, i: usize, u: &Upstream, now: crate::meter::Nanos) -> 
         u.config.bound.is_some(),
         economics.headroom_pct,
     );
-    let capacity = u.steady.hold(now, capacity);
+    let over = crate::decide::capacity::STEADY_WINDOWS
+        .saturating_mul(u64::try_from(shared.config.window.as_nanos()).unwrap_or(u64::MAX));
+    let capacity = u.steady.hold(now, capacity, over);
     // The pool's SLO-bounded rate: one endpoint's, on each endpoint taking requests.
     let pool_bounded = bound.map(|b| b.system_tps * endpoints_now.max(1) as f64);
     let lowest = meter
@@ -366,7 +368,7 @@ fn missed(
             ("e2e", b.e2e),
             ("error", b.error),
         ];
-        by.sort_by(|x, y| y.1.cmp(&x.1)); // stable: ties keep the judging order
+        by.sort_by_key(|&(_, n)| std::cmp::Reverse(n)); // stable: ties keep the judging order
         for (name, n) in by {
             if n > 0 && !out.contains(&name) {
                 out.push(name);

@@ -18,7 +18,9 @@
 //! extrapolated.
 //!
 //! The figure is held steady ([`Steady`]) so that an autoscaler can act on it: the need
-//! sampled once a second, its median over the last [`STEADY_OVER`], and a held value that
+//! sampled once a second, its median over the last [`STEADY_WINDOWS`] live windows (30 s
+//! at the default `metrics.window_secs`: each sample is itself a window's figure), and a
+//! held value that
 //! moves up only when the median is past it by a margin and down only when one endpoint
 //! fewer would still leave that margin spare. The margin is half the headroom (of the
 //! endpoints it is taken on; [`MIN_MARGIN`] at least): a median that eats less than half
@@ -35,8 +37,8 @@ use serde::Serialize;
 
 use crate::meter::{Nanos, SloBound};
 
-/// How far back the held figure's median looks.
-pub const STEADY_OVER: Nanos = 30_000_000_000;
+/// How far back the held figure's median looks, in live windows.
+pub const STEADY_WINDOWS: u64 = 3;
 /// The need is sampled at most this often (however often `/stats` is asked).
 const SAMPLE_EVERY: Nanos = 900_000_000;
 /// The least margin, in endpoints, that moves the held figure: the median this far past
@@ -196,14 +198,15 @@ struct SteadyState {
 }
 
 impl Steady {
-    /// `c` at `now` with its `endpoints_needed` and `advice` held steady.
-    pub fn hold(&self, now: Nanos, mut c: CapacityStats) -> CapacityStats {
+    /// `c` at `now` with its `endpoints_needed` and `advice` held steady, the median taken
+    /// over the last `over` (see [`STEADY_WINDOWS`]).
+    pub fn hold(&self, now: Nanos, mut c: CapacityStats, over: Nanos) -> CapacityStats {
         let mut st = self.0.lock().unwrap_or_else(PoisonError::into_inner);
         let due = (st.samples.back()).is_none_or(|&(at, _)| now.saturating_sub(at) >= SAMPLE_EVERY);
         if let Some(need) = c.need_now.filter(|_| due) {
             st.samples.push_back((now, need));
         }
-        while (st.samples.front()).is_some_and(|&(at, _)| now.saturating_sub(at) > STEADY_OVER) {
+        while (st.samples.front()).is_some_and(|&(at, _)| now.saturating_sub(at) > over) {
             st.samples.pop_front();
         }
         let mut needs: Vec<f64> = st.samples.iter().map(|&(_, n)| n).collect();
@@ -231,6 +234,9 @@ impl Steady {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The median's span at the default window (10 s).
+    const OVER: Nanos = 30_000_000_000;
 
     fn bound(system_tps: f64, bracketed: bool, near: bool) -> SloBound {
         SloBound {
@@ -356,7 +362,7 @@ mod tests {
                 at += SEC;
                 held.push(
                     steady
-                        .hold(at, with_headroom(Some(need), 20.0))
+                        .hold(at, with_headroom(Some(need), 20.0), OVER)
                         .endpoints_needed,
                 );
             }
@@ -386,7 +392,7 @@ mod tests {
         let held: Vec<Option<u64>> = (0..60u64)
             .map(|i| {
                 let need = (i % 7 != 6).then(|| noisy[(i % 7) as usize % noisy.len()]);
-                steady.hold(i * SEC, stats(need)).endpoints_needed
+                steady.hold(i * SEC, stats(need), OVER).endpoints_needed
             })
             .collect();
         // Each second alone reads 4, 5 or 2; held: one value once settled.
@@ -394,21 +400,35 @@ mod tests {
         assert!(matches!(held[12], Some(4 | 5)), "{held:?}");
         // The load doubles: the held figure follows within the median's half-window.
         let moved = (60..120u64)
-            .find(|&i| steady.hold(i * SEC, stats(Some(8.3))).endpoints_needed == Some(9))
+            .find(|&i| {
+                steady
+                    .hold(i * SEC, stats(Some(8.3)), OVER)
+                    .endpoints_needed
+                    == Some(9)
+            })
             .expect("it moves");
-        assert!(moved - 60 <= STEADY_OVER / SEC / 2 + 1, "{moved}");
-        let c = steady.hold(121 * SEC, stats(Some(8.3)));
+        assert!(moved - 60 <= OVER / SEC / 2 + 1, "{moved}");
+        let c = steady.hold(121 * SEC, stats(Some(8.3)), OVER);
         assert_eq!(c.advice.as_deref(), Some("add 6"));
         // And back down when one fewer is clearly enough: 8.3 → 7.8 holds 9 → 8.
         let down = (122..200u64)
-            .find(|&i| steady.hold(i * SEC, stats(Some(7.8))).endpoints_needed == Some(8))
+            .find(|&i| {
+                steady
+                    .hold(i * SEC, stats(Some(7.8)), OVER)
+                    .endpoints_needed
+                    == Some(8)
+            })
             .expect("it comes down");
-        assert!(down - 122 <= STEADY_OVER / SEC / 2 + 1, "{down}");
+        assert!(down - 122 <= OVER / SEC / 2 + 1, "{down}");
         // Asked many times a second, it samples once a second.
         let many = Steady::default();
         for i in 0..100u64 {
-            many.hold(i * SEC / 100, stats(Some(if i < 95 { 2.0 } else { 6.0 })));
+            many.hold(
+                i * SEC / 100,
+                stats(Some(if i < 95 { 2.0 } else { 6.0 })),
+                OVER,
+            );
         }
-        assert_eq!(many.hold(SEC, stats(None)).endpoints_needed, Some(2));
+        assert_eq!(many.hold(SEC, stats(None), OVER).endpoints_needed, Some(2));
     }
 }

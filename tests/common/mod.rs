@@ -398,5 +398,22 @@ pub fn chunked_sse_response_with(events: Vec<Vec<u8>>, extra: &str) -> Vec<u8> {
 }
 mod backend;
 pub mod process;
+
+/// The suite's tests run in one process, on libtest's threads. Those that measure shares,
+/// speeds or latencies under load take a slot of the machine's two cores: at most two of
+/// them at once ([`load_slot`]), or one alone ([`whole_machine`], for an open loop whose
+/// rate is what it measures, a latency compared within a millisecond). The rest (a
+/// request or two, a parser) run beside them.
+static LOAD: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(2);
+
+/// A core's share of the machine for a test under load, held until dropped (FIFO).
+pub async fn load_slot() -> tokio::sync::SemaphorePermit<'static> {
+    LOAD.acquire().await.unwrap()
+}
+
+/// The whole machine for a test under load, held until dropped (FIFO with [`load_slot`]).
+pub async fn whole_machine() -> tokio::sync::SemaphorePermit<'static> {
+    LOAD.acquire_many(2).await.unwrap()
+}
 #[allow(unused_imports)]
 pub use backend::{closed_loop, sim, Closed, IntoCurve, SimSpec};

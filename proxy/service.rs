@@ -22,6 +22,7 @@ mod front;
 #[cfg(feature = "fuzzing")]
 pub(crate) mod fuzzing;
 mod http1;
+mod pair;
 mod record;
 mod tap;
 mod upgrade;

@@ -63,6 +63,19 @@ impl Rejected {
     }
 }
 
+/// A refusal as the tenant book counts it (the same `code` either way).
+impl From<Rejected> for crate::tenant::book::Cause {
+    fn from(why: Rejected) -> Self {
+        use crate::tenant::book::Cause;
+        match why {
+            Rejected::QueueFull => Cause::QueueFull,
+            Rejected::QueueTimeout => Cause::QueueTimeout,
+            Rejected::PredictedWait => Cause::PredictedWait,
+            Rejected::OutputTokenBudget => Cause::Budget,
+        }
+    }
+}
+
 /// How a limiter is set up.
 #[derive(Debug, Clone, Copy)]
 pub struct LimitConfig {

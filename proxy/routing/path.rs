@@ -21,6 +21,12 @@ pub fn canonical(path: &str) -> Cow<'_, str> {
     if !path.starts_with('/') || is_canonical(path.as_bytes()) {
         return Cow::Borrowed(path);
     }
+    Cow::Owned(read(path))
+}
+
+/// `path` read as a server reads it, always made anew: decoded, its empty and `.`
+/// segments dropped, each `..` taking the one before it away.
+fn read(path: &str) -> String {
     let decoded = percent_decode(path.as_bytes());
     let decoded = String::from_utf8_lossy(&decoded);
     let mut segments: Vec<&str> = Vec::new();
@@ -41,7 +47,7 @@ pub fn canonical(path: &str) -> Cow<'_, str> {
     if out.is_empty() {
         out.push('/');
     }
-    Cow::Owned(out)
+    out
 }
 
 /// Whether `canonical` would return `path` unchanged: it starts with `/`, holds no `%`, no
@@ -148,24 +154,7 @@ mod tests {
         }
         for p in paths {
             let fast = is_canonical(p.as_bytes());
-            let full = {
-                let decoded = String::from_utf8_lossy(&percent_decode(p.as_bytes())).into_owned();
-                let mut segments: Vec<&str> = Vec::new();
-                for s in decoded.split('/') {
-                    match s {
-                        "" | "." => {}
-                        ".." => {
-                            segments.pop();
-                        }
-                        s => segments.push(s),
-                    }
-                }
-                let mut out: String = segments.iter().map(|s| format!("/{s}")).collect();
-                if out.is_empty() {
-                    out.push('/');
-                }
-                out
-            };
+            let full = read(&p);
             if !p.starts_with('/') {
                 assert_eq!(canonical(&p), p);
                 continue;

@@ -48,7 +48,7 @@ pub struct Ctx {
     /// What the access log needs besides, when it is on.
     pub(super) seen: Option<Box<Seen>>,
     /// Its copies to mirrors (shadow traffic), when the route sent any.
-    pub(super) mirror: Option<Box<super::exchange::MirrorLink>>,
+    pub(super) mirror: Option<Box<super::pair::Link>>,
     /// Who it is, with `[tenants]`, and its reservation of its tenant's budget.
     pub(super) who: Option<Box<Tenancy>>,
 }

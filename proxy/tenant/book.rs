@@ -14,7 +14,6 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use super::Tenant;
-use crate::limit::Rejected;
 use crate::meter::Percentiles;
 
 /// Tenants kept apart, at most.
@@ -42,25 +41,15 @@ impl Cause {
         Cause::NoEndpoint,
     ];
 
-    /// The refusal's `code` (and `reason` label): the limiter's own for a slot refused.
+    /// The refusal's `code` (and `reason` label): the limiter's own for a slot refused
+    /// (`limit::Rejected`'s, which maps onto these).
     pub fn label(self) -> &'static str {
         match self {
-            Cause::QueueFull => Rejected::QueueFull.label(),
-            Cause::QueueTimeout => Rejected::QueueTimeout.label(),
-            Cause::PredictedWait => Rejected::PredictedWait.label(),
-            Cause::Budget => Rejected::OutputTokenBudget.label(),
+            Cause::QueueFull => "queue_full",
+            Cause::QueueTimeout => "queue_timeout",
+            Cause::PredictedWait => "predicted_wait",
+            Cause::Budget => "output_token_budget",
             Cause::NoEndpoint => "no_healthy_endpoint",
-        }
-    }
-}
-
-impl From<Rejected> for Cause {
-    fn from(why: Rejected) -> Cause {
-        match why {
-            Rejected::QueueFull => Cause::QueueFull,
-            Rejected::QueueTimeout => Cause::QueueTimeout,
-            Rejected::PredictedWait => Cause::PredictedWait,
-            Rejected::OutputTokenBudget => Cause::Budget,
         }
     }
 }

@@ -17,7 +17,6 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use super::{Tenant, Who};
-use crate::limit::fleet::FleetLink;
 
 /// Buckets kept before full ones are forgotten (a full bucket says nothing a new one does
 /// not).
@@ -28,7 +27,32 @@ const BUCKETS: usize = 16_384;
 pub struct Budgets {
     buckets: Mutex<HashMap<Tenant, Bucket, foldhash::fast::RandomState>>,
     /// The fleet's Redis, with `[cluster]`.
-    fleet: Option<Arc<FleetLink>>,
+    fleet: Option<Arc<dyn FleetBuckets>>,
+}
+
+/// The fleet's buckets, one a tenant in Redis, as the budgets spend them. The Redis wire
+/// implements it (`limit::fleet`) and calls down here for what a budget is, never the
+/// other way.
+#[async_trait::async_trait]
+pub trait FleetBuckets: Send + Sync {
+    /// Redis is away: each replica spends its share of every budget locally.
+    fn degraded(&self) -> bool;
+    /// Replicas seen alive in the last minute (this one included).
+    fn replicas(&self) -> u64;
+    /// Takes `want` of `tenant`'s bucket of `per_minute` tokens a minute; `Err`: Redis is
+    /// away (the fleet is marked degraded).
+    async fn take(&self, tenant: &str, per_minute: u64, want: u64) -> anyhow::Result<Taken>;
+    /// Gives `amount` back to `tenant`'s bucket (negative: takes it), exactly once, now or
+    /// when Redis answers again.
+    fn give(self: Arc<Self>, tenant: &str, per_minute: u64, amount: i64);
+}
+
+/// What the fleet's bucket said to a reservation.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Taken {
+    pub granted: bool,
+    /// Tokens left in the bucket after it.
+    pub left: f64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -77,7 +101,7 @@ impl Reservation {
                 // In the background; kept until Redis confirms it, replayed once.
                 let back = self.reserved as i64 - tokens as i64;
                 if back != 0 {
-                    link.budget_give(&self.tenant, per_minute, back);
+                    Arc::clone(link).give(&self.tenant, per_minute, back);
                 }
             }
             _ => b.settle(&self.tenant, self.reserved, tokens),
@@ -115,7 +139,7 @@ impl Bucket {
 
 impl Budgets {
     /// The budgets of a tokentap, spent in the fleet's Redis with `fleet`.
-    pub fn new(fleet: Option<Arc<FleetLink>>) -> Budgets {
+    pub fn new(fleet: Option<Arc<dyn FleetBuckets>>) -> Budgets {
         Budgets {
             buckets: Mutex::default(),
             fleet,
@@ -138,7 +162,7 @@ impl Budgets {
         };
         if !link.degraded() {
             let want = self.want(who, per_minute, max_tokens);
-            match link.budget_take(&who.tenant, per_minute, want).await {
+            match link.take(&who.tenant, per_minute, want).await {
                 Ok(t) if t.granted => {
                     return Ok(Some(Reservation {
                         budgets: Arc::clone(self),

@@ -30,6 +30,7 @@ use std::sync::{Arc, LazyLock, PoisonError};
 use std::time::Duration;
 
 use super::{millis, timed, FleetLink};
+use crate::tenant::budget::{FleetBuckets, Taken};
 
 /// How long a replay's mark lives: longer than TCP goes on retransmitting a call written
 /// before Redis went away (Linux gives up after about 15 minutes), so a late copy of it is
@@ -125,14 +126,6 @@ tokens = math.min(cap, tokens + refill + took)
 static TAKE_SCRIPT: LazyLock<redis::Script> = LazyLock::new(|| redis::Script::new(TAKE));
 static GIVE_SCRIPT: LazyLock<redis::Script> = LazyLock::new(|| redis::Script::new(GIVE));
 static CANCEL_SCRIPT: LazyLock<redis::Script> = LazyLock::new(|| redis::Script::new(CANCEL));
-
-/// What the fleet's bucket said to a reservation.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Taken {
-    pub granted: bool,
-    /// Tokens left in the bucket after it.
-    pub left: f64,
-}
 
 /// A budget call Redis has not confirmed: kept, and replayed under its id.
 #[derive(Debug, Clone)]
@@ -344,4 +337,25 @@ fn refused(e: &anyhow::Error) -> bool {
 
 fn key(tenant: &str) -> String {
     format!("tokentap:budget:{tenant}")
+}
+
+// === impl FleetBuckets for FleetLink ===
+
+#[async_trait::async_trait]
+impl FleetBuckets for FleetLink {
+    fn degraded(&self) -> bool {
+        FleetLink::degraded(self)
+    }
+
+    fn replicas(&self) -> u64 {
+        FleetLink::replicas(self)
+    }
+
+    async fn take(&self, tenant: &str, per_minute: u64, want: u64) -> anyhow::Result<Taken> {
+        self.budget_take(tenant, per_minute, want).await
+    }
+
+    fn give(self: Arc<Self>, tenant: &str, per_minute: u64, amount: i64) {
+        self.budget_give(tenant, per_minute, amount);
+    }
 }

@@ -25,12 +25,13 @@ use tokio::sync::watch;
 
 use super::upstream::{upstream_id, upstream_request, usage_asked, UpBody, Wire};
 use super::{ClientSide, Sent};
-use crate::compare::paired::{Meeting, Side};
+use crate::compare::paired::Meeting;
 use crate::config::Mirror;
 use crate::dialect::Dialect;
 use crate::estimate::Estimate;
 use crate::limit::fleet::Slot;
-use crate::meter::{Outcome, Summary};
+use crate::meter::Outcome;
+use crate::service::pair::{side_of, Link};
 use crate::pool::Unplaced;
 use crate::rollout::Rollout;
 use crate::routing::Choice;
@@ -41,13 +42,6 @@ use crate::service::record::{self, RequestId};
 use crate::service::TokenTap;
 use crate::state::{Shadow, Shared, Upstream};
 use crate::tenant::Who;
-
-/// What a primary request keeps of its copies: where each pair is made, and the signal
-/// that cuts the copies that go with their client.
-pub(in crate::service) struct Link {
-    meetings: Vec<(Arc<Meeting>, Arc<Shadow>)>,
-    cancel: Option<watch::Sender<bool>>,
-}
 
 /// A copy's slot on its mirror upstream, freed however the copy ends (as pingora-limits'
 /// `Inflight` hands out a guard).
@@ -120,43 +114,6 @@ struct Job {
     slot: InFlight,
     /// Its slot under the mirror upstream's own cap, when it has one.
     cap: Option<Slot>,
-}
-
-// === impl Link ===
-
-impl Link {
-    /// The primary ended with `outcome`, its record saying `summary`: a client that left
-    /// cuts the copies that go with it, and each copy that has finished makes its pair.
-    pub(in crate::service) fn primary_done(
-        self,
-        now: crate::meter::Nanos,
-        outcome: Outcome,
-        summary: Option<Summary>,
-    ) {
-        if outcome == Outcome::Aborted {
-            if let Some(cancel) = &self.cancel {
-                let _ = cancel.send(true);
-            }
-        }
-        let Some(summary) = summary else { return };
-        let side = side_of(&summary, outcome == Outcome::Ok);
-        for (meeting, shadow) in self.meetings {
-            if let Some(pair) = meeting.arrive(now, false, side) {
-                shadow.pairs.push(pair);
-            }
-        }
-    }
-}
-
-fn side_of(s: &Summary, ok: bool) -> Side {
-    Side {
-        ttft_ms: s.sent_ttft_ms,
-        tpot_ms: s.tpot_ms,
-        e2e_ms: s.sent_to_last_ms,
-        output_tokens: s.output_tokens,
-        concurrency: s.concurrency,
-        ok,
-    }
 }
 
 /// Whether `m` samples the request: its share of them, drawn at random or, with `sticky`,

@@ -101,7 +101,10 @@ impl Shared {
             Clock::new(),
             Arc::new(Telemetry::new()),
             cluster.clone(),
-            (Arc::new(Budgets::new(cluster.map(|c| c as _))), Arc::default()),
+            (
+                Arc::new(Budgets::new(cluster.map(|c| c as _))),
+                Arc::default(),
+            ),
             None,
             |_| None,
         )

@@ -203,8 +203,16 @@ async fn the_primary_neither_sees_nor_waits_on_its_mirror() {
             let r = closed_loop(proxy_addr(&tap), one_client.clone()).await;
             assert!(r.errors.is_empty(), "{what}: {:?}", r.errors);
             let figures = [
-                ("TTFT p50", base.ttft_ms.p50.unwrap(), r.ttft_ms.p50.unwrap()),
-                ("TPOT p50", base.tpot_ms.p50.unwrap(), r.tpot_ms.p50.unwrap()),
+                (
+                    "TTFT p50",
+                    base.ttft_ms.p50.unwrap(),
+                    r.ttft_ms.p50.unwrap(),
+                ),
+                (
+                    "TPOT p50",
+                    base.tpot_ms.p50.unwrap(),
+                    r.tpot_ms.p50.unwrap(),
+                ),
             ];
             for (name, x, y) in figures {
                 eprintln!("{what}: {name} {y:.2} ms with the mirror, {x:.2} without");

@@ -55,7 +55,6 @@ mod mirror;
 mod relay;
 mod upstream;
 
-
 /// A request [`Front`](super::front::Front) read and checked, its body read ahead. Passed
 /// boxed: an async fn keeps room for its arguments for its whole life, and the request
 /// header is done with once it is sent.

@@ -9,6 +9,8 @@ use tokentap::sim::Curve;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn compare_names_the_faster_backend() {
+    // 32 clients whose per-token timing is what is compared: alone on the machine.
+    let _machine = common::whole_machine().await;
     let fast = sim(Curve::reference()).ttft(10.0).max_tokens(24).await;
     let slow = sim(Curve::reference().scaled(1.1))
         .ttft(10.0)

@@ -55,7 +55,8 @@ def wait_port(port, proc, what):
     deadline = time.time() + 30
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited: {proc.returncode}")
+            err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+            raise RuntimeError(f"{what} exited: {proc.returncode}: {err[-2000:]}")
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
             return
